@@ -1,0 +1,31 @@
+# The two commands the README promises. Both build .venv from scratch if it is missing.
+# torch is pinned to the CPU build this machine carries; nothing here may pull CUDA torch.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP_FLAGS := --disable-pip-version-check -q -c ci/constraints.txt
+
+.PHONY: install demo test lint slow bench
+
+$(VENV)/.installed: pyproject.toml ci/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0"
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[test,s3,mlflow]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) examples/quickstart.py
+
+lint: install
+	$(VENV)/bin/ruff check src tests bench examples
+
+test: install lint
+	$(PY) -m pytest -q
+
+slow: install
+	$(PY) -m pytest -q -m slow
+
+bench: install
+	$(PY) bench/store.py --quick

@@ -1,0 +1,48 @@
+"""unbroken: keep large PyTorch training jobs productive through failures and slow storage.
+
+``import unbroken`` stays cheap: torch-heavy parts load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from unbroken._version import __version__
+from unbroken.storage import (
+    Entry,
+    ObjectNotFoundError,
+    RemoteProfile,
+    RetryPolicy,
+    Store,
+    StoreError,
+    open_store,
+)
+
+_LAZY = {
+    "CheckpointManager": "unbroken.checkpoint",
+    "CheckpointInfo": "unbroken.checkpoint",
+    "VolumeDataset": "unbroken.data",
+    "DataLoader": "unbroken.data",
+}
+
+__all__ = [
+    "CheckpointInfo",
+    "CheckpointManager",
+    "DataLoader",
+    "Entry",
+    "ObjectNotFoundError",
+    "RemoteProfile",
+    "RetryPolicy",
+    "Store",
+    "StoreError",
+    "VolumeDataset",
+    "__version__",
+    "open_store",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'unbroken' has no attribute {name!r}")

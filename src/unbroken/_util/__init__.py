@@ -1,0 +1,1 @@
+"""Small helpers shared by every subpackage (no I/O policy lives here)."""

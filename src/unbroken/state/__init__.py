@@ -1,0 +1,1 @@
+"""Train state that is not a tensor: RNG streams, and how state values are captured."""

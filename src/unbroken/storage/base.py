@@ -1,0 +1,192 @@
+"""The store contract every tier speaks: keys, atomic writes, ranged reads, listing.
+
+Public methods validate the key, then call one small private hook inside the retry
+loop, so a backend only says how to move bytes and never how to retry or name errors.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from unbroken.storage.retry import RetryPolicy, RetryStats, call_with_retry
+
+T = TypeVar("T")
+
+TEMP_MARKER = ".unbroken-tmp-"
+"""Part of every temporary name; listings never show such names."""
+
+
+@dataclass(frozen=True, order=True)
+class Entry:
+    """One object under a store: its key relative to the store root, and its size."""
+
+    key: str
+    size: int
+    etag: str | None = None
+    """Changes whenever the content changes (an object ETag, or mtime_ns on a path)."""
+
+
+def check_key(key: str, *, allow_empty: bool = False) -> str:
+    """Keys are relative, '/'-separated, with no '.' or '..' parts and no temp marker."""
+    if not isinstance(key, str):
+        raise TypeError(f"store key must be a str, got {type(key).__name__}")
+    stripped = key.strip("/")
+    if not stripped:
+        if allow_empty:
+            return ""
+        raise ValueError("store key is empty")
+    parts = stripped.split("/")
+    if any(p in ("", ".", "..") for p in parts) or "\\" in stripped:
+        raise ValueError(f"invalid store key {key!r}: use relative 'a/b' keys without '..'")
+    if TEMP_MARKER in stripped:
+        raise ValueError(f"invalid store key {key!r}: {TEMP_MARKER!r} is reserved")
+    return stripped
+
+
+def temp_name(final_name: str) -> str:
+    """A sibling temp name that is unique and tells which process made it."""
+    return f".{final_name}{TEMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def is_temp_name(name: str) -> bool:
+    return TEMP_MARKER in name
+
+
+class Store(ABC):
+    """Bytes under a root URL. Writes are atomic: readers see all of an object or none.
+
+    Use :func:`unbroken.open_store` to make one.
+    """
+
+    def __init__(self, url: str, *, retry: RetryPolicy | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.retry = retry or RetryPolicy()
+        self.stats = RetryStats()
+
+    def __repr__(self) -> str:
+        from unbroken.storage.errors import redact
+
+        return f"{type(self).__name__}({redact(self.url)!r})"
+
+    # -- public surface -------------------------------------------------------------
+
+    def url_for(self, key: str) -> str:
+        key = check_key(key, allow_empty=True)
+        return f"{self.url}/{key}" if key else self.url
+
+    def write_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Store ``data`` under ``key`` atomically, replacing any old object."""
+        key = check_key(key)
+        self._run("write_bytes", key, lambda: self._write_bytes(key, data))
+
+    def read_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The object's bytes, or the range [start, end) of them."""
+        key = check_key(key)
+        if start is not None and start < 0 or end is not None and end < 0:
+            raise ValueError(f"read_bytes {key!r}: negative range [{start}, {end})")
+        return self._run("read_bytes", key, lambda: self._read_bytes(key, start, end))
+
+    def upload(self, local_path: str | os.PathLike, key: str) -> None:
+        """Copy a local file to ``key`` atomically, streaming (never all in memory)."""
+        key = check_key(key)
+        local_path = os.fspath(local_path)
+        if not os.path.isfile(local_path):
+            raise FileNotFoundError(f"upload to {self.url_for(key)}: no local file {local_path}")
+        self._run("upload", key, lambda: self._upload(local_path, key))
+
+    def download(self, key: str, local_path: str | os.PathLike) -> None:
+        """Copy ``key`` to a local file; the local file appears whole or not at all."""
+        key = check_key(key)
+        local_path = os.fspath(local_path)
+        self._run("download", key, lambda: atomic_local_write(local_path, self._download, key))
+
+    def exists(self, key: str) -> bool:
+        key = check_key(key)
+        return self._run("exists", key, lambda: self._exists(key))
+
+    def info(self, key: str) -> Entry:
+        """Size and etag of one object; raises ObjectNotFoundError if it is absent."""
+        key = check_key(key)
+        return self._run("info", key, lambda: self._info(key))
+
+    def list(self, prefix: str = "") -> list[Entry]:
+        """Every object under ``prefix``, recursively, sorted by key; temp files hidden."""
+        prefix = check_key(prefix, allow_empty=True)
+        entries = self._run("list", prefix, lambda: self._list(prefix))
+        return sorted(e for e in entries if not is_temp_name(e.key))
+
+    def delete(self, key: str) -> None:
+        """Remove one object, or everything under a prefix. Absent keys are fine."""
+        key = check_key(key)
+        self._run("delete", key, lambda: self._delete(key))
+
+    # -- hooks a backend implements ------------------------------------------------
+
+    @abstractmethod
+    def _write_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
+
+    @abstractmethod
+    def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes: ...
+
+    @abstractmethod
+    def _upload(self, local_path: str, key: str) -> None: ...
+
+    @abstractmethod
+    def _download(self, key: str, local_path: str) -> None:
+        """Write the object to ``local_path`` (a temp name; the caller renames it)."""
+
+    @abstractmethod
+    def _info(self, key: str) -> Entry: ...
+
+    def _exists(self, key: str) -> bool:
+        try:
+            self._info(key)
+            return True
+        except FileNotFoundError:
+            return False
+
+    @abstractmethod
+    def _list(self, prefix: str) -> list[Entry]: ...
+
+    @abstractmethod
+    def _delete(self, key: str) -> None: ...
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _run(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        return call_with_retry(
+            fn, op=op, url=self.url_for(key), policy=self.retry, stats=self.stats
+        )
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or create inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_local_write(final_path: str, fill: Callable[[str, str], None], key: str) -> None:
+    """Run ``fill(key, tmp)`` into a sibling temp file, fsync it, rename into place."""
+    directory = os.path.dirname(os.path.abspath(final_path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, temp_name(os.path.basename(final_path)))
+    try:
+        fill(key, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final_path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(directory)

@@ -1,0 +1,78 @@
+"""A network link shared by every process on the node, for the emulated remote.
+
+Each transfer reserves its chunks on one timeline kept in a small file under a lock,
+so N parallel streams (threads, DataLoader workers, ranks) share the bandwidth the way
+flows share a real NIC. Clock: CLOCK_MONOTONIC, which is the same for all processes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import struct
+import tempfile
+import time
+
+CHUNK = 1 << 20
+"""Granularity of reservations: streams interleave on the link at this size."""
+
+_STATE = struct.Struct("<d")
+
+
+def _state_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class SharedLink:
+    """``bandwidth`` bytes/second shared node-wide by every user of the same ``name``."""
+
+    def __init__(self, bandwidth: float, name: str = "default") -> None:
+        if bandwidth <= 0:
+            raise ValueError(f"link bandwidth must be positive, got {bandwidth}")
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+            raise ValueError(f"link name {name!r}: use letters, digits, '.', '_' or '-'")
+        self.bandwidth = float(bandwidth)
+        self.name = name
+        self.path = os.path.join(_state_dir(), f"unbroken-link-{name}.state")
+        self._fd: int | None = None
+
+    def __getstate__(self) -> dict:
+        return {"bandwidth": self.bandwidth, "name": self.name, "path": self.path, "_fd": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def _file(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        return self._fd
+
+    def reserve(self, nbytes: int) -> float:
+        """Book ``nbytes`` on the link; returns the monotonic time its last byte lands."""
+        fd = self._file()
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            raw = os.pread(fd, _STATE.size, 0)
+            free_at = _STATE.unpack(raw)[0] if len(raw) == _STATE.size else 0.0
+            start = max(time.monotonic(), free_at)
+            done = start + nbytes / self.bandwidth
+            os.pwrite(fd, _STATE.pack(done), 0)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return done
+
+    def transfer(self, nbytes: int) -> None:
+        """Block for as long as moving ``nbytes`` takes on the shared link."""
+        remaining = int(nbytes)
+        while remaining > 0:
+            chunk = min(CHUNK, remaining)
+            remaining -= chunk
+            delay = self.reserve(chunk) - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

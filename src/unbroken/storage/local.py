@@ -1,0 +1,122 @@
+"""A store on a local disk or a network mount: temp name + fsync + rename + dir fsync."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+from unbroken.storage.base import (
+    TEMP_MARKER,
+    Entry,
+    Store,
+    atomic_local_write,
+    is_temp_name,
+)
+from unbroken.storage.retry import RetryPolicy
+
+class LocalStore(Store):
+    """Objects are files under ``root``; a key's '/' parts are directories."""
+
+    def __init__(self, root: str, *, retry: RetryPolicy | None = None) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root))
+        super().__init__(self.root, retry=retry)
+
+    def path_for(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/")) if key else self.root
+
+    def _write_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        def fill(_key: str, tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                f.write(data)
+
+        atomic_local_write(self.path_for(key), fill, key)
+
+    def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
+        with open(self.path_for(key), "rb") as f:
+            if start:
+                f.seek(start)
+            if end is None:
+                return f.read()
+            return f.read(max(0, end - (start or 0)))
+
+    def _upload(self, local_path: str, key: str) -> None:
+        atomic_local_write(self.path_for(key), lambda _k, tmp: copy_file(local_path, tmp), key)
+
+    def _download(self, key: str, local_path: str) -> None:
+        copy_file(self.path_for(key), local_path)
+
+    def _info(self, key: str) -> Entry:
+        st = os.stat(self.path_for(key))
+        if not os.path.isfile(self.path_for(key)):
+            raise IsADirectoryError(f"{self.path_for(key)} is a directory, not an object")
+        return Entry(key, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}")
+
+    def _list(self, prefix: str) -> list[Entry]:
+        top = self.path_for(prefix)
+        if os.path.isfile(top):
+            return [self._info(prefix)]
+        entries = []
+        for dirpath, _dirs, files in os.walk(top):
+            rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            for name in files:
+                if is_temp_name(name):
+                    continue
+                key = name if rel_dir == "." else f"{rel_dir}/{name}"
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except FileNotFoundError:  # deleted while we walked
+                    continue
+                entries.append(Entry(key, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}"))
+        return entries
+
+    def _delete(self, key: str) -> None:
+        path = self.path_for(key)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=False)
+        else:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def sweep_temp(self, prefix: str = "", *, min_age: float = 0.0) -> int:
+        """Remove temp files left by crashed writers (dead pid, or older than min_age)."""
+        removed = 0
+        now = time.time()
+        for dirpath, _dirs, files in os.walk(self.path_for(prefix)):
+            for name in files:
+                if not is_temp_name(name):
+                    continue
+                path = os.path.join(dirpath, name)
+                pid = _owner_pid(name)
+                try:
+                    old = now - os.stat(path).st_mtime >= min_age
+                    if (pid is not None and not _pid_alive(pid)) or (min_age and old):
+                        os.unlink(path)
+                        removed += 1
+                except FileNotFoundError:
+                    continue
+        return removed
+
+
+def copy_file(src: str, dst: str) -> None:
+    """Stream ``src`` into ``dst`` (kernel copy where the OS offers one)."""
+    shutil.copyfile(src, dst)
+
+
+def _owner_pid(name: str) -> int | None:
+    try:
+        return int(name.split(TEMP_MARKER, 1)[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

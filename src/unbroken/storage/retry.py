@@ -1,0 +1,83 @@
+"""Exponential backoff with full jitter, bounded in attempts and in total time."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from unbroken.storage.errors import final_error, is_transient
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard a store tries before a transient failure becomes final."""
+
+    max_attempts: int = 10
+    """Attempts in all, the first included. 1 disables retries."""
+    base_delay: float = 0.05
+    """Seconds before the first retry; doubles on each further one."""
+    max_delay: float = 5.0
+    """Cap on one backoff sleep, in seconds."""
+    deadline: float = 300.0
+    """Cap on the seconds spent on one operation, retries and sleeps included."""
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"RetryPolicy.max_attempts must be >= 1, got {self.max_attempts}")
+        if self.base_delay < 0 or self.max_delay < 0 or self.deadline <= 0:
+            raise ValueError(f"RetryPolicy delays must be positive: {self}")
+
+    def backoff(self, attempt: int, rng: random.Random) -> float:
+        """Sleep before retry number ``attempt`` (1-based): full jitter in [0, cap]."""
+        cap = min(self.max_delay, self.base_delay * (2 ** (attempt - 1)))
+        return rng.uniform(0, cap)
+
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+class RetryStats:
+    """Counts retries so the data loader and benchmarks can report them."""
+
+    def __init__(self) -> None:
+        self.retries = 0
+        self.failures = 0
+
+
+def call_with_retry(
+    fn: Callable[[], T],
+    *,
+    op: str,
+    url: str,
+    policy: RetryPolicy,
+    stats: RetryStats | None = None,
+    rng: random.Random | None = None,
+) -> T:
+    """Run ``fn``; retry transient failures per ``policy``; raise a named final error."""
+    rng = rng or random.Random()
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except Exception as exc:
+            elapsed = time.monotonic() - start
+            delay = policy.backoff(attempt, rng)
+            retry = (
+                is_transient(exc)
+                and attempt < policy.max_attempts
+                and elapsed + delay < policy.deadline
+            )
+            if not retry:
+                if stats is not None:
+                    stats.failures += 1
+                raise final_error(op, url, exc, attempts=attempt) from exc
+            if stats is not None:
+                stats.retries += 1
+            time.sleep(delay)

@@ -1,0 +1,64 @@
+"""Fixtures every test package shares: the loopback S3 server and a store per backend."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from unbroken import open_store
+from unbroken.storage import Store
+
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+
+BACKENDS = ["local", "memory", "s3"]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    from tests.s3server import S3Server
+
+    server = S3Server()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def store_url(request, tmp_path, s3_server_lazy) -> tuple[str, dict]:
+    """(url, storage_options) of an empty store on the backend named by the param."""
+    return make_store_url(request.param, tmp_path, s3_server_lazy)
+
+
+@pytest.fixture(scope="session")
+def s3_server_lazy(request):
+    """The S3 server, started only when a test actually asks for the s3 backend."""
+
+    class Lazy:
+        server = None
+
+        def get(self):
+            if self.server is None:
+                self.server = request.getfixturevalue("s3_server")
+            return self.server
+
+    return Lazy()
+
+
+def make_store_url(backend: str, tmp_path, lazy) -> tuple[str, dict]:
+    if backend == "local":
+        return str(tmp_path / "store"), {}
+    if backend == "memory":
+        return f"memory://unbroken-test-{uuid.uuid4().hex[:10]}", {}
+    if backend == "s3":
+        server = lazy.get()
+        return f"s3://{server.new_bucket()}/prefix", server.storage_options
+    raise ValueError(backend)
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request, tmp_path, s3_server_lazy) -> Store:
+    """An empty store on each backend: a local path, memory:// and S3 on loopback."""
+    url, options = make_store_url(request.param, tmp_path, s3_server_lazy)
+    return open_store(url, **options)
