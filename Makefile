@@ -28,4 +28,4 @@ slow: install
 	$(PY) -m pytest -q -m slow
 
 bench: install
-	$(PY) bench/store.py --quick
+	$(PY) bench/store.py
