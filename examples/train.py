@@ -7,7 +7,8 @@ Run it under torchrun (any number of ranks, gloo on CPU, NCCL where GPUs exist):
 
 On (re)start it resumes from the newest committed checkpoint by itself: model,
 optimizer, LR schedule, data position and every RNG. ``--crash-at N`` kills one rank at
-step N on the first attempt only, to show recovery.
+step N on the first attempt only (after letting the in-flight save commit, so the run is
+reproducible), to show recovery.
 """
 
 from __future__ import annotations
@@ -94,9 +95,12 @@ def main() -> None:
             sched.step()
             step += 1
             losses[step] = loss.item()
-            if step == args.crash_at and attempt == 0 and rank == dist_last_rank(distributed):
-                print(f"[rank {rank}] simulated node failure at step {step}", flush=True)
-                os._exit(17)
+            if step == args.crash_at and attempt == 0:
+                # Let the in-flight save commit first, so the demo is deterministic.
+                mgr.wait()
+                if rank == dist_last_rank(distributed):
+                    print(f"[rank {rank}] simulated node failure at step {step}", flush=True)
+                    os._exit(17)
             mgr.maybe_save(step, state)
             if step >= args.steps:
                 break
