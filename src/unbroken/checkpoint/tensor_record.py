@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -115,7 +116,9 @@ def tensor_from_raw(
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(data, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only buffers are fine: we only copy out of them
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=torch.uint8)
     return flat.view(dtype).reshape(shape)
 
 
