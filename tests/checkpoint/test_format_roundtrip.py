@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
 from tests.checkpoint.format_util import assert_same, load_from, publish, save_step
 from unbroken import open_store
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 DTYPES = [
     torch.float32,
@@ -97,7 +97,7 @@ def test_round_trip_no_verify_and_many_windows(tmp_path, monkeypatch):
 
 def test_vanilla_dcp_load_reads_a_local_copy(tmp_path):
     sd = full_state()
-    directory, manifest = save_step(tmp_path / "stage", 7, sd)
+    directory, _ = save_step(tmp_path / "stage", 7, sd)
     copy = tmp_path / "copy"
     shutil.copytree(directory, copy)
     out = empty_like_state(sd)
