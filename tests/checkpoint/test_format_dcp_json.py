@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import pickle
+import re
 
 import pytest
 import torch
@@ -80,8 +80,9 @@ HOSTILE = {
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_metadata_is_refused_with_the_file_named(saved, case):
     data = tamper(saved, HOSTILE[case])
-    with pytest.raises(CheckpointCorruptError, match=re.escape("s3://b/step/metadata.json")) as info:
-        metadata_from_json(data, where="s3://b/step/metadata.json")
+    where = "s3://b/step/metadata.json"
+    with pytest.raises(CheckpointCorruptError, match=re.escape(where)) as info:
+        metadata_from_json(data, where=where)
     assert info.value.file == "metadata.json"
 
 
