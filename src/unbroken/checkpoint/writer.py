@@ -110,8 +110,10 @@ class TierWriter(StorageWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
+        # Without collectives each rank is its own coordinator: per-rank names, as DCP's.
         prefix = "" if self.use_collectives else f"__{self.rank or 0}"
-        self._write_small(prefix + METADATA_JSON, metadata_to_json(metadata))
+        json_name = METADATA_JSON if self.use_collectives else f"{prefix}.{METADATA_JSON}"
+        self._write_small(json_name, metadata_to_json(metadata))
         self._write_small(prefix + METADATA_PICKLE, pickle.dumps(vanilla_metadata(metadata)))
         if self.sync_files:
             fsync_dir(self.directory)
