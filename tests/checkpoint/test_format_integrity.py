@@ -168,3 +168,26 @@ def test_file_not_in_manifest_is_refused(tmp_path):
     partial = replace(manifest, files=files)
     with pytest.raises(CheckpointCorruptError, match=f"{SHARD}.*not in the manifest"):
         load_from(store, partial, blank())
+
+
+def test_failed_save_leaves_no_file_behind(tmp_path):
+    """A value that cannot be serialized fails the save midway: no shard, no temp file."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    directory = tmp_path / "stage"
+    sd = {"a": torch.ones(1000), "bad": lambda: None, "z": torch.ones(3)}
+    with pytest.raises(CheckpointException):
+        save_step(directory, 4, sd)
+    assert list((directory / step_dir(4)).iterdir()) == []
+
+
+def test_writer_refuses_to_overwrite_a_committed_checkpoint(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    store = open_store(tmp_path / "durable")
+    directory, manifest = committed(tmp_path, store)
+    (directory / "manifest.json").write_bytes(manifest.to_json())
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    with pytest.raises(CheckpointException, match="refusing to write over it"):
+        save_step(tmp_path / "stage", 9, {"w": torch.zeros(4096)})
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
