@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import uuid
 from collections import deque
 from collections.abc import Iterator
@@ -41,6 +40,7 @@ from unbroken.checkpoint.errors import (
 )
 from unbroken.checkpoint.manifest import Manifest, crc32c_bytes, step_dir
 from unbroken.checkpoint.tensor_record import tensor_from_raw
+from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
 from unbroken.checkpoint.writer import METADATA_JSON
 from unbroken.storage import ObjectNotFoundError, Store
 
@@ -291,12 +291,11 @@ class TierReader(StorageReader):
     def _safe_bytes(self, fqn: str, loc: ItemLocation, payload: memoryview) -> io.BytesIO:
         """Load a non-tensor value with weights_only=True; re-serialize what is proven safe."""
         try:
-            value = torch.load(io.BytesIO(payload), weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
+            value = load_weights_only(payload)
+        except UnsafeValueError as exc:
             raise self._corrupt(
                 loc.relative_path,
-                f"value {fqn!r} is not loadable with weights_only=True, refused "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                f"value {fqn!r} is not loadable with weights_only=True, refused ({exc})",
             ) from exc
         out = io.BytesIO()
         torch.save(value, out)

@@ -36,6 +36,7 @@ from unbroken.checkpoint.dcp_json import (
 from unbroken.checkpoint.errors import CheckpointError
 from unbroken.checkpoint.manifest import MANIFEST_NAME, FileRecord, crc32c_bytes
 from unbroken.checkpoint.tensor_record import envelope, padding, raw_view
+from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
 from unbroken.storage.base import atomic_local_write
 
 SHARD_SUFFIX = ".distcp"
@@ -157,6 +158,13 @@ class TierWriter(StorageWriter):
                 raise CheckpointError(
                     f"item {fqn!r}: planner gave {type(data).__name__} for a bytes item"
                 )
+            try:
+                load_weights_only(data.getbuffer())
+            except UnsafeValueError as exc:
+                raise CheckpointError(
+                    f"item {fqn!r} could not be restored safely: {exc}. Save plain Python "
+                    "values (int, float, str, list, dict, ...) or tensors instead"
+                ) from exc
             payload_crc = out.write(data.getbuffer(), payload=True)
             loc = ItemLocation(name, start, out.pos - start, start, out.pos - start, payload_crc)
         else:
