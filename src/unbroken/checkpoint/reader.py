@@ -38,10 +38,9 @@ from unbroken.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
 )
-from unbroken.checkpoint.manifest import Manifest, crc32c_bytes, step_dir
+from unbroken.checkpoint.manifest import METADATA_JSON, Manifest, crc32c_bytes, step_dir
 from unbroken.checkpoint.tensor_record import tensor_from_raw
 from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
-from unbroken.checkpoint.writer import METADATA_JSON
 from unbroken.storage import ObjectNotFoundError, Store
 
 WINDOW_BYTES = 64 << 20

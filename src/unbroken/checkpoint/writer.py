@@ -34,14 +34,18 @@ from unbroken.checkpoint.dcp_json import (
     vanilla_metadata,
 )
 from unbroken.checkpoint.errors import CheckpointError
-from unbroken.checkpoint.manifest import MANIFEST_NAME, FileRecord, crc32c_bytes
+from unbroken.checkpoint.manifest import (
+    MANIFEST_NAME,
+    METADATA_JSON,
+    METADATA_PICKLE,
+    FileRecord,
+    crc32c_bytes,
+)
 from unbroken.checkpoint.tensor_record import envelope, padding, raw_view
 from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
 from unbroken.storage.base import atomic_local_write
 
 SHARD_SUFFIX = ".distcp"
-METADATA_JSON = "metadata.json"
-METADATA_PICKLE = ".metadata"
 WRITE_CHUNK = 8 << 20
 """Bytes handed to one write() and one crc32c() call: bounds the time the GIL is held."""
 
