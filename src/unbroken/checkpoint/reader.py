@@ -48,12 +48,13 @@ WINDOW_BYTES = 64 << 20
 MERGE_GAP = 1 << 20
 """Payloads closer than this are fetched in one ranged read (the gap is read and dropped)."""
 IN_FLIGHT = 4
-"""Windows fetched concurrently; memory is bounded by IN_FLIGHT * WINDOW_BYTES."""
+"""Windows fetched concurrently. Memory: about (IN_FLIGHT + 1) * WINDOW_BYTES of windows,
+plus the one large payload being assembled."""
 
 
 @dataclass(frozen=True)
 class Window:
-    """One ranged read [start, end) of a shard file and the payloads it holds."""
+    """One ranged read [start, end) of a shard file and the payloads it (partly) holds."""
 
     file: str
     start: int
@@ -68,11 +69,15 @@ def plan_windows(
     window_bytes: int = WINDOW_BYTES,
     merge_gap: int = MERGE_GAP,
 ) -> list[Window]:
-    """Group one file's payloads into few ranged reads (pure; sorted by offset)."""
+    """Cover one file's payloads with few ranged reads of at most ``window_bytes`` (pure).
+
+    Nearby small payloads share a read; a payload larger than a window is split over
+    consecutive windows (fetched in parallel, assembled by the reader). Sorted by offset.
+    """
     windows: list[Window] = []
     group: list[ItemLocation] = []
     start = end = 0
-    for loc in sorted(set(locations), key=lambda loc: loc.payload_offset):
+    for loc in sorted(set(locations), key=lambda x: (x.payload_offset, x.payload_length)):
         lo, hi = loc.payload_offset, loc.payload_offset + loc.payload_length
         if group and lo - end <= merge_gap and max(end, hi) - start <= window_bytes:
             group.append(loc)
@@ -80,6 +85,13 @@ def plan_windows(
             continue
         if group:
             windows.append(Window(file, start, end, tuple(group)))
+        if hi - lo > window_bytes:
+            windows.extend(
+                Window(file, a, min(hi, a + window_bytes), (loc,))
+                for a in range(lo, hi, window_bytes)
+            )
+            group = []
+            continue
         group, start, end = [loc], lo, hi
     if group:
         windows.append(Window(file, start, end, tuple(group)))
@@ -230,31 +242,44 @@ class TierReader(StorageReader):
         for loc in locations:
             per_file.setdefault(loc.relative_path, []).append(loc)
         windows = [w for name in sorted(per_file) for w in plan_windows(name, per_file[name])]
+        assembling: dict[ItemLocation, tuple[bytearray, list[int]]] = {}
+        for window, data in self._read_ahead(windows):
+            for loc in window.locations:
+                lo, hi = loc.payload_offset, loc.payload_offset + loc.payload_length
+                if window.start <= lo and hi <= window.end:  # whole payload: no copy
+                    payload = data[lo - window.start : hi - window.start]
+                else:  # one part of a payload split over windows
+                    buf, left = assembling.setdefault(loc, (bytearray(hi - lo), [hi - lo]))
+                    a, b = max(lo, window.start), min(hi, window.end)
+                    buf[a - lo : b - lo] = data[a - window.start : b - window.start]
+                    left[0] -= b - a
+                    if left[0]:
+                        continue
+                    payload = memoryview(assembling.pop(loc)[0])
+                self._verify_payload(loc, payload)
+                yield loc, payload
+
+    def _read_ahead(self, windows: list[Window]) -> Iterator[tuple[Window, memoryview]]:
+        """Each window with its bytes, in order, with up to IN_FLIGHT reads running."""
         with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="unbroken-read") as pool:
             pending: deque[tuple[Window, PoolFuture[bytes]]] = deque()
-            todo = iter(windows)
-            for w in todo:
-                pending.append((w, pool.submit(self._read_range, w.file, w.start, w.end)))
-                if len(pending) >= IN_FLIGHT:
-                    break
+            for window in windows:
+                pending.append(
+                    (window, pool.submit(self._read_range, window.file, window.start, window.end))
+                )
+                if len(pending) > IN_FLIGHT:
+                    yield self._checked(*pending.popleft())
             while pending:
-                window, fut = pending.popleft()
-                data = memoryview(fut.result())
-                nxt = next(todo, None)
-                if nxt is not None:
-                    pending.append(
-                        (nxt, pool.submit(self._read_range, nxt.file, nxt.start, nxt.end))
-                    )
-                if len(data) != window.end - window.start:
-                    raise self._corrupt(
-                        window.file,
-                        f"short file: bytes [{window.start}, {window.end}) gave {len(data)}",
-                    )
-                for loc in window.locations:
-                    lo = loc.payload_offset - window.start
-                    payload = data[lo : lo + loc.payload_length]
-                    self._verify_payload(loc, payload)
-                    yield loc, payload
+                yield self._checked(*pending.popleft())
+
+    def _checked(self, window: Window, fut: PoolFuture[bytes]) -> tuple[Window, memoryview]:
+        data = memoryview(fut.result())
+        if len(data) != window.end - window.start:
+            raise self._corrupt(
+                window.file,
+                f"short file: bytes [{window.start}, {window.end}) gave {len(data)}",
+            )
+        return window, data
 
     def _verify_payload(self, loc: ItemLocation, payload: memoryview) -> None:
         if self.verify and (crc := crc32c_bytes(payload)) != loc.crc32c:
