@@ -5,9 +5,9 @@ it is, a tensor as its raw bytes (streamed from the tensor's own memory in bound
 chunks, no copy for a contiguous CPU tensor) inside a torch.load-able envelope (see
 :mod:`unbroken.checkpoint.tensor_record`). crc32c is computed as bytes go out, for the
 whole file (the manifest's checksum) and for each payload (what the reader checks).
-Files appear by temp name + fsync + rename + directory fsync. The coordinator's ``finish`` writes
-``metadata.json`` (what our reader uses) and ``.metadata`` (pickle, for vanilla
-``dcp.load`` only).
+Files appear by temp name + fsync + rename + directory fsync. The coordinator's
+``finish`` writes ``metadata.json`` (what our reader uses) and ``.metadata`` (pickle, for
+vanilla ``dcp.load`` only).
 """
 
 from __future__ import annotations
