@@ -231,3 +231,19 @@ def test_numpy_array_value_is_refused_at_save_time_with_the_global_named(tmp_pat
 
     with pytest.raises(CheckpointException, match=r"'np_rng'.*numpy"):
         save_step(tmp_path / "stage", 9, {"np_rng": np.random.get_state()})
+
+
+@pytest.mark.parametrize(
+    ("target", "named"),
+    [
+        ({"w": torch.zeros(5), "b": torch.zeros(7), "meta": {"k": 0}}, r"torch.Size\(\[4096\]\)"),
+        ({**blank(), "extra": torch.zeros(2)}, "extra"),
+    ],
+)
+def test_key_or_shape_mismatch_is_a_mismatch_error_naming_it(tmp_path, target, named):
+    from unbroken.checkpoint.errors import CheckpointMismatchError
+
+    store = open_store(tmp_path / "durable")
+    _, manifest = committed(tmp_path, store)
+    with pytest.raises(CheckpointMismatchError, match=rf"step 9: .*{named}"):
+        load_from(store, manifest, target)

@@ -327,17 +327,26 @@ class TierReader(StorageReader):
         return out
 
 
-def first_checkpoint_error(exc: BaseException) -> BaseException:
+_PLANNER_MISMATCH = ("Size mismatch between saved", "Missing key in checkpoint")
+"""How DCP's default load planner words a key or shape mismatch (ValueError/RuntimeError)."""
+
+
+def first_checkpoint_error(exc: BaseException, *, step: int | None = None) -> BaseException:
     """The CheckpointError a rank raised inside DCP, else ``exc`` itself.
 
     DCP wraps every rank's failure in a ``CheckpointException`` (a BaseException);
-    callers want the error that names the step and file.
+    callers want the error that names the step and file. The default planner's key and
+    shape mismatches become CheckpointMismatchError.
     """
     if isinstance(exc, CheckpointException):
-        for failure in exc.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
+        inners = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        for inner in inners:
             if isinstance(inner, CheckpointError):
                 return inner
+        for inner in inners:
+            if str(inner).startswith(_PLANNER_MISMATCH):
+                where = f"checkpoint step {step}" if step is not None else "checkpoint"
+                return CheckpointMismatchError(f"{where}: {inner}")
     return exc
 
 
@@ -358,7 +367,7 @@ def load_state_dict(
             no_dist=not (dist.is_available() and dist.is_initialized()),
         )
     except CheckpointException as exc:
-        inner = first_checkpoint_error(exc)
+        inner = first_checkpoint_error(exc, step=reader.step)
         if inner is exc and reader.failure is not None:
             inner = reader.failure
         if inner is exc:
