@@ -74,13 +74,12 @@ def test_windows_cover_every_payload_byte_once(gaps_and_lengths, window_bytes, g
     assert [w.start for w in windows] == sorted(w.start for w in windows)
 
 
-def test_split_payloads_are_reassembled(tmp_path, monkeypatch):
+def test_split_payloads_are_reassembled(store, tmp_path, monkeypatch):
     import unbroken.checkpoint.reader as reader
 
     monkeypatch.setattr(reader, "WINDOW_BYTES", 10_000)  # every tensor spans many windows
     sd = {"big": torch.randn(100_003), "small": torch.arange(5.0), "k": {"x": 1}}
     directory, manifest = save_step(tmp_path / "stage", 2, sd)
-    store = open_store(tmp_path / "durable")
     publish(directory, store, manifest)
     out = load_from(
         store, manifest, {"big": torch.zeros(100_003), "small": torch.zeros(5), "k": {"x": 0}}
@@ -108,3 +107,25 @@ def test_loading_one_key_reads_only_its_bytes(tmp_path):
     shard_reads = [r for r in reads if r[0].endswith(".distcp")]
     assert len(shard_reads) == 1 and shard_reads[0][3] == sd["w5"].nbytes
     assert all(r[0].endswith(("metadata.json", ".distcp")) for r in reads)  # never .metadata
+
+
+def test_flaky_remote_is_retried_by_the_store(tmp_path, monkeypatch):
+    """A third of requests fail transiently: the store retries, the load still succeeds."""
+    import unbroken.checkpoint.reader as reader
+    from unbroken.storage import RetryPolicy
+
+    monkeypatch.setattr(reader, "WINDOW_BYTES", 50_000)
+    sd = {f"w{i}": torch.randn(20_000) for i in range(6)}
+    directory, manifest = save_step(tmp_path / "stage", 2, sd)
+    publish(directory, open_store(tmp_path / "durable"), manifest)
+    flaky = open_store(
+        f"emulated::{tmp_path / 'durable'}",
+        retry=RetryPolicy(max_attempts=30, base_delay=0.001, max_delay=0.01),
+        latency=0.0,
+        bandwidth=None,
+        fail_rate=0.33,
+        seed=7,
+    )
+    out = load_from(flaky, manifest, {k: torch.zeros(20_000) for k in sd})
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+    assert flaky.stats.retries > 0
