@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -16,6 +20,9 @@ from unbroken.checkpoint.staging import (
     TornSnapshotError,
     buffer_keys,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
 
 
 def _model(width: int = 64) -> torch.nn.Module:
@@ -343,3 +350,26 @@ def test_inference_tensors_are_copied_synchronously(stager):
         assert staged.stats["bytes_first"] == 400
         staged.wait()
         assert torch.equal(staged.state_dict["t"], t)
+
+
+@pytest.mark.multiprocess
+def test_dtensor_state_of_fsdp2_stages_and_round_trips_through_dcp(tmp_path):
+    """Two real ranks (torchrun, gloo): staged DTensors keep mesh/placements; DCP saves them."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), str(ROOT)]),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(Path(__file__).with_name("_staging_dtensor_worker.py")),
+        str(tmp_path / "ckpt"),
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert (tmp_path / "ckpt" / ".metadata").exists()
