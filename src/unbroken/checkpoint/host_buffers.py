@@ -8,14 +8,13 @@ buffers of keys that disappear or change shape are dropped before new ones are m
 
 CPU sources get shared-memory buffers (another process can write them without a copy;
 torch's default ``file_descriptor`` strategy unlinks the segment at once, so nothing
-outlives a crash). CUDA sources get page-locked buffers so device-to-host copies can run
-asynchronously on a side stream.
+outlives a crash). CUDA sources get page-locked (pinned) buffers so device-to-host copies
+run asynchronously on a side stream; pinned buffers are not also shared.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,7 +40,7 @@ class BufferSpec:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 class HostBufferPool:
@@ -110,13 +109,14 @@ class HostBufferPool:
         self._buffers.clear()
 
     def _allocate(self, spec: BufferSpec) -> torch.Tensor:
+        """Pinned when asked and CUDA is there; else shared memory when enabled."""
         pin = spec.pinned if self.pin_memory is None else self.pin_memory
-        pin = pin and torch.cuda.is_available()
+        if pin and torch.cuda.is_available():
+            return torch.empty(spec.shape, dtype=spec.dtype, pin_memory=True)
         if not self.shared_memory or spec.nbytes == 0:
-            return torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin)
+            return torch.empty(spec.shape, dtype=spec.dtype)
+        # Straight into a shared segment: share_memory_() would allocate, then copy.
         storage = torch.UntypedStorage._new_shared(spec.nbytes)
-        if pin:
-            _register_pinned(storage)
         buf = torch.empty(0, dtype=spec.dtype)
         buf.set_(storage, 0, spec.shape, _contiguous_stride(spec.shape))
         return buf
@@ -128,14 +128,3 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(stride))
-
-
-def _register_pinned(storage: torch.UntypedStorage) -> None:
-    """Page-lock a shared-memory storage for async device-to-host copies (CUDA only)."""
-    cudart = torch.cuda.cudart()
-    ptr = storage.data_ptr()
-    code = int(cudart.cudaHostRegister(ptr, storage.nbytes(), 1))  # cudaHostRegisterPortable
-    if code != 0:
-        raise RuntimeError(f"cudaHostRegister of a {storage.nbytes()} B staging buffer: {code}")
-    finalizer = weakref.finalize(storage, cudart.cudaHostUnregister, ptr)
-    finalizer.atexit = False  # never after the CUDA context is gone

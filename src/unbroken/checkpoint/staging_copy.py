@@ -69,15 +69,13 @@ def copy_now(leaves: Sequence[Leaf], streams: dict[torch.device, object]) -> lis
     For CUDA sources "before" means in stream order: the current stream waits for the copy
     to be done, so a later in-place update (BatchNorm statistics in forward) runs after it.
     """
-    torn = []
+    cuda = [leaf for leaf in leaves if leaf.src.is_cuda]
+    if cuda:
+        _enqueue_cuda(cuda, streams, fence_current=True)
     for leaf in leaves:
-        if leaf.src.is_cuda:
-            _enqueue_cuda([leaf], streams, fence_current=True)
-        else:
+        if not leaf.src.is_cuda:
             leaf.dst.copy_(leaf.src)
-        if leaf.changed():
-            torn.append(leaf.name)
-    return torn
+    return [leaf.name for leaf in leaves if leaf.changed()]
 
 
 def _enqueue_cuda(
@@ -158,8 +156,18 @@ class CopyJob:
         except BaseException as exc:  # surfaced by StagedState.wait()
             self.error = exc
         finally:
+            self._quiesce()
+            self.leaves, self._events = [], []  # do not keep the sources alive once copied
             self.seconds = time.perf_counter() - began
             self.finished.set()
+
+    def _quiesce(self) -> None:
+        """After a failure too: no queued device copy may still read a source we drop."""
+        for event in self._events:
+            try:
+                event.synchronize()
+            except RuntimeError:  # the CUDA error is already recorded in self.error
+                pass
 
     def _copy_cpu(self, leaf: Leaf) -> bool:
         """Copy one CPU leaf in chunks; False when the job must stop (torn or aborted)."""
