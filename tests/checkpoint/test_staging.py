@@ -248,6 +248,28 @@ def test_first_accepts_a_prefix_and_rejects_unknown_keys(stager):
         stager.stage(state, first=["model.bn.running_var"])
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_first_accepts_tensors_and_buffer_keys_sees_through_wrappers(stager):
+    model = _model()
+    model.register_buffer("scratch", torch.zeros(3), persistent=False)
+    expected = ["model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked"]
+    assert buffer_keys(model, "model") == expected
+    assert buffer_keys(torch.compile(model), "model") == expected
+    assert buffer_keys(model) == [k[len("model.") :] for k in expected]
+
+    state = {"model": torch.compile(model).state_dict(), "w": torch.ones(100)}
+    assert "_orig_mod.1.running_mean" in state["model"]  # renamed: names would not match
+    with stager.stage(state, first=list(model.buffers())) as staged:
+        # the non-persistent buffer matches no key and is skipped; the others are first
+        bn = model[1]
+        assert staged.stats["bytes_first"] == sum(
+            t.numel() * t.element_size()
+            for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+        )
+    with pytest.raises(TypeError, match="keys or tensors"):
+        stager.stage(state, first=[3])
+
+
 def test_in_place_change_during_the_copy_tears_and_is_reported(stager):
     big = {f"t{i:02d}": torch.randn(256, 1024) for i in range(32)}  # 32 MB, 512 chunks
     big["z.last"] = torch.zeros(4)  # copied last

@@ -48,14 +48,34 @@ __all__ = [
 ]
 
 
+_WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
 def buffer_keys(module: torch.nn.Module, prefix: str = "") -> list[str]:
-    """State-dict keys of a module's buffers: what forward may change in place.
+    """State-dict keys of a module's persistent buffers: what forward may change in place.
 
     Pass them as ``stage(first=...)``; ``prefix`` is the module's key in the staged state
-    (e.g. ``"model"``).
+    (e.g. ``"model"``). Names are given as ``get_state_dict`` writes them: without the
+    prefixes of DDP, ``torch.compile``, activation checkpointing and FSDP wrappers.
     """
-    head = f"{prefix}." if prefix else ""
-    return [f"{head}{name}" for name, _ in module.named_buffers()]
+    persistent = {
+        id(buf)
+        for mod in module.modules()
+        for name, buf in mod._buffers.items()
+        if buf is not None and name not in mod._non_persistent_buffers_set
+    }
+    ddp_module = sys.modules.get("torch.nn.parallel.distributed")  # no DDP unless imported
+    ddp = getattr(ddp_module, "DistributedDataParallel", ())
+    keys = []
+    for key, value in module.state_dict(keep_vars=True).items():
+        if id(value) not in persistent:
+            continue
+        if isinstance(module, ddp) and key.startswith("module."):
+            key = key[len("module.") :]
+        for part in _WRAPPER_PARTS:
+            key = key.replace(part, "")
+        keys.append(f"{prefix}.{key}" if prefix else key)
+    return keys
 
 
 class StagedState:
@@ -192,12 +212,14 @@ class StateStager:
         self,
         state_dict: Mapping[str, Any],
         *,
-        first: Collection[str] = (),
+        first: Collection[str | torch.Tensor] = (),
         timeout: float | None = None,
     ) -> StagedState:
         """Snapshot ``state_dict`` into host buffers; return before the bulk copy is done.
 
-        Keys in ``first`` (and any key under them) are copied before this returns. Waits
+        Keys in ``first`` (and any key under them) are copied before this returns; a
+        tensor in ``first`` selects the keys holding that memory (``model.buffers()``
+        works whatever wrapper renamed them; a tensor not in the state is skipped). Waits
         up to ``timeout`` for the previous staged state to be released
         (``StagingBusyError`` after that).
         """
@@ -209,7 +231,7 @@ class StateStager:
         with self._stage_lock:
             self._wait_released(timeout)
             found = _collect(state_dict)
-            first_names = _match_first(first, [name for name, _ in found])
+            first_names = _match_first(first, found)
             leaves, staged_by_name, allocated = self._plan(found, first_names)
             sync = [leaf.name in first_names or _must_copy_now(leaf) for leaf in leaves]
             now = [leaf for leaf, s in zip(leaves, sync) if s]
@@ -320,12 +342,24 @@ def _rebuild(obj: Any, path: tuple, staged: dict[str, torch.Tensor]) -> Any:
     return copy.deepcopy(obj)
 
 
-def _match_first(first: Iterable[str], names: list[str]) -> set[str]:
-    """Keys named by ``first`` (exactly or as a prefix); every entry must match one."""
-    if isinstance(first, str):
+def _match_first(
+    first: Iterable[str | torch.Tensor], found: list[tuple[str, torch.Tensor]]
+) -> set[str]:
+    """Keys chosen by ``first``: names (exactly or as a prefix; each must match a key) and
+    tensors (by memory; buffers left out of the state dict match nothing)."""
+    if isinstance(first, (str, torch.Tensor)):
         first = [first]
+    names = [name for name, _ in found]
+    by_memory: dict[tuple, list[str]] = {}
+    for name, value in found:
+        by_memory.setdefault(_alias_key(_local(value)), []).append(name)
     chosen: set[str] = set()
     for want in first:
+        if isinstance(want, torch.Tensor):
+            chosen.update(by_memory.get(_alias_key(_local(want)), ()))
+            continue
+        if not isinstance(want, str):
+            raise TypeError(f"stage(first=...) takes keys or tensors, got {type(want)!r}")
         hits = [n for n in names if n == want or n.startswith(f"{want}.")]
         if not hits:
             raise ValueError(f"stage(first=...) names {want!r}, which is no tensor key")
