@@ -25,8 +25,13 @@ from typing import Any
 import torch
 
 from unbroken.checkpoint.host_buffers import BufferSpec, HostBufferPool
-from unbroken.checkpoint.staging_copy import DEFAULT_CHUNK_BYTES, CopyJob, Leaf, copy_now
-from unbroken.checkpoint.staging_copy import version_of as _version_of
+from unbroken.checkpoint.staging_copy import (
+    DEFAULT_CHUNK_BYTES,
+    CopyJob,
+    Leaf,
+    copy_now,
+    version_of,
+)
 from unbroken.checkpoint.staging_errors import (
     CheckpointError,
     StagingBudgetError,
@@ -34,10 +39,9 @@ from unbroken.checkpoint.staging_errors import (
     TornSnapshotError,
 )
 from unbroken.checkpoint.staging_tree import (
-    alias_key,
+    Found,
     buffer_keys,
     collect,
-    local_tensor,
     match_first,
     rebuild,
     wrap_like,
@@ -209,14 +213,14 @@ class StateStager:
             self._wait_released(timeout)
             found = collect(state_dict)
             first_names = match_first(first, found)
-            leaves, staged_by_name, allocated = self._plan(found, first_names)
+            leaves, staged_values, allocated = self._plan(found, first_names)
             sync = [leaf.name in first_names or _must_copy_now(leaf) for leaf in leaves]
             now = [leaf for leaf, s in zip(leaves, sync) if s]
             later = [leaf for leaf, s in zip(leaves, sync) if not s]
             torn = copy_now(now, self._streams)
             if torn:
                 raise TornSnapshotError(torn)
-            staged_dict = rebuild(state_dict, (), staged_by_name)
+            staged_dict = rebuild(state_dict, iter(staged_values))
             job = CopyJob(later, self._streams, self.chunk_bytes)
             stats = {
                 "bytes": float(sum(leaf.nbytes for leaf in leaves)),
@@ -259,29 +263,23 @@ class StateStager:
             self._cond.notify_all()
 
     def _plan(
-        self, found: list[tuple[str, torch.Tensor]], first: set[str]
-    ) -> tuple[list[Leaf], dict[str, torch.Tensor], int]:
-        """One leaf per distinct source; host buffers for them; the staged value per key."""
-        by_alias: dict[tuple, str] = {}
-        owner: dict[str, str] = {}  # key -> key whose buffer it shares
+        self, found: list[Found], first: set[str]
+    ) -> tuple[list[Leaf], list[torch.Tensor], int]:
+        """One leaf per distinct memory; its host buffer; the staged value per found tensor."""
+        owner: dict[tuple, str] = {}  # memory -> key of the leaf that copies it
         specs: dict[str, BufferSpec] = {}
         sources: dict[str, torch.Tensor] = {}
-        for name, value in found:
-            local = local_tensor(value)
-            alias = alias_key(local)
-            if alias in by_alias:
-                owner[name] = by_alias[alias]
-                if name in first:
-                    first.add(by_alias[alias])
+        for f in found:
+            if f.alias in owner:  # tied: shares the earlier key's buffer
+                if f.name in first:
+                    first.add(owner[f.alias])
                 continue
-            by_alias[alias] = owner[name] = name
-            sources[name] = local
-            specs[name] = BufferSpec(tuple(local.shape), local.dtype, pinned=local.is_cuda)
+            owner[f.alias] = f.name
+            sources[f.name] = f.local
+            specs[f.name] = BufferSpec(tuple(f.local.shape), f.local.dtype, f.local.is_cuda)
         buffers, allocated = self.pool.reserve(specs)
-        leaves = [
-            Leaf(name, sources[name], buffers[name], _version_of(sources[name])) for name in specs
-        ]
-        staged = {name: wrap_like(value, buffers[owner[name]]) for name, value in found}
+        leaves = [Leaf(name, src, buffers[name], version_of(src)) for name, src in sources.items()]
+        staged = [wrap_like(f.value, buffers[owner[f.alias]]) for f in found]
         return leaves, staged, allocated
 
 

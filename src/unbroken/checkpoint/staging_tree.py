@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,54 +45,72 @@ def buffer_keys(module: torch.nn.Module, prefix: str = "") -> list[str]:
     return keys
 
 
-def collect(obj: Any, path: tuple = (), out: dict | None = None) -> list[tuple[str, Any]]:
-    """(dotted key, tensor) for every tensor in nested mappings, lists and tuples."""
-    found: dict[str, torch.Tensor] = {} if out is None else out
+class Found(NamedTuple):
+    """One tensor of a state: its dotted key, the value, the memory to copy."""
+
+    name: str
+    value: torch.Tensor
+    """As found in the state (a DTensor stays a DTensor)."""
+    local: torch.Tensor
+    """The memory to copy: the value, or a DTensor's local shard."""
+    alias: tuple
+    """Equal for values that are the same memory (``alias_key``)."""
+
+
+def collect(state: Any) -> list[Found]:
+    """Every tensor in nested mappings, lists and tuples, in traversal order."""
+    found: list[Found] = []
+    _collect_into(state, (), found, set(), _dtensor_type())
+    return found
+
+
+def _collect_into(obj: Any, path: tuple, found: list, names: set, dtensor: type | None) -> None:
     if isinstance(obj, torch.Tensor):
-        name = ".".join(str(p) for p in path)
-        _check_tensor(name, obj)
-        if name in found:
+        name = ".".join(map(str, path))
+        local = obj._local_tensor if dtensor is not None and isinstance(obj, dtensor) else obj
+        _check_tensor(name, obj, local)
+        if name in names:
             raise ValueError(f"state dict key {name!r} appears twice once flattened")
-        found[name] = obj
+        names.add(name)
+        found.append(Found(name, obj, local, alias_key(local)))
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            collect(value, (*path, key), found)
+            _collect_into(value, (*path, key), found, names, dtensor)
     elif type(obj) in (list, tuple):
         for index, value in enumerate(obj):
-            collect(value, (*path, index), found)
-    return list(found.items())
+            _collect_into(value, (*path, index), found, names, dtensor)
 
 
-def rebuild(obj: Any, path: tuple, staged: dict[str, torch.Tensor]) -> Any:
-    """The same structure with tensors replaced by staged ones, everything else deep-copied."""
+def rebuild(obj: Any, staged: Iterator[torch.Tensor]) -> Any:
+    """The same structure with the tensors replaced, in ``collect`` order, by ``staged``;
+    everything else deep-copied."""
     if isinstance(obj, torch.Tensor):
-        return staged[".".join(str(p) for p in path)]
+        return next(staged)
     if isinstance(obj, Mapping):
-        return {key: rebuild(value, (*path, key), staged) for key, value in obj.items()}
+        return {key: rebuild(value, staged) for key, value in obj.items()}
     if type(obj) in (list, tuple):
-        return type(obj)(rebuild(value, (*path, i), staged) for i, value in enumerate(obj))
+        return type(obj)([rebuild(value, staged) for value in obj])
     return copy.deepcopy(obj)
 
 
-def match_first(
-    first: Iterable[str | torch.Tensor], found: list[tuple[str, torch.Tensor]]
-) -> set[str]:
+def match_first(first: Iterable[str | torch.Tensor], found: list[Found]) -> set[str]:
     """Keys chosen by ``first``: names (exactly or as a prefix; each must match a key) and
     tensors (by memory; buffers left out of the state dict match nothing)."""
     if isinstance(first, (str, torch.Tensor)):
         first = [first]
-    names = [name for name, _ in found]
-    by_memory: dict[tuple, list[str]] = {}
-    for name, value in found:
-        by_memory.setdefault(alias_key(local_tensor(value)), []).append(name)
     chosen: set[str] = set()
+    by_memory: dict[tuple, list[str]] | None = None
     for want in first:
         if isinstance(want, torch.Tensor):
+            if by_memory is None:
+                by_memory = {}
+                for f in found:
+                    by_memory.setdefault(f.alias, []).append(f.name)
             chosen.update(by_memory.get(alias_key(local_tensor(want)), ()))
             continue
         if not isinstance(want, str):
             raise TypeError(f"stage(first=...) takes keys or tensors, got {type(want)!r}")
-        hits = [n for n in names if n == want or n.startswith(f"{want}.")]
+        hits = [f.name for f in found if f.name == want or f.name.startswith(f"{want}.")]
         if not hits:
             raise ValueError(f"stage(first=...) names {want!r}, which is no tensor key")
         chosen.update(hits)
@@ -122,11 +140,8 @@ def wrap_like(value: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
-def _check_tensor(name: str, t: torch.Tensor) -> None:
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(t, dtensor):
-        t = t._local_tensor
-    elif type(t) not in (torch.Tensor, torch.nn.Parameter):
+def _check_tensor(name: str, value: torch.Tensor, t: torch.Tensor) -> None:
+    if t is value and type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"state dict key {name!r}: cannot stage tensor type {type(t).__name__}")
     if t.layout != torch.strided:
         raise TypeError(f"state dict key {name!r}: cannot stage a {t.layout} tensor")
