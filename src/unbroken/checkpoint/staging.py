@@ -103,10 +103,11 @@ class StagedState:
                 f"staging of {int(self._stats['bytes'])} bytes still copying after {timeout} s"
             )
         job = self._job
+        torn = job.seal()
         if job.error is not None:
             raise CheckpointError(f"staging failed while copying: {job.error!r}") from job.error
-        if job.torn:
-            raise TornSnapshotError(job.torn)
+        if torn:
+            raise TornSnapshotError(torn)
         if not job.complete:
             raise CheckpointError("staging was aborted (released or closed) before it finished")
         if self._released:
@@ -119,7 +120,7 @@ class StagedState:
                 return
             if not self._job.finished.is_set():
                 self._job.abort()
-            self._job.join()
+            self._job.seal()
             self._released = True
         self._on_release(self)
 
@@ -130,10 +131,12 @@ class StagedState:
         self.release()
 
     def _hook_wait(self) -> None:
-        if not self._job.finished.is_set():
-            began = time.perf_counter()
-            self._job.join()
-            self._stats["hook_wait_seconds"] += time.perf_counter() - began
+        """In the step pre-hook, on the training thread: wait for the copy and seal it."""
+        if self._job.sealed:
+            return
+        began = time.perf_counter()
+        self._job.seal()
+        self._stats["hook_wait_seconds"] += time.perf_counter() - began
 
 
 class StateStager:
@@ -241,9 +244,10 @@ class StateStager:
         """Stop any copy, detach from the optimizers and drop the buffers."""
         self._closed = True
         current = self._current
-        if current is not None and not current.done:
-            current._job.abort()
-            current._job.join()
+        if current is not None:
+            if not current.done:
+                current._job.abort()
+            current._job.seal()
         for handle in list(self._hooks.values()):
             handle.remove()
         self._hooks.clear()

@@ -8,6 +8,11 @@ and the copy goes in chunks so an abort (torn source, ``close()``) takes effect 
 Tearing: every leaf records its source's ``_version`` when the snapshot is taken. If that
 counter moved before the leaf's copy finished, the source was written in place during the
 copy and the snapshot is abandoned (``TornSnapshotError``), never kept with mixed values.
+torch bumps the counter only after an in-place op has written its data, so a copy running
+concurrently can read new data while the counter still shows the old version. The
+background thread's checks therefore only abort early; the verdict is sealed later, on
+the training thread (the optimizer step pre-hook) or in ``wait()``, once the ops issued
+before it have finished and bumped their counters (``CopyJob.seal``).
 
 CUDA sources are copied with ``non_blocking=True`` on a side stream that first waits for
 the work already queued on the current stream; the background thread then waits on an
@@ -115,8 +120,11 @@ class CopyJob:
     seconds: float = 0.0
     complete: bool = False
     """Every leaf was copied (no abort, no torn source cut the copy short)."""
+    sealed: bool = False
+    """The verdict (``torn``) is final; later writes to the sources are legitimate."""
     _abort: threading.Event = field(default_factory=threading.Event)
     _events: list[object] = field(default_factory=list)
+    _seal_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
         """Queue the CUDA copies now, then copy the CPU leaves on a background thread.
@@ -150,16 +158,27 @@ class CopyJob:
                 for event in self._events:
                     event.synchronize()
                 self.bytes_copied += sum(leaf.nbytes for leaf in self.leaves if leaf.src.is_cuda)
-                # Report every source that moved, not only the first one found.
-                self.torn = [leaf.name for leaf in self.leaves if leaf.changed()]
                 self.complete = complete and not self.aborted
         except BaseException as exc:  # surfaced by StagedState.wait()
             self.error = exc
         finally:
             self._quiesce()
-            self.leaves, self._events = [], []  # do not keep the sources alive once copied
+            self._events = []
             self.seconds = time.perf_counter() - began
             self.finished.set()
+
+    def seal(self) -> list[str]:
+        """Wait for the copy, then fix the verdict: every source whose version moved since
+        the snapshot. Call it where the writes that could tear have finished (the training
+        thread, before ``optimizer.step``); after it, writes to the sources are fine."""
+        self.join()
+        with self._seal_lock:
+            if not self.sealed:
+                # Report every source that moved, not only the first one found.
+                self.torn = [leaf.name for leaf in self.leaves if leaf.changed()]
+                self.sealed = True
+                self.leaves = []  # do not keep the sources alive any longer
+        return self.torn
 
     def _quiesce(self) -> None:
         """After a failure too: no queued device copy may still read a source we drop."""
