@@ -383,6 +383,8 @@ def test_bad_calls(stager):
         StateStager(chunk_bytes=0)
     with pytest.raises(ValueError, match="max_bytes"):
         StateStager(max_bytes=-1)
+    with pytest.raises(ValueError, match="copy_threads"):
+        StateStager(copy_threads=0)
     with pytest.raises(ValueError, match=r"'a\.b' appears twice"):
         stager.stage({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}})
     stager.close()

@@ -144,7 +144,9 @@ class StateStager:
 
     ``max_bytes`` bounds the host buffers (None: whatever the state needs, never more);
     ``pin_memory`` None pins the buffers of CUDA sources; ``shared_memory`` puts CPU
-    buffers in shared memory so another process can write them without a copy.
+    buffers in shared memory so another process can write them without a copy;
+    ``chunk_bytes`` is the CPU copy's step between tearing/abort checks; ``copy_threads``
+    the intra-op threads of the background copy (kept apart from the training loop's).
     """
 
     def __init__(
@@ -154,9 +156,13 @@ class StateStager:
         pin_memory: bool | None = None,
         shared_memory: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        copy_threads: int = 1,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if copy_threads <= 0:
+            raise ValueError(f"copy_threads must be positive, got {copy_threads}")
+        self.copy_threads = copy_threads
         self.pool = HostBufferPool(
             max_bytes=max_bytes, shared_memory=shared_memory, pin_memory=pin_memory
         )
@@ -224,7 +230,7 @@ class StateStager:
             if torn:
                 raise TornSnapshotError(torn)
             staged_dict = rebuild(state_dict, iter(staged_values))
-            job = CopyJob(later, self._streams, self.chunk_bytes)
+            job = CopyJob(later, self._streams, self.chunk_bytes, self.copy_threads)
             stats = {
                 "bytes": float(sum(leaf.nbytes for leaf in leaves)),
                 "bytes_first": float(sum(leaf.nbytes for leaf in now)),

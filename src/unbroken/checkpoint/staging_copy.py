@@ -113,6 +113,8 @@ class CopyJob:
     leaves: list[Leaf]
     streams: dict[torch.device, object]
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    threads: int = 1
+    """Intra-op threads for the background copy (torch's setting is per thread)."""
     finished: threading.Event = field(default_factory=threading.Event)
     torn: list[str] = field(default_factory=list)
     error: BaseException | None = None
@@ -148,6 +150,9 @@ class CopyJob:
 
     def _run(self) -> None:
         began = time.perf_counter()
+        # A second OpenMP team as wide as the training loop's oversubscribes the cores;
+        # one or two threads already copy at memory bandwidth.
+        torch.set_num_threads(self.threads)
         try:
             with torch.no_grad():
                 complete = True
