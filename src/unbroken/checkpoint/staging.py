@@ -226,11 +226,14 @@ class StateStager:
             sync = [leaf.name in first_names or _must_copy_now(leaf) for leaf in leaves]
             now = [leaf for leaf, s in zip(leaves, sync) if s]
             later = [leaf for leaf, s in zip(leaves, sync) if not s]
-            torn = copy_now(now, self._streams)
+            torn, first_events = copy_now(now, self._streams)
             if torn:
                 raise TornSnapshotError(torn)
             staged_dict = rebuild(state_dict, iter(staged_values))
-            job = CopyJob(later, self._streams, self.chunk_bytes, self.copy_threads)
+            # The job also waits for the device copies of `first` before it is done.
+            job = CopyJob(
+                later, self._streams, self.chunk_bytes, self.copy_threads, events=first_events
+            )
             stats = {
                 "bytes": float(sum(leaf.nbytes for leaf in leaves)),
                 "bytes_first": float(sum(leaf.nbytes for leaf in now)),

@@ -68,19 +68,21 @@ def side_stream(device: torch.device, streams: dict[torch.device, object]) -> ob
 
 
 @torch.no_grad()
-def copy_now(leaves: Sequence[Leaf], streams: dict[torch.device, object]) -> list[str]:
-    """Copy leaves before returning to the caller; the names of torn ones.
+def copy_now(
+    leaves: Sequence[Leaf], streams: dict[torch.device, object]
+) -> tuple[list[str], list[object]]:
+    """Copy leaves before returning to the caller: the names of torn ones, and the CUDA
+    events that mark the end of their device copies (for ``CopyJob`` to wait on).
 
     For CUDA sources "before" means in stream order: the current stream waits for the copy
     to be done, so a later in-place update (BatchNorm statistics in forward) runs after it.
     """
     cuda = [leaf for leaf in leaves if leaf.src.is_cuda]
-    if cuda:
-        _enqueue_cuda(cuda, streams, fence_current=True)
+    events = _enqueue_cuda(cuda, streams, fence_current=True) if cuda else []
     for leaf in leaves:
         if not leaf.src.is_cuda:
             leaf.dst.copy_(leaf.src)
-    return [leaf.name for leaf in leaves if leaf.changed()]
+    return [leaf.name for leaf in leaves if leaf.changed()], events
 
 
 def _enqueue_cuda(
@@ -125,7 +127,8 @@ class CopyJob:
     sealed: bool = False
     """The verdict (``torn``) is final; later writes to the sources are legitimate."""
     _abort: threading.Event = field(default_factory=threading.Event)
-    _events: list[object] = field(default_factory=list)
+    events: list[object] = field(default_factory=list)
+    """CUDA events the job waits for: the copies queued by ``copy_now`` and its own."""
     _seal_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
@@ -137,7 +140,7 @@ class CopyJob:
         cuda = [leaf for leaf in self.leaves if leaf.src.is_cuda]
         if cuda:
             with torch.no_grad():
-                self._events = _enqueue_cuda(cuda, self.streams, fence_current=False)
+                self.events += _enqueue_cuda(cuda, self.streams, fence_current=False)
         threading.Thread(target=self._run, name="unbroken-staging", daemon=True).start()
 
     def abort(self) -> None:
@@ -160,7 +163,7 @@ class CopyJob:
                     if not leaf.src.is_cuda and not self._copy_cpu(leaf):
                         complete = False
                         break
-                for event in self._events:
+                for event in self.events:
                     event.synchronize()
                 self.bytes_copied += sum(leaf.nbytes for leaf in self.leaves if leaf.src.is_cuda)
                 self.complete = complete and not self.aborted
@@ -168,7 +171,7 @@ class CopyJob:
             self.error = exc
         finally:
             self._quiesce()
-            self._events = []
+            self.events = []
             self.seconds = time.perf_counter() - began
             self.finished.set()
 
@@ -187,7 +190,7 @@ class CopyJob:
 
     def _quiesce(self) -> None:
         """After a failure too: no queued device copy may still read a source we drop."""
-        for event in self._events:
+        for event in self.events:
             try:
                 event.synchronize()
             except RuntimeError:  # the CUDA error is already recorded in self.error
