@@ -269,7 +269,9 @@ def test_never_touches_anything_outside_the_cache_dir(store, tmp_path):
     os.symlink(outside / "keep.bin", os.path.join(objects, name[:3], name + "x"))
     for e in entries:
         cache.read(e)
-    LocalCache(store, cache.cache_dir, limit=1000)  # recount + evict down on open
+    smaller = LocalCache(store, cache.cache_dir, limit=1000)
+    smaller.read(entries[0])  # evicts down to the new limit
+    assert disk_bytes(cache.cache_dir) <= 1000
     assert (outside / "keep.bin").read_bytes() == b"x" * 5000
     assert os.path.islink(os.path.join(objects, "zzz"))
     assert os.path.islink(os.path.join(objects, name[:3], name + "x"))

@@ -56,8 +56,21 @@ class LocalCache:
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"LocalCache: limit must be positive, got {limit!r}")
         self._setup()
-        self.swept = self.layout.sweep()
+        self.swept = self._sweep()
+
+    def _sweep(self) -> int:
+        """Clean up after crashed fillers; returns how many leftovers were removed.
+
+        A filler holds its lock file from before it reserves bytes until after it
+        publishes, so a stale lock file is the sign of a crash: only then (or for a new
+        cache) are temp files swept and the ledger recounted from the disk.
+        """
+        stale = self.layout.sweep_locks()
+        if not stale and self.layout.has_ledger():
+            return 0
+        removed = stale + self.layout.sweep_temps()
         self._recount()
+        return removed
 
     def _setup(self) -> None:
         self.layout = CacheLayout(self.cache_dir)

@@ -189,9 +189,9 @@ class CacheLayout:
 
     # -- crash leftovers ------------------------------------------------------------------
 
-    def sweep(self) -> int:
-        """Remove temp files of dead fillers and lock files nobody holds; count them."""
-        removed = LocalStore(self.objects).sweep_temp()
+    def sweep_locks(self) -> int:
+        """Remove lock files nobody holds: each marks a filler that died mid-fill."""
+        removed = 0
         for name in os.listdir(self.locks):
             path = os.path.join(self.locks, name)
             try:
@@ -208,6 +208,13 @@ class CacheLayout:
             finally:
                 os.close(fd)
         return removed
+
+    def sweep_temps(self) -> int:
+        """Remove temp files whose filler process is dead (a walk of objects/)."""
+        return LocalStore(self.objects).sweep_temp()
+
+    def has_ledger(self) -> bool:
+        return os.path.exists(os.path.join(self.root, "usage"))
 
     # -- the byte ledger ------------------------------------------------------------------
 
