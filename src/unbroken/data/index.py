@@ -1,0 +1,175 @@
+"""The file index of a volume: relative keys, sizes and etags, listed once and cached.
+
+Listing a million-object bucket takes minutes, so the index is built once per
+(URL, include, exclude), written as a JSON file in the index directory, and read
+back by every later epoch, worker, rank and restart on the node. The first process
+to need it lists under a file lock; the others wait and read its result. The
+fingerprint (a hash of keys, sizes and etags) ties a saved data position to exactly
+this file set: resuming against a changed volume is refused, never silently wrong.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import fnmatch
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from unbroken.storage import Entry, Store, StoreError
+from unbroken.storage.base import temp_name
+from unbroken.storage.errors import redact
+
+INDEX_FORMAT = 1
+
+
+class EmptyVolumeError(ValueError):
+    """The volume has no file that the include/exclude patterns select."""
+
+
+@dataclass(frozen=True)
+class FileIndex:
+    """Every file of the volume selected by the patterns, sorted by key."""
+
+    url: str
+    """The volume's URL (credentials redacted)."""
+    entries: tuple[Entry, ...]
+    """One entry per file, sorted by key; sample index i is entries[i]."""
+    fingerprint: str
+    """sha256 over keys, sizes and etags: changes whenever the file set changes."""
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, i: int) -> Entry:
+        return self.entries[i]
+
+
+def select(
+    entries: Sequence[Entry],
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+) -> list[Entry]:
+    """Entries whose key matches an include glob (all if none) and no exclude glob.
+
+    Globs are matched against the whole relative key with ``fnmatch`` rules, where
+    ``*`` also crosses '/': ``"*.jpg"`` selects JPEGs at any depth.
+    """
+    inc = list(include or [])
+    exc = list(exclude or [])
+    return sorted(
+        e
+        for e in entries
+        if (not inc or any(fnmatch.fnmatchcase(e.key, p) for p in inc))
+        and not any(fnmatch.fnmatchcase(e.key, p) for p in exc)
+    )
+
+
+def fingerprint(entries: Sequence[Entry]) -> str:
+    h = hashlib.sha256()
+    for e in entries:
+        h.update(f"{e.key}\0{e.size}\0{e.etag or ''}\n".encode())
+    return h.hexdigest()
+
+
+def build_index(
+    store: Store, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
+) -> FileIndex:
+    """List the volume now. Raises naming the URL if it is unreachable or empty."""
+    url = redact(store.url)
+    try:
+        listed = store.list()
+    except StoreError as exc:
+        raise StoreError(
+            f"VolumeDataset: cannot list the volume {url}: {exc}", op="list", url=url
+        ) from exc
+    entries = select(listed, _patterns(include), _patterns(exclude))
+    if not entries:
+        raise EmptyVolumeError(
+            f"VolumeDataset: no files at {url} ({len(listed)} listed; include={include!r}, "
+            f"exclude={exclude!r}). Is the URL right, and does the volume hold any files?"
+        )
+    return FileIndex(url, tuple(entries), fingerprint(entries))
+
+
+def load_or_build_index(
+    store: Store,
+    index_dir: str | None,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    *,
+    refresh: bool = False,
+) -> FileIndex:
+    """The cached index for (URL, patterns) if there is one, else list and cache it.
+
+    ``index_dir=None`` lists without caching. ``refresh=True`` lists again and
+    replaces the cached copy.
+    """
+    include, exclude = _patterns(include), _patterns(exclude)
+    if index_dir is None:
+        return build_index(store, include, exclude)
+    os.makedirs(index_dir, exist_ok=True)
+    path = os.path.join(index_dir, f"index-{_cache_key(store.url, include, exclude)}.json")
+    if not refresh and (cached := _read(path, store.url)) is not None:
+        return cached
+    with open(path + ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one lister per node; the rest wait and read
+        if not refresh and (cached := _read(path, store.url)) is not None:
+            return cached
+        index = build_index(store, include, exclude)
+        _write(path, index, store.url, include, exclude)
+        return index
+
+
+def _patterns(value: str | Sequence[str] | None) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(p) for p in value]
+
+
+def _cache_key(url: str, include: list[str], exclude: list[str]) -> str:
+    blob = json.dumps([INDEX_FORMAT, url, include, exclude])
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _write(path: str, index: FileIndex, url: str, include: list[str], exclude: list[str]):
+    doc = {
+        "format": INDEX_FORMAT,
+        "url": redact(url),
+        "include": include,
+        "exclude": exclude,
+        "fingerprint": index.fingerprint,
+        "keys": [e.key for e in index.entries],
+        "sizes": [e.size for e in index.entries],
+        "etags": [e.etag for e in index.entries],
+    }
+    tmp = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path)))
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _read(path: str, url: str) -> FileIndex | None:
+    """The cached index, or None if absent or unusable (then it is rebuilt)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("format") != INDEX_FORMAT or doc.get("url") != redact(url):
+            return None
+        entries = tuple(
+            Entry(k, int(s), t) for k, s, t in zip(doc["keys"], doc["sizes"], doc["etags"])
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not entries or fingerprint(entries) != doc.get("fingerprint"):
+        return None
+    return FileIndex(redact(url), entries, doc["fingerprint"])
