@@ -38,7 +38,6 @@ class Volume:
     def dataset(self, **kw: Any) -> VolumeDataset:
         kw.setdefault("decode", decode_index)
         kw.setdefault("cache_dir", str(self.tmp / "cache"))
-        kw.setdefault("index_dir", str(self.tmp / "index"))
         kw.setdefault("storage_options", self.options or None)
         return VolumeDataset(self.url, **kw)
 

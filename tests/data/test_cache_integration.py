@@ -11,12 +11,14 @@ import pytest
 
 from tests.data.helpers import flatten, serve
 from unbroken.data.dataset import SampleReadError
-from unbroken.storage import RetryPolicy
+from unbroken.storage import RetryPolicy, StoreError
 
 QUICK_RETRY = RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.02, deadline=2.0)
 
 
 def cache_bytes(cache_dir: str) -> int:
+    """Bytes of the cached files (objects/), what cache_limit bounds."""
+    cache_dir = os.path.join(cache_dir, "objects")
     return sum(
         os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(cache_dir) for f in files
     )
@@ -40,9 +42,18 @@ def test_second_epoch_is_served_from_cache_with_the_remote_down(make_volume, tmp
     second = sorted(s for b in ld for s in flatten(b))
     assert first == second == list(range(16))
     assert ld.metrics.misses == 16 and ld.metrics.hits >= 16
-    # proof that the remote really is down: a cold cache cannot serve
-    with pytest.raises(SampleReadError, match="emulated outage"):
-        list(loader("cold-cache"))
+    # proof that the remote really is down: it cannot be listed, and with the index
+    # known, a cold cache cannot serve a single file
+    with pytest.raises(StoreError, match=r"cannot list the volume emulated::.*outage"):
+        loader("cold-cache")
+    cold = vol.loader(
+        batch_size=4,
+        cache_dir=str(tmp_path / "cold-cache"),
+        index_dir=str(tmp_path / "cache" / "index"),
+        retry=QUICK_RETRY,
+    )
+    with pytest.raises(SampleReadError, match=r"cannot read 'd\d/s\d+.txt' from emulated::"):
+        list(cold)
 
 
 @pytest.mark.s3

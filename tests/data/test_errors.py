@@ -67,7 +67,7 @@ def test_bad_arguments_are_refused(make_volume, tmp_path):
     with pytest.raises(ValueError, match="rank 2 is outside world_size 2"):
         vol.dataset(rank=2, world_size=2)
     with pytest.raises(EmptyVolumeError, match=r"no files at .*missing-volume"):
-        VolumeDataset(str(tmp_path / "missing-volume"), index_dir=None)
+        VolumeDataset(str(tmp_path / "missing-volume"), cache_dir=str(tmp_path / "c"))
     from unbroken.data import DataLoader
 
     with pytest.raises(TypeError, match="'shuffle' is not supported"):
