@@ -42,7 +42,11 @@ class Volume:
         return VolumeDataset(self.url, **kw)
 
     def loader(self, *, batch_size: int = 2, num_workers: int = 0, **kw: Any) -> DataLoader:
-        loader_kw = {k: kw.pop(k) for k in ("drop_last", "collate_fn", "timeout") if k in kw}
+        loader_kw = {
+            k: kw.pop(k)
+            for k in ("drop_last", "collate_fn", "timeout", "persistent_workers")
+            if k in kw
+        }
         ld = DataLoader(
             self.dataset(**kw), batch_size=batch_size, num_workers=num_workers, **loader_kw
         )
