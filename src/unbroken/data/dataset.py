@@ -28,7 +28,7 @@ from unbroken.data.metrics import WorkerCounters
 from unbroken.data.order import epoch_order
 from unbroken.data.partition import Partition, worker_batches
 from unbroken.data.prefetch import Prefetcher
-from unbroken.data.seeding import seeded_for_sample
+from unbroken.data.seeding import preserved_rngs, sample_seed, seed_rngs
 from unbroken.storage import Entry, RetryPolicy, Store, open_store
 from unbroken.storage.errors import redact
 
@@ -160,7 +160,8 @@ class VolumeDataset(IterableDataset):
         counters = local.counters
         samples = self._decoded(epoch, np.concatenate([b for _, b in batches] or [[]]), counters)
         for k, indices in batches:
-            items = [s for s in (next(samples) for _ in range(len(indices))) if s is not _SKIP]
+            with preserved_rngs():  # decode reseeds them per sample; put them back
+                items = [s for s in (next(samples) for _ in indices) if s is not _SKIP]
             yield Delivery(
                 batch=collate_fn(items) if items else None,
                 epoch=epoch,
@@ -171,7 +172,10 @@ class VolumeDataset(IterableDataset):
             )
 
     def _decoded(self, epoch: int, indices: np.ndarray, counters: WorkerCounters) -> Iterator[Any]:
-        """Decoded samples of ``indices`` in order; ``_SKIP`` for a skipped one."""
+        """Decoded samples of ``indices`` in order; ``_SKIP`` for a skipped one.
+
+        Reseeds the global RNGs for each sample: consume it inside ``preserved_rngs``.
+        """
         entries = [self.index[int(i)] for i in indices]
         for i, (entry, data) in zip(indices, self._fetched(entries)):
             if isinstance(data, BaseException):
@@ -179,8 +183,8 @@ class VolumeDataset(IterableDataset):
                 continue
             t0 = time.perf_counter()
             try:
-                with seeded_for_sample(self.seed, epoch, int(i)):
-                    sample = self.decode(data, entry.key)
+                seed_rngs(sample_seed(self.seed, epoch, int(i)))
+                sample = self.decode(data, entry.key)
             except Exception as exc:
                 sample = self._failed(entry, "decode", exc, counters)
             else:
