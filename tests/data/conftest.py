@@ -44,7 +44,13 @@ class Volume:
     def loader(self, *, batch_size: int = 2, num_workers: int = 0, **kw: Any) -> DataLoader:
         loader_kw = {
             k: kw.pop(k)
-            for k in ("drop_last", "collate_fn", "timeout", "persistent_workers")
+            for k in (
+                "drop_last",
+                "collate_fn",
+                "timeout",
+                "persistent_workers",
+                "multiprocessing_context",
+            )
             if k in kw
         }
         ld = DataLoader(

@@ -230,3 +230,20 @@ def test_metrics_count_waits_and_worker_work(make_volume, backend):
     list(ld)
     assert m.hits >= 16 and m.misses == 16
     assert set(Counter(m.snapshot())) >= {"fetch_seconds", "hits", "misses", "retries"}
+
+
+@pytest.mark.multiprocess
+def test_spawned_persistent_workers_follow_epochs_and_restarts(make_volume):
+    vol = make_volume(16)
+    ld = vol.loader(batch_size=2, num_workers=1, seed=4, multiprocessing_context="spawn")
+    assert len(ld) == 8
+    reference = vol.loader(batch_size=2, seed=4)
+    expected = [[flatten(b) for b in reference] for _ in range(2)]
+    assert [flatten(b) for b in ld] == expected[0]
+    it = iter(ld)  # epoch 1, in the same spawned worker
+    got = [flatten(next(it)) for _ in range(3)]
+    state = ld.state_dict()
+    next(it)
+    ld.load_state_dict(state)  # jump back: the spawned worker restarts at the position
+    got += [flatten(b) for b in it]
+    assert got == expected[1]
