@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -86,48 +83,6 @@ def test_cache_limit_is_respected(make_volume, tmp_path):
         assert sorted(s for b in ld for s in flatten(b)) == list(range(30))
         assert cache_bytes(cache_dir) <= limit
     assert ld.metrics.evictions > 0
-
-
-@pytest.mark.multiprocess
-def test_two_ranks_share_one_cache(make_volume, tmp_path):
-    vol = make_volume(16)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), root]))
-    (tmp_path / "barrier").mkdir()
-    args = [str(tmp_path / d) for d in ("shared-cache", "shared-index")]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.data.rank_job",
-                vol.url,
-                *args,
-                str(rank),
-                "2",
-                "2",
-                str(tmp_path / "barrier"),
-            ],
-            cwd=root,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
-        outputs.append([json.loads(line) for line in out.strip().splitlines()])
-    for epoch in range(2):
-        ranks = [out[epoch] for out in outputs]
-        samples = [s for r in ranks for s in r["samples"]]
-        assert sorted(samples) == list(range(16))  # both ranks together: each file once
-        misses, hits = sum(r["misses"] for r in ranks), sum(r["hits"] for r in ranks)
-        # epoch 0 fills the shared cache; in epoch 1 each rank reads the other's files too
-        assert (misses, hits) == ((16, 0) if epoch == 0 else (0, 16))
 
 
 def test_in_process_ranks_share_cache_too(make_volume):
