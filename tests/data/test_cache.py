@@ -263,18 +263,22 @@ def test_never_touches_anything_outside_the_cache_dir(store, tmp_path):
     cache = LocalCache(store, str(tmp_path / "cache"), limit=2500)
     objects = os.path.join(cache.cache_dir, "objects")
     name = cache._name(entries[5])
-    os.makedirs(os.path.join(objects, name[:3]), exist_ok=True)
-    # a symlinked shard directory and a symlink posing as a cached object
-    os.symlink(outside, os.path.join(objects, "zzz"))
-    os.symlink(outside / "keep.bin", os.path.join(objects, name[:3], name + "x"))
+    shard = os.path.join(objects, name[:2])
+    os.makedirs(shard, exist_ok=True)
+    # a symlinked shard directory, a symlink posing as a cached object, and a key link
+    # (which names a key's previous version) planted to point outside
+    os.symlink(outside, os.path.join(objects, "zz"))
+    decoy = name[:-1] + ("1" if name.endswith("0") else "0")
+    os.symlink(outside / "keep.bin", os.path.join(shard, decoy))
+    os.symlink(outside / "keep.bin", os.path.join(shard, name.rsplit("-", 1)[0]))
     for e in entries:
         cache.read(e)
     smaller = LocalCache(store, cache.cache_dir, limit=1000)
     smaller.read(entries[0])  # evicts down to the new limit
     assert disk_bytes(cache.cache_dir) <= 1000
     assert (outside / "keep.bin").read_bytes() == b"x" * 5000
-    assert os.path.islink(os.path.join(objects, "zzz"))
-    assert os.path.islink(os.path.join(objects, name[:3], name + "x"))
+    assert os.path.islink(os.path.join(objects, "zz"))
+    assert os.path.islink(os.path.join(shard, decoy))
 
 
 @pytest.mark.parametrize("store_url", SHARED, indirect=True)

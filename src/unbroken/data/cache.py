@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from unbroken._util.sizes import parse_size
 from unbroken.data.access_plan import PlanReader, PlanWriter
-from unbroken.data.cache_files import CacheLayout, key_part, object_name
+from unbroken.data.cache_files import CacheLayout, object_name
 from unbroken.data.cache_stats import CacheStats
 from unbroken.data.eviction import evict_until, next_use
 from unbroken.storage import Entry, Store
@@ -250,11 +250,9 @@ class LocalCache:
 
     def _drop_old_versions(self, name: str) -> None:
         """A changed source left its previous version here: remove it (unless pinned)."""
-        stem = key_part(name) + "-"
-        old = [c for c in self.layout.scan_objects(stem) if c.name != name]
-        if old:
-            freed = sum(self.layout.remove_if_unpinned(c.name) or 0 for c in old)
-            self._release(freed)
+        previous = self.layout.point_key_at(name)
+        if previous is not None:
+            self._release(self.layout.remove_if_unpinned(previous) or 0)
 
     # -- byte accounting and eviction ---------------------------------------------------
 
@@ -281,7 +279,13 @@ class LocalCache:
         sizes: dict[str, int] = {}
 
         def evict(c) -> bool:
-            size = self.layout.remove_if_unpinned(c.name)
+            lock = self.layout.try_lock(c.name)  # never race a fill replacing that file
+            if lock is None:
+                return False
+            try:
+                size = self.layout.remove_if_unpinned(c.name)
+            finally:
+                self.layout.unlock(c.name, lock)
             if size is None:
                 return False
             sizes[c.name] = size
