@@ -214,8 +214,7 @@ class LocalCache:
             if not large:
                 data = self.store.read_bytes(entry.key)
                 self._check_size(entry, len(data))
-                with open(tmp, "wb") as f:
-                    f.write(data)
+                _write_new(tmp, data)
             else:
                 self.store.download(entry.key, tmp)
                 self._check_size(entry, os.path.getsize(tmp))
@@ -303,6 +302,17 @@ class LocalCache:
             ledger.used = published + self.layout.temp_bytes()
             if self.limit is not None and ledger.used > self.limit:
                 ledger.used -= self._evict(ledger.used - self.limit)
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """Create ``path`` with ``data``: raw syscalls, fewest GIL hand-offs in a busy worker."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def default_cache_dir(store: Store) -> str:
