@@ -38,12 +38,21 @@ class Volume:
     def dataset(self, **kw: Any) -> VolumeDataset:
         kw.setdefault("decode", decode_index)
         kw.setdefault("cache_dir", str(self.tmp / "cache"))
-        kw.setdefault("index_dir", str(self.tmp / "index"))
         kw.setdefault("storage_options", self.options or None)
         return VolumeDataset(self.url, **kw)
 
     def loader(self, *, batch_size: int = 2, num_workers: int = 0, **kw: Any) -> DataLoader:
-        loader_kw = {k: kw.pop(k) for k in ("drop_last", "collate_fn", "timeout") if k in kw}
+        loader_kw = {
+            k: kw.pop(k)
+            for k in (
+                "drop_last",
+                "collate_fn",
+                "timeout",
+                "persistent_workers",
+                "multiprocessing_context",
+            )
+            if k in kw
+        }
         ld = DataLoader(
             self.dataset(**kw), batch_size=batch_size, num_workers=num_workers, **loader_kw
         )

@@ -21,18 +21,18 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from unbroken._util.sizes import parse_size
+from unbroken.data.cache import LocalCache, default_cache_dir
 from unbroken.data.delivery import Delivery
 from unbroken.data.index import FileIndex, load_or_build_index
 from unbroken.data.metrics import WorkerCounters
 from unbroken.data.order import epoch_order
 from unbroken.data.partition import Partition, worker_batches
-from unbroken.data.seeding import seeded_for_sample
+from unbroken.data.prefetch import Prefetcher
+from unbroken.data.seeding import preserved_rngs, sample_seed, seed_rngs
 from unbroken.storage import Entry, RetryPolicy, Store, open_store
 from unbroken.storage.errors import redact
 
 log = logging.getLogger(__name__)
-
-DEFAULT_INDEX_DIR = os.path.join(os.path.expanduser("~"), ".cache", "unbroken", "index")
 
 Decode = Callable[[bytes, str], Any]
 
@@ -72,7 +72,7 @@ class VolumeDataset(IterableDataset):
         storage_options: dict[str, Any] | None = None,
         prefetch_depth: int = 16,
         prefetch_threads: int = 8,
-        index_dir: str | None = DEFAULT_INDEX_DIR,
+        index_dir: str | None = None,
         refresh_index: bool = False,
         retry: RetryPolicy | None = None,
     ) -> None:
@@ -95,6 +95,10 @@ class VolumeDataset(IterableDataset):
         """Epoch served when the dataset is iterated directly (the DataLoader sets its own)."""
         self._store = open_store(url, retry=retry, **(storage_options or {}))
         self._owner_pid = os.getpid()
+        if self.cache_dir is None:
+            self.cache_dir = default_cache_dir(self._store)
+        if index_dir is None:  # beside the cached files; the cache never touches it
+            index_dir = os.path.join(self.cache_dir, "index")
         self.index: FileIndex = load_or_build_index(
             self._store, index_dir, include, exclude, refresh=refresh_index
         )
@@ -156,7 +160,8 @@ class VolumeDataset(IterableDataset):
         counters = local.counters
         samples = self._decoded(epoch, np.concatenate([b for _, b in batches] or [[]]), counters)
         for k, indices in batches:
-            items = [s for s in (next(samples) for _ in range(len(indices))) if s is not _SKIP]
+            with preserved_rngs():  # decode reseeds them per sample; put them back
+                items = [s for s in (next(samples) for _ in indices) if s is not _SKIP]
             yield Delivery(
                 batch=collate_fn(items) if items else None,
                 epoch=epoch,
@@ -167,7 +172,10 @@ class VolumeDataset(IterableDataset):
             )
 
     def _decoded(self, epoch: int, indices: np.ndarray, counters: WorkerCounters) -> Iterator[Any]:
-        """Decoded samples of ``indices`` in order; ``_SKIP`` for a skipped one."""
+        """Decoded samples of ``indices`` in order; ``_SKIP`` for a skipped one.
+
+        Reseeds the global RNGs for each sample: consume it inside ``preserved_rngs``.
+        """
         entries = [self.index[int(i)] for i in indices]
         for i, (entry, data) in zip(indices, self._fetched(entries)):
             if isinstance(data, BaseException):
@@ -175,8 +183,8 @@ class VolumeDataset(IterableDataset):
                 continue
             t0 = time.perf_counter()
             try:
-                with seeded_for_sample(self.seed, epoch, int(i)):
-                    sample = self.decode(data, entry.key)
+                seed_rngs(sample_seed(self.seed, epoch, int(i)))
+                sample = self.decode(data, entry.key)
             except Exception as exc:
                 sample = self._failed(entry, "decode", exc, counters)
             else:
@@ -190,11 +198,8 @@ class VolumeDataset(IterableDataset):
         After a failure the prefetcher starts again from the next entry, so one bad
         file costs one restart of the read-ahead, not the rest of the epoch.
         """
-        from unbroken.data.prefetch import Prefetcher
-
         cache = self._per_process().cache
-        if hasattr(cache, "plan"):
-            cache.plan(entries)
+        cache.plan(entries)
         pos = 0
         while pos < len(entries):
             prefetcher = Prefetcher(cache, depth=self.prefetch_depth, threads=self.prefetch_threads)
@@ -207,6 +212,7 @@ class VolumeDataset(IterableDataset):
                 yield entries[pos - 1], exc
             finally:
                 prefetcher.close()
+        cache.close()  # withdraw this process's access plan: nothing more is coming
 
     def _failed(self, entry: Entry, what: str, exc: BaseException, counters: WorkerCounters):
         message = f"VolumeDataset: cannot {what} {entry.key!r} from {self.url}: {exc}"
@@ -237,19 +243,14 @@ class VolumeDataset(IterableDataset):
 class _PerProcess:
     """What each process (main or worker) owns: a store client, the cache, counters."""
 
-    def __init__(self, pid: int, store: Store, cache_dir: str | None, limit: int | None):
-        from unbroken.data.cache import LocalCache
-
+    def __init__(self, pid: int, store: Store, cache_dir: str, limit: int | None) -> None:
         self.pid = pid
         self.store = store
         self.cache = LocalCache(store, cache_dir, limit)
         self.counters = WorkerCounters()
 
     def cache_snapshot(self) -> dict[str, Any]:
-        stats = getattr(self.cache, "stats", None)
-        snap = dict(stats.snapshot()) if stats is not None else {}
-        snap.setdefault("retries", self.store.stats.retries)
-        return snap
+        return self.cache.stats.snapshot()
 
 
 class _Skip:

@@ -16,7 +16,8 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+import numpy as np
 
 from unbroken.storage import Entry, Store, StoreError
 from unbroken.storage.base import temp_name
@@ -29,22 +30,68 @@ class EmptyVolumeError(ValueError):
     """The volume has no file that the include/exclude patterns select."""
 
 
-@dataclass(frozen=True)
-class FileIndex:
-    """Every file of the volume selected by the patterns, sorted by key."""
+class StringTable:
+    """Many strings in one bytes blob plus an offsets array: a few objects, not millions.
 
-    url: str
-    """The volume's URL (credentials redacted)."""
-    entries: tuple[Entry, ...]
-    """One entry per file, sorted by key; sample index i is entries[i]."""
-    fingerprint: str
-    """sha256 over keys, sizes and etags: changes whenever the file set changes."""
+    A forked DataLoader worker touching a list of a million ``str`` objects bumps their
+    refcounts and so copies every page they live on; a blob and a numpy array are never
+    written after the fork, so all workers keep sharing one copy.
+    """
+
+    def __init__(self, values: Sequence[str]) -> None:
+        encoded = [v.encode() for v in values]
+        self._blob = b"".join(encoded)
+        self._ends = np.cumsum([len(e) for e in encoded], dtype=np.int64)
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self._ends)
+
+    def __getitem__(self, i: int) -> str:
+        start = int(self._ends[i - 1]) if i > 0 else 0
+        return self._blob[start : int(self._ends[i])].decode()
+
+
+class FileIndex:
+    """Every file of the volume selected by the patterns, sorted by key.
+
+    Sample ``i`` is ``index[i]``, an :class:`Entry` made on demand.
+    """
+
+    def __init__(self, url: str, entries: Sequence[Entry], fingerprint: str) -> None:
+        self.url = url
+        """The volume's URL (credentials redacted)."""
+        self.fingerprint = fingerprint
+        """sha256 over keys, sizes and etags: changes whenever the file set changes."""
+        self._keys = StringTable([e.key for e in entries])
+        self._sizes = np.array([e.size for e in entries], dtype=np.int64)
+        self._has_etag = np.array([e.etag is not None for e in entries], dtype=bool)
+        self._etags = StringTable([e.etag or "" for e in entries])
+
+    def __len__(self) -> int:
+        return len(self._sizes)
 
     def __getitem__(self, i: int) -> Entry:
-        return self.entries[i]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} outside the {len(self)} files of {self.url}")
+        i %= len(self)
+        etag = self._etags[i] if self._has_etag[i] else None
+        return Entry(self._keys[i], int(self._sizes[i]), etag)
+
+    @property
+    def entries(self) -> list[Entry]:
+        """All entries (materialised: for tests and small volumes)."""
+        return [self[i] for i in range(len(self))]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FileIndex):
+            return NotImplemented
+        return (self.url, self.fingerprint, len(self)) == (other.url, other.fingerprint, len(other))
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __repr__(self) -> str:
+        return f"FileIndex({self.url!r}, {len(self)} files, fingerprint={self.fingerprint[:12]})"
 
 
 def select(
@@ -91,7 +138,7 @@ def build_index(
             f"VolumeDataset: no files at {url} ({len(listed)} listed; include={include!r}, "
             f"exclude={exclude!r}). Is the URL right, and does the volume hold any files?"
         )
-    return FileIndex(url, tuple(entries), fingerprint(entries))
+    return FileIndex(url, entries, fingerprint(entries))
 
 
 def load_or_build_index(
@@ -137,15 +184,16 @@ def _cache_key(url: str, include: list[str], exclude: list[str]) -> str:
 
 
 def _write(path: str, index: FileIndex, url: str, include: list[str], exclude: list[str]):
+    entries = index.entries
     doc = {
         "format": INDEX_FORMAT,
         "url": redact(url),
         "include": include,
         "exclude": exclude,
         "fingerprint": index.fingerprint,
-        "keys": [e.key for e in index.entries],
-        "sizes": [e.size for e in index.entries],
-        "etags": [e.etag for e in index.entries],
+        "keys": [e.key for e in entries],
+        "sizes": [e.size for e in entries],
+        "etags": [e.etag for e in entries],
     }
     tmp = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path)))
     try:

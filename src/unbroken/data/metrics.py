@@ -22,6 +22,8 @@ WORKER_COUNTERS = (
     "remote_fetch_seconds",
     "retries",
     "evictions",
+    "bytes_evicted",
+    "waits",
 )
 """Counters a worker ships with each batch, summed in the main process."""
 
@@ -32,6 +34,8 @@ _FROM_CACHE = {
     "fetch_seconds": "remote_fetch_seconds",
     "retries": "retries",
     "evictions": "evictions",
+    "bytes_evicted": "bytes_evicted",
+    "waits": "waits",
 }
 """CacheStats field -> our counter name."""
 
