@@ -263,18 +263,22 @@ def test_never_touches_anything_outside_the_cache_dir(store, tmp_path):
     cache = LocalCache(store, str(tmp_path / "cache"), limit=2500)
     objects = os.path.join(cache.cache_dir, "objects")
     name = cache._name(entries[5])
-    os.makedirs(os.path.join(objects, name[:3]), exist_ok=True)
-    # a symlinked shard directory and a symlink posing as a cached object
-    os.symlink(outside, os.path.join(objects, "zzz"))
-    os.symlink(outside / "keep.bin", os.path.join(objects, name[:3], name + "x"))
+    shard = os.path.join(objects, name[:2])
+    os.makedirs(shard, exist_ok=True)
+    # a symlinked shard directory, a symlink posing as a cached object, and a key link
+    # (which names a key's previous version) planted to point outside
+    os.symlink(outside, os.path.join(objects, "zz"))
+    decoy = name[:-1] + ("1" if name.endswith("0") else "0")
+    os.symlink(outside / "keep.bin", os.path.join(shard, decoy))
+    os.symlink(outside / "keep.bin", os.path.join(shard, name.rsplit("-", 1)[0]))
     for e in entries:
         cache.read(e)
     smaller = LocalCache(store, cache.cache_dir, limit=1000)
     smaller.read(entries[0])  # evicts down to the new limit
     assert disk_bytes(cache.cache_dir) <= 1000
     assert (outside / "keep.bin").read_bytes() == b"x" * 5000
-    assert os.path.islink(os.path.join(objects, "zzz"))
-    assert os.path.islink(os.path.join(objects, name[:3], name + "x"))
+    assert os.path.islink(os.path.join(objects, "zz"))
+    assert os.path.islink(os.path.join(shard, decoy))
 
 
 @pytest.mark.parametrize("store_url", SHARED, indirect=True)
@@ -339,3 +343,31 @@ def _temp_files(cache_dir: str) -> list[str]:
     for dirpath, _dirs, files in os.walk(os.path.join(cache_dir, "objects")):
         found += [os.path.join(dirpath, f) for f in files if ".unbroken-tmp-" in f]
     return found
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("store_url", SHARED, indirect=True)
+def test_processes_sharing_a_small_cache_read_correct_bytes_within_the_bound(store_url, tmp_path):
+    url, options = store_url
+    store = open_store(url, **options)
+    entries = put_files(store, 24, size=1000)
+    digests = {e.key: store.read_bytes(e.key).hex()[:16] for e in entries}
+    cache = LocalCache(slow(store, latency=0.005), str(tmp_path / "cache"), limit=6000)
+    script = """
+import json, random
+cache, entries, seed = OBJ
+rng = random.Random(seed)
+order = entries * 2
+rng.shuffle(order)
+cache.plan(order)
+print(json.dumps([[e.key, cache.read(e).hex()[:16]] for e in order]))
+"""
+    procs = [spawn(script, (cache, entries, seed), tmp_path) for seed in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+        assert all(digests[key] == digest for key, digest in json.loads(out))
+    # 3 processes, each reading or filling at most one file at a time: overshoot <= 3 files
+    assert disk_bytes(cache.cache_dir) <= 6000 + 3 * 1000
+    assert cache.used_bytes == disk_bytes(cache.cache_dir)
+    assert not _temp_files(cache.cache_dir)

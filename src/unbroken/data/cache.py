@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from unbroken._util.sizes import parse_size
 from unbroken.data.access_plan import PlanReader, PlanWriter
-from unbroken.data.cache_files import CacheLayout, key_part, object_name
+from unbroken.data.cache_files import CacheLayout, object_name
 from unbroken.data.cache_stats import CacheStats
 from unbroken.data.eviction import evict_until, next_use
 from unbroken.storage import Entry, Store
@@ -31,6 +31,7 @@ EVICT_SLACK = 0.02
 """When the cache is full, evict this fraction of the limit beyond what is needed, so
 that the directory scan behind an eviction is paid once per batch, not once per file."""
 _POLL_MIN, _POLL_MAX = 0.002, 0.05
+_ABSENT = object()
 
 
 class SourceChangedError(OSError):
@@ -157,41 +158,49 @@ class LocalCache:
                 event = self._local_fills[name] = threading.Event()
         if not mine:  # another thread of this process fills it
             event.wait()
-            return self._after_wait(entry, name, want)
+            served = self._serve_published(entry, name, want, waited=True)
+            return self._fill(entry, name, want=want) if served is _ABSENT else served
         try:
-            delay = _POLL_MIN
-            waited = False
-            while True:
-                fd = self.layout.try_lock(name)
-                if fd is not None:
-                    break
-                waited = True  # another process fills it: poll for its result
-                time.sleep(delay)
-                delay = min(delay * 2, _POLL_MAX)
-                if self.layout.is_published(name, entry.size):
-                    return self._after_wait(entry, name, want)
-            try:
-                if waited or self.layout.is_published(name, entry.size):
-                    data = self.layout.read_pinned(name, entry.size) if want else None
-                    if not want or data is not None:
-                        self._stats.add(hits=int(want), waits=int(waited))
-                        return data
-                return self._fetch_and_publish(entry, name)
-            finally:
-                self.layout.unlock(name, fd)
+            return self._fill_as_owner(entry, name, want)
         finally:
             with self._mutex:
                 del self._local_fills[name]
             event.set()
 
-    def _after_wait(self, entry: Entry, name: str, want: bool) -> bytes | None:
-        self._stats.add(waits=1)
-        if not want:
-            return None
-        data = self.layout.read_pinned(name, entry.size)
-        if data is None:  # the other filler failed, or it was evicted at once: try again
-            return self._fill(entry, name, want=True)
-        self._stats.add(hits=1)
+    def _fill_as_owner(self, entry: Entry, name: str, want: bool) -> bytes | None:
+        """Take the node-wide fill lock and fetch, or serve what another process filled."""
+        delay = _POLL_MIN
+        waited = False
+        while True:
+            fd = self.layout.try_lock(name)
+            if fd is None:  # another process fills it: poll for its result
+                waited = True
+                time.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX)
+                if self.layout.is_published(name, entry.size):
+                    served = self._serve_published(entry, name, want, waited=True)
+                    if served is not _ABSENT:
+                        return served
+                continue
+            try:
+                served = self._serve_published(entry, name, want, waited)
+                if served is not _ABSENT:
+                    return served
+                return self._fetch_and_publish(entry, name)
+            finally:
+                self.layout.unlock(name, fd)
+
+    def _serve_published(self, entry: Entry, name: str, want: bool, waited: bool) -> object:
+        """The published copy (its bytes, or None if not ``want``ed); _ABSENT if none."""
+        if want:
+            data = self.layout.read_pinned(name, entry.size)
+            if data is None:
+                return _ABSENT
+        elif self.layout.is_published(name, entry.size):
+            data = None
+        else:
+            return _ABSENT
+        self._stats.add(hits=int(want), waits=int(waited))
         return data
 
     def _fetch_and_publish(self, entry: Entry, name: str) -> bytes:
@@ -205,8 +214,7 @@ class LocalCache:
             if not large:
                 data = self.store.read_bytes(entry.key)
                 self._check_size(entry, len(data))
-                with open(tmp, "wb") as f:
-                    f.write(data)
+                _write_new(tmp, data)
             else:
                 self.store.download(entry.key, tmp)
                 self._check_size(entry, os.path.getsize(tmp))
@@ -241,11 +249,9 @@ class LocalCache:
 
     def _drop_old_versions(self, name: str) -> None:
         """A changed source left its previous version here: remove it (unless pinned)."""
-        stem = key_part(name) + "-"
-        old = [c for c in self.layout.scan_objects(stem) if c.name != name]
-        if old:
-            freed = sum(self.layout.remove_if_unpinned(c.name) or 0 for c in old)
-            self._release(freed)
+        previous = self.layout.point_key_at(name)
+        if previous is not None:
+            self._release(self.layout.remove_if_unpinned(previous) or 0)
 
     # -- byte accounting and eviction ---------------------------------------------------
 
@@ -272,7 +278,13 @@ class LocalCache:
         sizes: dict[str, int] = {}
 
         def evict(c) -> bool:
-            size = self.layout.remove_if_unpinned(c.name)
+            lock = self.layout.try_lock(c.name)  # never race a fill replacing that file
+            if lock is None:
+                return False
+            try:
+                size = self.layout.remove_if_unpinned(c.name)
+            finally:
+                self.layout.unlock(c.name, lock)
             if size is None:
                 return False
             sizes[c.name] = size
@@ -290,6 +302,17 @@ class LocalCache:
             ledger.used = published + self.layout.temp_bytes()
             if self.limit is not None and ledger.used > self.limit:
                 ledger.used -= self._evict(ledger.used - self.limit)
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """Create ``path`` with ``data``: raw syscalls, fewest GIL hand-offs in a busy worker."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def default_cache_dir(store: Store) -> str:

@@ -2,14 +2,16 @@
 
 Layout under ``root`` (nothing outside it is ever created, renamed or deleted)::
 
-    objects/<3 hex>/<key hash>-<version hash>   published files, immutable
-    objects/<3 hex>/.<name>.unbroken-tmp-<pid>-<rand>   fills in progress (temp files)
+    objects/<2 hex>/<key hash>-<version hash>   published files, immutable
+    objects/<2 hex>/<key hash>                  symlink naming the key's newest version
+    objects/<2 hex>/.<name>.unbroken-tmp-<pid>-<rand>   fills in progress (temp files)
     locks/<name>.lock      exclusive flock held by the one process filling <name>
     plans/<pid>-<token>.plan / .cursor   each process's future access order
     usage                  8-byte ledger of bytes on disk, updated under flock
 
 The version hash covers the source's size and etag, so a changed source has a new
-name: it is a miss, fetched afresh, and the stale version is dropped.
+name: it is a miss, fetched afresh, and the stale version, found through the key's
+symlink (one readlink, no directory scan), is dropped.
 
 Locks are ``flock`` locks, which the kernel releases when their holder dies: a crashed
 filler never blocks others, and its lock file is swept later. Readers hold a shared
@@ -23,6 +25,8 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import re
+import stat
 import struct
 from collections.abc import Iterator
 
@@ -38,6 +42,9 @@ def object_name(store_url: str, key: str, size: int, etag: str | None) -> str:
     key_hash = hashlib.sha1(f"{store_url}\0{key}".encode()).hexdigest()[:32]
     version = hashlib.sha1(f"{size}\0{etag}".encode()).hexdigest()[:12]
     return f"{key_hash}-{version}"
+
+
+_VERSIONED = re.compile(r"[0-9a-f]{32}-[0-9a-f]{12}")
 
 
 def key_part(name: str) -> str:
@@ -58,11 +65,11 @@ class CacheLayout:
         self._made: set[str] = set()
 
     def object_path(self, name: str) -> str:
-        return os.path.join(self.objects, name[:3], name)
+        return os.path.join(self.objects, name[:2], name)
 
     def shard_dir(self, name: str) -> str:
         """The directory of ``name``, created on first use."""
-        directory = os.path.join(self.objects, name[:3])
+        directory = os.path.join(self.objects, name[:2])
         if directory not in self._made:
             os.makedirs(directory, exist_ok=True)
             self._made.add(directory)
@@ -84,8 +91,9 @@ class CacheLayout:
                 os.close(fd)
                 return None
             if _same_file(fd, path):
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                # the holder's pid, for people; no truncate: on ext4 a truncate plus a
+                # write makes close() flush (auto_da_alloc), milliseconds per fill
+                os.pwrite(fd, f"{os.getpid():<10}\n".encode(), 0)
                 return fd
             os.close(fd)  # the holder removed that lock file as we opened it: retry
 
@@ -103,8 +111,8 @@ class CacheLayout:
         """The published file's bytes, read under a shared pin; None if absent or torn."""
         path = self.object_path(name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # absent, or a symlink someone planted: a miss
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -131,9 +139,10 @@ class CacheLayout:
 
     def is_published(self, name: str, size: int) -> bool:
         try:
-            return os.stat(self.object_path(name)).st_size == size
+            st = os.stat(self.object_path(name), follow_symlinks=False)
         except FileNotFoundError:
             return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == size
 
     def remove_if_unpinned(self, name: str, path: str | None = None) -> int | None:
         """Delete a published file unless a reader pins it; its size, or None if kept."""
@@ -155,18 +164,16 @@ class CacheLayout:
         finally:
             os.close(fd)
 
-    def scan_objects(self, prefix: str | None = None) -> list[Candidate]:
+    def scan_objects(self) -> list[Candidate]:
         """Published regular files (never symlinks, never temp files) under objects/."""
-        shards = [prefix[:3]] if prefix else _subdirs(self.objects)
         found = []
-        for shard in shards:
-            directory = os.path.join(self.objects, shard)
+        for shard in _subdirs(self.objects):
             try:
-                entries = list(os.scandir(directory))
+                entries = list(os.scandir(os.path.join(self.objects, shard)))
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for e in entries:
-                if is_temp_name(e.name) or (prefix and not e.name.startswith(prefix)):
+                if is_temp_name(e.name):
                     continue
                 try:
                     if not e.is_file(follow_symlinks=False):
@@ -176,6 +183,27 @@ class CacheLayout:
                     continue
                 found.append(Candidate(e.name, st.st_size, st.st_mtime))
         return found
+
+    def point_key_at(self, name: str) -> str | None:
+        """Make the key's symlink name ``name``; returns the version it named before.
+
+        Only a well-formed version name of the same key is returned, so a planted link
+        can never steer a deletion anywhere else.
+        """
+        key = key_part(name)
+        link = os.path.join(self.shard_dir(name), key)
+        try:
+            previous = os.readlink(link)
+        except OSError:  # absent, or not a link
+            previous = None
+        if previous == name:
+            return None
+        tmp = os.path.join(self.shard_dir(name), temp_name(key))
+        os.symlink(name, tmp)
+        os.replace(tmp, link)
+        if previous and _VERSIONED.fullmatch(previous) and key_part(previous) == key:
+            return previous
+        return None
 
     def temp_bytes(self) -> int:
         """Bytes held by fills in progress (temp files under objects/)."""

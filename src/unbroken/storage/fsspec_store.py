@@ -15,8 +15,8 @@ import fsspec
 from unbroken.storage.base import Entry, Store
 from unbroken.storage.retry import RetryPolicy
 
-RANGED_PART = 16 << 20
-"""Objects larger than this download as parallel byte ranges of this size."""
+RANGED_PART = 8 << 20
+"""Objects larger than this move as parallel parts (ranged GETs, multipart PUTs) of this size."""
 RANGED_STREAMS = 8
 """Parallel streams for one large download or multipart upload (memory: streams x part)."""
 
@@ -55,7 +55,7 @@ class FsspecStore(Store):
             self.fs.put_file(
                 local_path,
                 self.path_for(key),
-                chunksize=max(RANGED_PART, 5 << 20),
+                chunksize=max(RANGED_PART, 5 << 20),  # S3's minimum part is 5 MiB
                 max_concurrency=RANGED_STREAMS,
             )
         else:
