@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 
@@ -14,11 +15,14 @@ QUICK_RETRY = RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.02, deadl
 
 
 def cache_bytes(cache_dir: str) -> int:
-    """Bytes of the cached files (objects/), what cache_limit bounds."""
-    cache_dir = os.path.join(cache_dir, "objects")
-    return sum(
-        os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(cache_dir) for f in files
-    )
+    """Bytes of the cached files (regular files under objects/), what cache_limit bounds."""
+    total = 0
+    for d, _, files in os.walk(os.path.join(cache_dir, "objects")):
+        for f in files:
+            st = os.lstat(os.path.join(d, f))
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
 
 
 def test_second_epoch_is_served_from_cache_with_the_remote_down(make_volume, tmp_path):
