@@ -106,6 +106,7 @@ def test_state_at_epoch_end_resumes_at_next_epoch(make_volume):
     assert epoch0 == ref_epochs[0]
     resumed = vol.loader(batch_size=4, num_workers=2, seed=1)
     resumed.load_state_dict(state)
+    assert resumed.epoch == 1  # the epoch the next iteration serves
     assert [flatten(b) for b in resumed] == ref_epochs[1]
     assert resumed.epoch == 1
 
