@@ -13,11 +13,11 @@ from __future__ import annotations
 import fcntl
 import fnmatch
 import hashlib
+import itertools
 import json
 import os
+from array import array
 from collections.abc import Sequence
-
-import numpy as np
 
 from unbroken.storage import Entry, Store, StoreError
 from unbroken.storage.base import temp_name
@@ -34,21 +34,21 @@ class StringTable:
     """Many strings in one bytes blob plus an offsets array: a few objects, not millions.
 
     A forked DataLoader worker touching a list of a million ``str`` objects bumps their
-    refcounts and so copies every page they live on; a blob and a numpy array are never
-    written after the fork, so all workers keep sharing one copy.
+    refcounts and so copies every page they live on; a blob and an array of offsets are
+    never written after the fork, so all workers keep sharing one copy.
     """
 
     def __init__(self, values: Sequence[str]) -> None:
         encoded = [v.encode() for v in values]
         self._blob = b"".join(encoded)
-        self._ends = np.cumsum([len(e) for e in encoded], dtype=np.int64)
+        self._ends = array("q", itertools.accumulate(len(e) for e in encoded))
 
     def __len__(self) -> int:
         return len(self._ends)
 
     def __getitem__(self, i: int) -> str:
-        start = int(self._ends[i - 1]) if i > 0 else 0
-        return self._blob[start : int(self._ends[i])].decode()
+        start = self._ends[i - 1] if i > 0 else 0
+        return self._blob[start : self._ends[i]].decode()
 
 
 class FileIndex:
@@ -63,8 +63,8 @@ class FileIndex:
         self.fingerprint = fingerprint
         """sha256 over keys, sizes and etags: changes whenever the file set changes."""
         self._keys = StringTable([e.key for e in entries])
-        self._sizes = np.array([e.size for e in entries], dtype=np.int64)
-        self._has_etag = np.array([e.etag is not None for e in entries], dtype=bool)
+        self._sizes = array("q", (e.size for e in entries))
+        self._has_etag = array("b", (e.etag is not None for e in entries))
         self._etags = StringTable([e.etag or "" for e in entries])
 
     def __len__(self) -> int:
@@ -75,7 +75,7 @@ class FileIndex:
             raise IndexError(f"sample {i} outside the {len(self)} files of {self.url}")
         i %= len(self)
         etag = self._etags[i] if self._has_etag[i] else None
-        return Entry(self._keys[i], int(self._sizes[i]), etag)
+        return Entry(self._keys[i], self._sizes[i], etag)
 
     @property
     def entries(self) -> list[Entry]:
