@@ -95,3 +95,13 @@ def test_in_process_ranks_share_cache_too(make_volume):
     serve(ranks)
     serve(ranks)
     assert sum(ld.metrics.misses for ld in ranks) == 12
+
+
+def test_transient_remote_faults_are_retried_and_counted(make_volume):
+    vol = make_volume(20)
+    vol.url = "emulated::" + vol.url
+    vol.options = {"latency": 0.0, "bandwidth": None, "fail_rate": 0.3, "seed": 5}
+    patient = RetryPolicy(max_attempts=30, base_delay=0.001, max_delay=0.005, deadline=10.0)
+    ld = vol.loader(batch_size=4, num_workers=2, retry=patient)
+    assert sorted(s for b in ld for s in flatten(b)) == list(range(20))
+    assert ld.metrics.retries > 0 and ld.metrics.misses == 20
