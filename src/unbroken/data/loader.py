@@ -247,7 +247,8 @@ class DataLoader(torch.utils.data.DataLoader):
             raise LoaderStateError(
                 f"unbroken.DataLoader: the saved position belongs to another file set: "
                 f"saved index fingerprint {state['fingerprint']} ({state['num_samples']} files), "
-                f"this volume {ds.url} has {ds.fingerprint} ({len(ds)} files)"
+                f"this volume {ds.url} has {ds.fingerprint} ({len(ds)} files). The files, "
+                "the include/exclude patterns or the cached index (refresh_index=True) differ"
             )
         for key, mine in (("seed", ds.seed), ("shuffle", ds.shuffle)):
             if state[key] != mine:
