@@ -19,6 +19,7 @@ import io
 import json
 import os
 import random
+import resource
 import shutil
 import tempfile
 import time
@@ -60,7 +61,7 @@ def _make_jpegs(args: tuple[str, int, int]) -> None:
 
 def ensure_dataset(bench_dir: str, files: int, workers: int) -> tuple[str, list[str]]:
     """``files`` JPEGs under ``bench_dir`` (generated once, reused by later runs)."""
-    directory = os.path.join(bench_dir, f"jpeg-{SIDE}")
+    directory = os.path.join(bench_dir, f"jpeg{SIDE}-{files}")
     os.makedirs(directory, exist_ok=True)
     step = 250
     jobs = [(directory, s, min(files, s + step)) for s in range(0, files, step)]
@@ -112,11 +113,48 @@ class LocalFiles(torch.utils.data.Dataset):
             return decode(f.read(), self.keys[i])
 
 
+def tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and all its children, live or reaped."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in _live_descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def _live_descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
 class Epoch:
-    """One timed pass: images, whole seconds, seconds to the first batch, steady rate."""
+    """One timed pass: images, seconds, seconds to the first batch, steady rate, CPU."""
 
     def __init__(self, loader) -> None:
         self.images = 0
+        cpu_before = tree_cpu_seconds()
         started = time.perf_counter()
         first_at, first_images = None, 0
         for batch in loader:
@@ -124,6 +162,8 @@ class Epoch:
             if first_at is None:
                 first_at, first_images = time.perf_counter(), self.images
         ended = time.perf_counter()
+        self.cpu_ms = (tree_cpu_seconds() - cpu_before) * 1000 / max(self.images, 1)
+        """CPU milliseconds per image, all processes: what the load of others cannot skew."""
         self.seconds = ended - started
         self.first_batch = (first_at or ended) - started
         steady_seconds = ended - (first_at or ended)
@@ -138,6 +178,26 @@ def stock_loader(dataset, args) -> torch.utils.data.DataLoader:
     )  # fmt: skip
 
 
+def unbroken_epochs(remote_url: str, options: dict, args) -> tuple[Epoch, Epoch, dict, dict]:
+    """Epoch 1 with an empty cache, then epoch 2 of the same loader; metrics after each."""
+    run_dir = tempfile.mkdtemp(prefix="unbroken-bench-data-")
+    try:
+        ds = ub.VolumeDataset(
+            remote_url, decode, cache_dir=os.path.join(run_dir, "cache"),
+            storage_options=options, index_dir=os.path.join(run_dir, "index"),
+            include="*.jpg", seed=0,
+        )  # fmt: skip
+        loader = ub.DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
+        e1 = Epoch(loader)
+        cold = loader.metrics.snapshot()
+        e2 = Epoch(loader)
+        warm = loader.metrics.snapshot()
+        del loader
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return e1, e2, cold, warm
+
+
 # -- the run -----------------------------------------------------------------------------
 
 
@@ -148,6 +208,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="default: one per core")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument(
+        "--repeat", type=int, default=None, help="rounds, best of each row (1 quick, 2 full)"
+    )
+    parser.add_argument(
         "--bench-dir",
         default=os.environ.get("UNBROKEN_BENCH_DIR")
         or os.path.join(os.path.expanduser("~"), ".cache", "unbroken", "bench"),
@@ -156,6 +219,7 @@ def main() -> None:
     args = parser.parse_args()
     files = args.files or (600 if args.quick else 10_000)
     args.workers = args.workers or _cores()
+    args.repeat = max(1, args.repeat or (1 if args.quick else 2))
     profile = ub.RemoteProfile(link=f"bench-data-{os.getpid()}")
     options = profile.as_options()
 
@@ -165,29 +229,28 @@ def main() -> None:
     remote_url = f"emulated::{root}"
     rows: dict[str, Epoch] = {}
 
-    rows["stock local"] = Epoch(stock_loader(LocalFiles(root, keys), args))
-    rows["stock remote"] = Epoch(stock_loader(RemoteFiles(remote_url, options, keys), args))
+    def keep_best(name: str, epoch: Epoch) -> None:
+        if name not in rows or epoch.rate > rows[name].rate:
+            rows[name] = epoch
 
-    run_dir = tempfile.mkdtemp(prefix="unbroken-bench-data-")
-    try:
-        ds = ub.VolumeDataset(
-            remote_url, decode, cache_dir=os.path.join(run_dir, "cache"),
-            storage_options=options, index_dir=os.path.join(run_dir, "index"),
-            include="*.jpg", seed=0,
-        )  # fmt: skip
-        loader = ub.DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
-        rows["unbroken e1"] = Epoch(loader)
-        cold = loader.metrics.snapshot()
-        rows["unbroken e2"] = Epoch(loader)
-        warm = loader.metrics.snapshot()
-        del loader
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    # rows interleaved round by round, best of --repeat: load drift hits every row alike
+    for _ in range(args.repeat):
+        keep_best("stock local", Epoch(stock_loader(LocalFiles(root, keys), args)))
+        remote = RemoteFiles(remote_url, options, keys)
+        keep_best("stock remote", Epoch(stock_loader(remote, args)))
+        e1, e2, cold, warm = unbroken_epochs(remote_url, options, args)
+        if "unbroken e1" not in rows or e1.rate > rows["unbroken e1"].rate:
+            cache_e1, cache_e2 = cold, warm
+        keep_best("unbroken e1", e1)
+        keep_best("unbroken e2", e2)
+    cold, warm = cache_e1, cache_e2
 
     ips = {name: epoch.rate for name, epoch in rows.items()}
+    cores = _cores()
     link_ips = profile.bandwidth / mean
-    binding = min(link_ips, ips["stock local"])
-    bound_by = "link" if link_ips < ips["stock local"] else "decode (local ceiling)"
+    decode_ips = cores * 1000 / rows["stock local"].cpu_ms  # cores / CPU cost of an image
+    binding = min(link_ips, decode_ips)
+    bound_by = "link" if link_ips < decode_ips else "decode"
     stock = ips["stock remote"]
     labels = {
         "stock remote": "stock DataLoader, remote",
@@ -202,26 +265,32 @@ def main() -> None:
     print(f"remote: {profile.describe()}; {files} JPEGs, mean {format_size(mean)}")
     print(
         f"{args.workers} workers everywhere, batch {args.batch_size}, decode = PIL + random "
-        f"{CROP} crop + flip; stock remote reads with store.read_bytes in a plain Dataset"
+        f"{CROP} crop + flip; stock remote reads with store.read_bytes in a plain Dataset; "
+        f"best of {args.repeat} round(s); load average {os.getloadavg()[0]:.1f} on {cores} cores"
     )
     print(
         f"{'run':<30} {'images':>7} {'epoch s':>8} {'1st batch s':>11} {'images/s':>9} "
-        f"{'vs stock':>9}  published (stock -> theirs)"
+        f"{'vs stock':>9} {'CPU ms/img':>10}  published (stock -> theirs)"
     )
     for name in ("stock remote", "unbroken e1", "unbroken e2", "stock local"):
         r = rows[name]
         print(
             f"{labels[name]:<30} {r.images:>7} {r.seconds:>8.2f} {r.first_batch:>11.2f} "
-            f"{r.rate:>9.1f} {r.rate / stock:>8.1f}x  {published.get(name, '')}"
+            f"{r.rate:>9.1f} {r.rate / stock:>8.1f}x {r.cpu_ms:>10.2f}  {published.get(name, '')}"
         )
     e1_ratio = ips["unbroken e1"] / binding
     e2_ratio = ips["unbroken e2"] / ips["stock local"]
+    e1_idle = min(link_ips, cores * 1000 / rows["unbroken e1"].cpu_ms)
+    e1_cpu_ratio = e1_idle / binding
+    e2_cpu_ratio = rows["stock local"].cpu_ms / rows["unbroken e2"].cpu_ms
     print(
-        f"limits: link {link_ips:.0f} images/s, local ceiling {ips['stock local']:.0f} "
-        f"images/s; binding: {bound_by}"
+        f"limits: link {link_ips:.0f} images/s; decode {decode_ips:.0f} images/s "
+        f"({cores} cores / {rows['stock local'].cpu_ms:.2f} CPU ms per image); binding: {bound_by}"
     )
-    print(f"targets: epoch 1 / binding limit = {e1_ratio:.2f} (>= 0.8); "
+    print(f"targets, measured: epoch 1 / binding limit = {e1_ratio:.2f} (>= 0.8); "
           f"epoch 2 / local ceiling = {e2_ratio:.2f} (>= 0.9)")  # fmt: skip
+    print(f"targets, from CPU cost (what idle cores would give): epoch 1 = {e1_cpu_ratio:.2f}; "
+          f"epoch 2 = {e2_cpu_ratio:.2f}")  # fmt: skip
     e1_cache = {k: cold.get(k, 0) for k in ("hits", "misses", "bytes_fetched", "retries")}
     waits = (cold["fetch_seconds"], warm["fetch_seconds"] - cold["fetch_seconds"])
     print(f"unbroken cache, epoch 1: {e1_cache}; "
@@ -232,10 +301,15 @@ def main() -> None:
         "workers": args.workers,
         "batch_size": args.batch_size,
         **{f"{k.replace(' ', '_')}_images_per_s": round(v, 1) for k, v in ips.items()},
+        **{f"{k.replace(' ', '_')}_cpu_ms_per_image": round(r.cpu_ms, 3) for k, r in rows.items()},
         "link_images_per_s": round(link_ips, 1),
+        "decode_images_per_s": round(decode_ips, 1),
         "bound_by": bound_by,
         "epoch1_vs_binding_limit": round(e1_ratio, 3),
         "epoch2_vs_local_ceiling": round(e2_ratio, 3),
+        "epoch1_vs_binding_limit_by_cpu": round(e1_cpu_ratio, 3),
+        "epoch2_vs_local_ceiling_by_cpu": round(e2_cpu_ratio, 3),
+        "load_average": round(os.getloadavg()[0], 2),
         "epoch1_vs_stock_remote": round(ips["unbroken e1"] / stock, 2),
         "epoch2_vs_stock_remote": round(ips["unbroken e2"] / stock, 2),
         "published_epoch1_vs_stock": round(PUBLISHED["epoch1"][1] / PUBLISHED["epoch1"][0], 1),
