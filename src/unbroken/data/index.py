@@ -15,6 +15,7 @@ import fnmatch
 import hashlib
 import itertools
 import json
+import logging
 import os
 from array import array
 from collections.abc import Sequence
@@ -24,6 +25,8 @@ from unbroken.storage.base import temp_name
 from unbroken.storage.errors import redact
 
 INDEX_FORMAT = 1
+
+log = logging.getLogger(__name__)
 
 
 class EmptyVolumeError(ValueError):
@@ -157,16 +160,24 @@ def load_or_build_index(
     include, exclude = _patterns(include), _patterns(exclude)
     if index_dir is None:
         return build_index(store, include, exclude)
-    os.makedirs(index_dir, exist_ok=True)
     path = os.path.join(index_dir, f"index-{_cache_key(store.url, include, exclude)}.json")
     if not refresh and (cached := _read(path, store.url)) is not None:
         return cached
-    with open(path + ".lock", "a+") as lock:
+    try:
+        os.makedirs(index_dir, exist_ok=True)
+        lock = open(path + ".lock", "a+")  # noqa: SIM115 (closed below)
+    except OSError as exc:  # a read-only or full disk: list, and say why it is not kept
+        log.warning("file index not cached in %s (%s); listing %s", index_dir, exc, store)
+        return build_index(store, include, exclude)
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one lister per node; the rest wait and read
         if not refresh and (cached := _read(path, store.url)) is not None:
             return cached
         index = build_index(store, include, exclude)
-        _write(path, index, store.url, include, exclude)
+        try:
+            _write(path, index, store.url, include, exclude)
+        except OSError as exc:
+            log.warning("file index not cached at %s: %s", path, exc)
         return index
 
 
