@@ -1,0 +1,337 @@
+"""A node-local disk cache of remote files, shared by every worker and rank on the node.
+
+``read(entry)`` serves a file from the cache directory, fetching it from the store on
+first access. A fill is atomic (temp file + rename) and deduplicated across processes
+by a fill lock, so no file is fetched twice at the same time; a crashed filler leaves
+only a temp file, swept later. With a ``limit``, bytes are reserved before a fetch and
+files are evicted to make room, furthest-future use first (see ``eviction.py``).
+The on-disk protocol lives in ``cache_files.py``; this module decides what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+
+from unbroken._util.sizes import parse_size
+from unbroken.data.access_plan import PlanReader, PlanWriter
+from unbroken.data.cache_files import CacheLayout, object_name
+from unbroken.data.cache_stats import CacheStats
+from unbroken.data.eviction import evict_until, next_use
+from unbroken.storage import Entry, Store
+from unbroken.storage.errors import redact
+
+SMALL_FILE = 8 << 20
+"""Files up to this size are fetched in one request into memory; larger ones stream."""
+EVICT_SLACK = 0.02
+"""When the cache is full, evict this fraction of the limit beyond what is needed, so
+that the directory scan behind an eviction is paid once per batch, not once per file."""
+_POLL_MIN, _POLL_MAX = 0.002, 0.05
+_ABSENT = object()
+
+
+class SourceChangedError(OSError):
+    """The remote object no longer matches the size the index recorded for it."""
+
+
+class LocalCache:
+    """Remote files copied to ``cache_dir`` on first access and served from there.
+
+    Picklable: create it in the main process and use it in DataLoader workers (forked
+    or spawned). Each process counts its own work in :attr:`stats`.
+    """
+
+    small_file: int = SMALL_FILE
+    """Files up to this size are fetched in one request; larger ones stream to disk."""
+
+    def __init__(
+        self, store: Store, cache_dir: str | None = None, limit: int | str | None = None
+    ) -> None:
+        self.store = store
+        self.cache_dir = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir(store)))
+        self.limit = parse_size(limit)
+        if self.limit is not None and self.limit <= 0:
+            raise ValueError(f"LocalCache: limit must be positive, got {limit!r}")
+        self._setup()
+        self.swept = self._sweep()
+
+    def _sweep(self) -> int:
+        """Clean up after crashed fillers; returns how many leftovers were removed.
+
+        A filler holds its lock file from before it reserves bytes until after it
+        publishes, so a stale lock file is the sign of a crash: only then (or for a new
+        cache) are temp files swept and the ledger recounted from the disk.
+        """
+        stale = self.layout.sweep_locks()
+        if not stale and self.layout.has_ledger():
+            return 0
+        removed = stale + self.layout.sweep_temps()
+        self._recount()
+        return removed
+
+    def _setup(self) -> None:
+        self.layout = CacheLayout(self.cache_dir)
+        self._stats = CacheStats()
+        self._retries_base = self.store.stats.retries
+        self._plan: PlanWriter | None = None
+        self._plans = PlanReader(self.layout.plans)
+        self._local_fills: dict[str, threading.Event] = {}
+        self._mutex = threading.Lock()
+        _live.add(self)
+
+    def __getstate__(self) -> dict:
+        keep = ("store", "cache_dir", "limit", "small_file")
+        return {k: self.__dict__[k] for k in keep if k in self.__dict__}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._setup()
+
+    def __repr__(self) -> str:
+        return f"LocalCache({self.store!r}, cache_dir={self.cache_dir!r}, limit={self.limit})"
+
+    @property
+    def stats(self) -> CacheStats:
+        """This process's counters (retries read from the store's retry stats)."""
+        self._stats.retries = self.store.stats.retries - self._retries_base
+        return self._stats
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes the node-wide ledger says the cache holds (published + being filled)."""
+        with self.layout.ledger() as ledger:
+            return ledger.used
+
+    # -- public surface -------------------------------------------------------------
+
+    def read(self, entry: Entry) -> bytes:
+        """The file's bytes: from disk on a hit; fetched (once per node) on a miss."""
+        name = self._name(entry)
+        data = self.layout.read_pinned(name, entry.size)
+        if data is None:
+            data = self._fill(entry, name, want=True)
+        else:
+            self._stats.add(hits=1)
+        if self._plan is not None:
+            self._plan.advance(name)
+        return data
+
+    def fetch(self, entry: Entry) -> None:
+        """Make sure the file is cached (counts a miss only if it had to be fetched)."""
+        name = self._name(entry)
+        if not self.layout.is_published(name, entry.size):
+            self._fill(entry, name, want=False)
+
+    def contains(self, entry: Entry) -> bool:
+        """True if this version of the file is in the cache (no remote request)."""
+        return self.layout.is_published(self._name(entry), entry.size)
+
+    def plan(self, upcoming: Sequence[Entry]) -> None:
+        """Publish this process's future access order; eviction keeps what comes soon."""
+        if self._plan is None or self._plan.pid != os.getpid():
+            self._plan = PlanWriter(self.layout.plans)
+        self._plan.publish([self._name(e) for e in upcoming])
+
+    def close(self) -> None:
+        """Withdraw this process's plan. The cached files stay."""
+        if self._plan is not None and self._plan.pid == os.getpid():
+            self._plan.close()
+        self._plan = None
+
+    # -- fills ------------------------------------------------------------------------
+
+    def _name(self, entry: Entry) -> str:
+        if not isinstance(entry, Entry):
+            raise TypeError(f"LocalCache needs a storage Entry, got {type(entry).__name__}")
+        return object_name(self.store.url, entry.key, entry.size, entry.etag)
+
+    def _fill(self, entry: Entry, name: str, *, want: bool) -> bytes | None:
+        """Fetch ``entry`` unless another thread or process is already doing it."""
+        with self._mutex:
+            event = self._local_fills.get(name)
+            mine = event is None
+            if mine:
+                event = self._local_fills[name] = threading.Event()
+        if not mine:  # another thread of this process fills it
+            event.wait()
+            served = self._serve_published(entry, name, want, waited=True)
+            return self._fill(entry, name, want=want) if served is _ABSENT else served
+        try:
+            return self._fill_as_owner(entry, name, want)
+        finally:
+            with self._mutex:
+                del self._local_fills[name]
+            event.set()
+
+    def _fill_as_owner(self, entry: Entry, name: str, want: bool) -> bytes | None:
+        """Take the node-wide fill lock and fetch, or serve what another process filled."""
+        delay = _POLL_MIN
+        waited = False
+        while True:
+            fd = self.layout.try_lock(name)
+            if fd is None:  # another process fills it: poll for its result
+                waited = True
+                time.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX)
+                if self.layout.is_published(name, entry.size):
+                    served = self._serve_published(entry, name, want, waited=True)
+                    if served is not _ABSENT:
+                        return served
+                continue
+            try:
+                served = self._serve_published(entry, name, want, waited)
+                if served is not _ABSENT:
+                    return served
+                return self._fetch_and_publish(entry, name)
+            finally:
+                self.layout.unlock(name, fd)
+
+    def _serve_published(self, entry: Entry, name: str, want: bool, waited: bool) -> object:
+        """The published copy (its bytes, or None if not ``want``ed); _ABSENT if none."""
+        if want:
+            data = self.layout.read_pinned(name, entry.size)
+            if data is None:
+                return _ABSENT
+        elif self.layout.is_published(name, entry.size):
+            data = None
+        else:
+            return _ABSENT
+        self._stats.add(hits=int(want), waits=int(waited))
+        return data
+
+    def _fetch_and_publish(self, entry: Entry, name: str) -> bytes:
+        """Download into a temp file, check its size, rename into place. Holds the lock."""
+        path = self.layout.object_path(name)
+        self._reserve(entry.size)
+        tmp = self.layout.temp_path(name)
+        started = time.monotonic()
+        try:
+            large = entry.size > self.small_file
+            if not large:
+                data = self.store.read_bytes(entry.key)
+                self._check_size(entry, len(data))
+                _write_new(tmp, data)
+            else:
+                self.store.download(entry.key, tmp)
+                self._check_size(entry, os.path.getsize(tmp))
+                data = b""
+            replaced = os.path.exists(path)  # a damaged copy, already counted
+            if not large:
+                os.replace(tmp, path)
+            else:  # pin the large file across the rename, then read it
+                data = self.layout.publish_and_read(tmp, path)
+        except BaseException:
+            self._release(entry.size)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        self._stats.add(
+            misses=1, bytes_fetched=entry.size, fetch_seconds=time.monotonic() - started
+        )
+        if replaced:
+            self._release(entry.size)
+        self._drop_old_versions(name)
+        return data
+
+    def _check_size(self, entry: Entry, got: int) -> None:
+        if got != entry.size:
+            raise SourceChangedError(
+                f"{redact(self.store.url_for(entry.key))}: the remote file has {got} bytes "
+                f"but the index says {entry.size}; it changed since the index was built "
+                f"(rebuild the index)"
+            )
+
+    def _drop_old_versions(self, name: str) -> None:
+        """A changed source left its previous version here: remove it (unless pinned)."""
+        previous = self.layout.point_key_at(name)
+        if previous is not None:
+            self._release(self.layout.remove_if_unpinned(previous) or 0)
+
+    # -- byte accounting and eviction ---------------------------------------------------
+
+    def _reserve(self, nbytes: int) -> None:
+        """Count ``nbytes`` before they land, evicting first if the limit needs it.
+
+        If every remaining file is pinned, the fill proceeds anyway: the overshoot is at
+        most the files being read or filled at that moment.
+        """
+        with self.layout.ledger() as ledger:
+            if self.limit is not None and ledger.used + nbytes > self.limit:
+                need = ledger.used + nbytes - self.limit + int(self.limit * EVICT_SLACK)
+                ledger.used -= self._evict(need)
+            ledger.used += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        if nbytes:
+            with self.layout.ledger() as ledger:
+                ledger.used -= nbytes
+
+    def _evict(self, need: int) -> int:
+        """Free at least ``need`` bytes if unpinned files allow; returns bytes freed."""
+        upcoming = next_use(self._plans.load())
+        sizes: dict[str, int] = {}
+
+        def evict(c) -> bool:
+            lock = self.layout.try_lock(c.name)  # never race a fill replacing that file
+            if lock is None:
+                return False
+            try:
+                size = self.layout.remove_if_unpinned(c.name)
+            finally:
+                self.layout.unlock(c.name, lock)
+            if size is None:
+                return False
+            sizes[c.name] = size
+            return True
+
+        evicted = evict_until(self.layout.scan_objects(), upcoming, need, evict)
+        freed = sum(sizes.values())
+        self._stats.add(evictions=len(evicted), bytes_evicted=freed)
+        return freed
+
+    def _recount(self) -> None:
+        """Set the ledger from what is on disk (after a crash it may have drifted)."""
+        with self.layout.ledger() as ledger:
+            published = sum(c.size for c in self.layout.scan_objects())
+            ledger.used = published + self.layout.temp_bytes()
+            if self.limit is not None and ledger.used > self.limit:
+                ledger.used -= self._evict(ledger.used - self.limit)
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """Create ``path`` with ``data``: raw syscalls, fewest GIL hand-offs in a busy worker."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def default_cache_dir(store: Store) -> str:
+    """``$UNBROKEN_CACHE_DIR`` or ``~/.cache/unbroken/data``, one subdirectory per store."""
+    base = os.environ.get("UNBROKEN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "unbroken", "data"
+    )
+    return os.path.join(base, hashlib.sha1(store.url.encode()).hexdigest()[:16])
+
+
+_live: weakref.WeakSet[LocalCache] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """A forked child gets fresh locks: a parent thread may have held one at the fork."""
+    for cache in list(_live):
+        cache._mutex = threading.Lock()
+        cache._local_fills = {}
+        cache._stats._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)

@@ -1,0 +1,274 @@
+"""VolumeDataset: a directory of raw files on any store, served in a planned order.
+
+Each worker knows, from pure functions, exactly which samples it will serve this
+epoch and in which order (``order.py``, ``partition.py``). It tells the local cache
+that future (for eviction), fetches ahead with the prefetcher, decodes each sample
+under RNGs seeded for that sample (``seeding.py``), collates and hands over one
+tagged batch at a time (``delivery.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from unbroken._util.sizes import parse_size
+from unbroken.data.cache import LocalCache, default_cache_dir
+from unbroken.data.delivery import Delivery
+from unbroken.data.index import FileIndex, load_or_build_index
+from unbroken.data.metrics import WorkerCounters
+from unbroken.data.order import epoch_order
+from unbroken.data.partition import Partition, worker_batches
+from unbroken.data.prefetch import Prefetcher
+from unbroken.data.seeding import preserved_rngs, sample_seed, seed_rngs
+from unbroken.storage import Entry, RetryPolicy, Store, open_store
+from unbroken.storage.errors import redact
+
+log = logging.getLogger(__name__)
+
+Decode = Callable[[bytes, str], Any]
+
+
+class SampleReadError(RuntimeError):
+    """A file of the volume could not be read or decoded; the message names it."""
+
+
+def raw_bytes(data: bytes, path: str) -> bytes:
+    """The default decode: the file's bytes as they are."""
+    return data
+
+
+class VolumeDataset(IterableDataset):
+    """Raw files under ``url`` (a path or any fsspec URL), one sample per file.
+
+    Sample ``i`` is the ``i``-th file of the sorted index. Iterated directly (or by a
+    stock torch DataLoader) it yields this rank's samples of epoch ``self.epoch``
+    one by one; :class:`unbroken.DataLoader` drives it batch by batch with exact
+    resume.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike | Store,
+        decode: Decode | None = None,
+        *,
+        cache_dir: str | None = None,
+        cache_limit: int | str | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        include: str | Sequence[str] | None = None,
+        exclude: str | Sequence[str] | None = None,
+        on_error: str = "raise",
+        storage_options: dict[str, Any] | None = None,
+        prefetch_depth: int = 16,
+        prefetch_threads: int = 8,
+        index_dir: str | None = None,
+        refresh_index: bool = False,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"VolumeDataset: on_error must be 'raise' or 'skip', got {on_error!r}")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"VolumeDataset: seed must be an int >= 0, got {seed!r}")
+        if prefetch_depth < 1 or prefetch_threads < 1:
+            raise ValueError("VolumeDataset: prefetch_depth and prefetch_threads must be >= 1")
+        self.decode: Decode = decode or raw_bytes
+        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
+        self.cache_limit = parse_size(cache_limit)
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.on_error = on_error
+        self.prefetch_depth = prefetch_depth
+        self.prefetch_threads = prefetch_threads
+        self.epoch = 0
+        """Epoch served when the dataset is iterated directly (the DataLoader sets its own)."""
+        self._store = open_store(url, retry=retry, **(storage_options or {}))
+        self._owner_pid = os.getpid()
+        if self.cache_dir is None:
+            self.cache_dir = default_cache_dir(self._store)
+        if index_dir is None:  # beside the cached files; the cache never touches it
+            index_dir = os.path.join(self.cache_dir, "index")
+        self.index: FileIndex = load_or_build_index(
+            self._store, index_dir, include, exclude, refresh=refresh_index
+        )
+        self._local: _PerProcess | None = None
+
+    # -- what the volume holds ------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return redact(self._store.url)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.index.fingerprint
+
+    def __len__(self) -> int:
+        """Files in the volume (samples per epoch before partitioning)."""
+        return len(self.index)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Sample index at each position of ``epoch``."""
+        return epoch_order(self.seed, epoch, len(self.index), shuffle=self.shuffle)
+
+    def partition(self, start: int, batch_size: int, drop_last: bool = True) -> Partition:
+        return Partition(len(self.index), start, batch_size, self.world_size, drop_last)
+
+    # -- serving ----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        """This rank's samples of ``self.epoch``, split over torch workers if any."""
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        deliveries = self.iter_batches(
+            self.epoch, 0, batch_size=1, drop_last=True, collate_fn=list,
+            worker=worker, num_workers=workers,
+        )  # fmt: skip
+        for d in deliveries:
+            if d.batch:
+                yield d.batch[0]
+
+    def iter_batches(
+        self,
+        epoch: int,
+        start: int,
+        *,
+        batch_size: int,
+        drop_last: bool,
+        collate_fn: Callable[[list[Any]], Any],
+        worker: int = 0,
+        num_workers: int = 1,
+        generation: int = 0,
+    ) -> Iterator[Delivery]:
+        """This worker's batches of this rank, from global position ``start`` of ``epoch``."""
+        part = self.partition(start, batch_size, drop_last)
+        order = self.order(epoch)
+        mine = worker_batches(part.num_batches, worker, num_workers)
+        batches = [(k, order[slice(*part.batch_range(k, self.rank))]) for k in mine]
+        local = self._per_process()
+        counters = local.counters
+        samples = self._decoded(epoch, np.concatenate([b for _, b in batches] or [[]]), counters)
+        for k, indices in batches:
+            with preserved_rngs():  # decode reseeds them per sample; put them back
+                items = [s for s in (next(samples) for _ in indices) if s is not _SKIP]
+            yield Delivery(
+                batch=collate_fn(items) if items else None,
+                epoch=epoch,
+                batch_id=k,
+                position=part.position_after(k),
+                generation=generation,
+                stats=counters.take(local.cache_snapshot()),
+            )
+
+    def _decoded(self, epoch: int, indices: np.ndarray, counters: WorkerCounters) -> Iterator[Any]:
+        """Decoded samples of ``indices`` in order; ``_SKIP`` for a skipped one.
+
+        Reseeds the global RNGs for each sample: consume it inside ``preserved_rngs``.
+        """
+        entries = [self.index[int(i)] for i in indices]
+        for i, (entry, data) in zip(indices, self._fetched(entries)):
+            if isinstance(data, BaseException):
+                yield self._failed(entry, "read", data, counters)
+                continue
+            t0 = time.perf_counter()
+            try:
+                seed_rngs(sample_seed(self.seed, epoch, int(i)))
+                sample = self.decode(data, entry.key)
+            except Exception as exc:
+                sample = self._failed(entry, "decode", exc, counters)
+            else:
+                counters.add("samples")
+            counters.add("decode_seconds", time.perf_counter() - t0)
+            yield sample
+
+    def _fetched(self, entries: list[Entry]) -> Iterator[tuple[Entry, bytes | BaseException]]:
+        """(entry, bytes) in order, fetched ahead; (entry, error) for one that failed.
+
+        After a failure the prefetcher starts again from the next entry, so one bad
+        file costs one restart of the read-ahead, not the rest of the epoch.
+        """
+        cache = self._per_process().cache
+        cache.plan(entries)
+        pos = 0
+        while pos < len(entries):
+            prefetcher = Prefetcher(cache, depth=self.prefetch_depth, threads=self.prefetch_threads)
+            try:
+                for entry, data in prefetcher.iterate(entries[pos:]):
+                    pos += 1
+                    yield entry, data
+            except Exception as exc:
+                pos += 1
+                yield entries[pos - 1], exc
+            finally:
+                prefetcher.close()
+        cache.close()  # withdraw this process's access plan: nothing more is coming
+
+    def _failed(self, entry: Entry, what: str, exc: BaseException, counters: WorkerCounters):
+        message = f"VolumeDataset: cannot {what} {entry.key!r} from {self.url}: {exc}"
+        if self.on_error == "raise":
+            raise SampleReadError(message) from exc
+        counters.add("skipped")
+        log.warning("%s (skipped: on_error='skip')", message)
+        return _SKIP
+
+    # -- per-process resources -------------------------------------------------------
+
+    def _per_process(self) -> _PerProcess:
+        """This process's store, cache and counters; a forked worker makes its own."""
+        pid = os.getpid()
+        if self._local is None or self._local.pid != pid:
+            store = self._store
+            if pid != self._owner_pid:  # fsspec clients are not fork-safe: rebuild
+                store = pickle.loads(pickle.dumps(store))
+            self._local = _PerProcess(pid, store, self.cache_dir, self.cache_limit)
+        return self._local
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_local"] = None
+        return state
+
+
+class _PerProcess:
+    """What each process (main or worker) owns: a store client, the cache, counters."""
+
+    def __init__(self, pid: int, store: Store, cache_dir: str, limit: int | None) -> None:
+        self.pid = pid
+        self.store = store
+        self.cache = LocalCache(store, cache_dir, limit)
+        self.counters = WorkerCounters()
+
+    def cache_snapshot(self) -> dict[str, Any]:
+        return self.cache.stats.snapshot()
+
+
+class _Skip:
+    def __repr__(self) -> str:
+        return "<skipped sample>"
+
+
+_SKIP = _Skip()
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Explicit values, else torch.distributed's, else a single process."""
+    dist = torch.distributed
+    initialized = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialized else 1
+    if rank is None:
+        rank = dist.get_rank() if initialized else 0
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"VolumeDataset: rank {rank} is outside world_size {world_size}")
+    return rank, world_size

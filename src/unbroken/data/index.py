@@ -1,0 +1,234 @@
+"""The file index of a volume: relative keys, sizes and etags, listed once and cached.
+
+Listing a million-object bucket takes minutes, so the index is built once per
+(URL, include, exclude), written as a JSON file in the index directory, and read
+back by every later epoch, worker, rank and restart on the node. The first process
+to need it lists under a file lock; the others wait and read its result. The
+fingerprint (a hash of keys, sizes and etags) ties a saved data position to exactly
+this file set: resuming against a changed volume is refused, never silently wrong.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import fnmatch
+import hashlib
+import itertools
+import json
+import logging
+import os
+from array import array
+from collections.abc import Sequence
+
+from unbroken.storage import Entry, Store, StoreError
+from unbroken.storage.base import temp_name
+from unbroken.storage.errors import redact
+
+INDEX_FORMAT = 1
+
+log = logging.getLogger(__name__)
+
+
+class EmptyVolumeError(ValueError):
+    """The volume has no file that the include/exclude patterns select."""
+
+
+class StringTable:
+    """Many strings in one bytes blob plus an offsets array: a few objects, not millions.
+
+    A forked DataLoader worker touching a list of a million ``str`` objects bumps their
+    refcounts and so copies every page they live on; a blob and an array of offsets are
+    never written after the fork, so all workers keep sharing one copy.
+    """
+
+    def __init__(self, values: Sequence[str]) -> None:
+        encoded = [v.encode() for v in values]
+        self._blob = b"".join(encoded)
+        self._ends = array("q", itertools.accumulate(len(e) for e in encoded))
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i: int) -> str:
+        start = self._ends[i - 1] if i > 0 else 0
+        return self._blob[start : self._ends[i]].decode()
+
+
+class FileIndex:
+    """Every file of the volume selected by the patterns, sorted by key.
+
+    Sample ``i`` is ``index[i]``, an :class:`Entry` made on demand.
+    """
+
+    def __init__(self, url: str, entries: Sequence[Entry], fingerprint: str) -> None:
+        self.url = url
+        """The volume's URL (credentials redacted)."""
+        self.fingerprint = fingerprint
+        """sha256 over keys, sizes and etags: changes whenever the file set changes."""
+        self._keys = StringTable([e.key for e in entries])
+        self._sizes = array("q", (e.size for e in entries))
+        self._has_etag = array("b", (e.etag is not None for e in entries))
+        self._etags = StringTable([e.etag or "" for e in entries])
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __getitem__(self, i: int) -> Entry:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} outside the {len(self)} files of {self.url}")
+        i %= len(self)
+        etag = self._etags[i] if self._has_etag[i] else None
+        return Entry(self._keys[i], self._sizes[i], etag)
+
+    @property
+    def entries(self) -> list[Entry]:
+        """All entries (materialised: for tests and small volumes)."""
+        return [self[i] for i in range(len(self))]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FileIndex):
+            return NotImplemented
+        return (self.url, self.fingerprint, len(self)) == (other.url, other.fingerprint, len(other))
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __repr__(self) -> str:
+        return f"FileIndex({self.url!r}, {len(self)} files, fingerprint={self.fingerprint[:12]})"
+
+
+def select(
+    entries: Sequence[Entry],
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+) -> list[Entry]:
+    """Entries whose key matches an include glob (all if none) and no exclude glob.
+
+    Globs are matched against the whole relative key with ``fnmatch`` rules, where
+    ``*`` also crosses '/': ``"*.jpg"`` selects JPEGs at any depth.
+    """
+    inc = list(include or [])
+    exc = list(exclude or [])
+    return sorted(
+        e
+        for e in entries
+        if (not inc or any(fnmatch.fnmatchcase(e.key, p) for p in inc))
+        and not any(fnmatch.fnmatchcase(e.key, p) for p in exc)
+    )
+
+
+def fingerprint(entries: Sequence[Entry]) -> str:
+    h = hashlib.sha256()
+    for e in entries:
+        h.update(f"{e.key}\0{e.size}\0{e.etag or ''}\n".encode())
+    return h.hexdigest()
+
+
+def build_index(
+    store: Store, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
+) -> FileIndex:
+    """List the volume now. Raises naming the URL if it is unreachable or empty."""
+    url = redact(store.url)
+    try:
+        listed = store.list()
+    except StoreError as exc:
+        raise StoreError(
+            f"VolumeDataset: cannot list the volume {url}: {exc}", op="list", url=url
+        ) from exc
+    entries = select(listed, _patterns(include), _patterns(exclude))
+    if not entries:
+        raise EmptyVolumeError(
+            f"VolumeDataset: no files at {url} ({len(listed)} listed; include={include!r}, "
+            f"exclude={exclude!r}). Is the URL right, and does the volume hold any files?"
+        )
+    return FileIndex(url, entries, fingerprint(entries))
+
+
+def load_or_build_index(
+    store: Store,
+    index_dir: str | None,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    *,
+    refresh: bool = False,
+) -> FileIndex:
+    """The cached index for (URL, patterns) if there is one, else list and cache it.
+
+    ``index_dir=None`` lists without caching. ``refresh=True`` lists again and
+    replaces the cached copy.
+    """
+    include, exclude = _patterns(include), _patterns(exclude)
+    if index_dir is None:
+        return build_index(store, include, exclude)
+    path = os.path.join(index_dir, f"index-{_cache_key(store.url, include, exclude)}.json")
+    if not refresh and (cached := _read(path, store.url)) is not None:
+        return cached
+    try:
+        os.makedirs(index_dir, exist_ok=True)
+        lock = open(path + ".lock", "a+")  # noqa: SIM115 (closed below)
+    except OSError as exc:  # a read-only or full disk: list, and say why it is not kept
+        log.warning("file index not cached in %s (%s); listing %s", index_dir, exc, store)
+        return build_index(store, include, exclude)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one lister per node; the rest wait and read
+        if not refresh and (cached := _read(path, store.url)) is not None:
+            return cached
+        index = build_index(store, include, exclude)
+        try:
+            _write(path, index, store.url, include, exclude)
+        except OSError as exc:
+            log.warning("file index not cached at %s: %s", path, exc)
+        return index
+
+
+def _patterns(value: str | Sequence[str] | None) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(p) for p in value]
+
+
+def _cache_key(url: str, include: list[str], exclude: list[str]) -> str:
+    blob = json.dumps([INDEX_FORMAT, url, include, exclude])
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _write(path: str, index: FileIndex, url: str, include: list[str], exclude: list[str]):
+    entries = index.entries
+    doc = {
+        "format": INDEX_FORMAT,
+        "url": redact(url),
+        "include": include,
+        "exclude": exclude,
+        "fingerprint": index.fingerprint,
+        "keys": [e.key for e in entries],
+        "sizes": [e.size for e in entries],
+        "etags": [e.etag for e in entries],
+    }
+    tmp = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path)))
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _read(path: str, url: str) -> FileIndex | None:
+    """The cached index, or None if absent or unusable (then it is rebuilt)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("format") != INDEX_FORMAT or doc.get("url") != redact(url):
+            return None
+        entries = tuple(
+            Entry(k, int(s), t) for k, s, t in zip(doc["keys"], doc["sizes"], doc["etags"])
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not entries or fingerprint(entries) != doc.get("fingerprint"):
+        return None
+    return FileIndex(redact(url), entries, doc["fingerprint"])

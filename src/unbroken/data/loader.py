@@ -1,0 +1,317 @@
+"""DataLoader: torch's DataLoader over a VolumeDataset, with epochs and exact resume.
+
+The position is global: (epoch, samples consumed) of the epoch order, the same on
+every rank. It advances only when the training loop receives a batch, from the tag
+that batch carries (``Delivery.position``), so batches prefetched by workers never
+count. Workers learn where an epoch starts from a small shared-memory plan written
+before each torch iterator starts (or restarts, with persistent workers), so loading
+a state mid-iteration restarts the workers at the loaded position.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.data
+from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data._utils.collate import default_collate
+
+from unbroken.data.dataset import VolumeDataset
+from unbroken.data.delivery import Delivery
+from unbroken.data.metrics import LoaderMetrics
+from unbroken.data.order import mix_seed
+from unbroken.data.partition import Partition
+
+STATE_FORMAT = 1
+_STATE_KEYS = ("format", "epoch", "position", "seed", "shuffle", "num_samples", "fingerprint")
+
+
+class LoaderStateError(ValueError):
+    """A saved loader state does not fit this loader (another volume, seed, ...)."""
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """Batches of a :class:`VolumeDataset`; each ``for batch in loader`` is one epoch.
+
+    ``batch_size`` is per rank. Defaults suit fetch-and-cache: worker processes that
+    persist across epochs (the cache and its read-ahead stay warm), pinned memory
+    when CUDA is present, and the loader's own RNG for worker seeds, so iterating it
+    never moves the training loop's ``torch`` RNG.
+    """
+
+    def __init__(
+        self,
+        dataset: VolumeDataset,
+        batch_size: int = 1,
+        *,
+        drop_last: bool = True,
+        num_workers: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool | None = None,
+        persistent_workers: bool | None = None,
+        prefetch_factor: int | None = None,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(dataset, VolumeDataset):
+            raise TypeError(
+                f"unbroken.DataLoader serves a VolumeDataset, got {type(dataset).__name__}; "
+                "use torch.utils.data.DataLoader for other datasets"
+            )
+        for name in ("shuffle", "sampler", "batch_sampler"):
+            if name in kwargs:
+                raise TypeError(
+                    f"unbroken.DataLoader: {name!r} is not supported; order and partition "
+                    "come from VolumeDataset(shuffle=..., seed=..., rank=..., world_size=...)"
+                )
+        if kwargs.get("in_order", True) is not True:
+            raise ValueError("unbroken.DataLoader: in_order=False would break exact resume")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(
+                f"unbroken.DataLoader: batch_size must be an int >= 1, got {batch_size!r}"
+            )
+        full = dataset.partition(0, batch_size, drop_last)
+        if full.num_batches == 0:
+            raise ValueError(
+                f"unbroken.DataLoader: {len(dataset)} files at {dataset.url} do not fill one "
+                f"global batch of {full.global_batch} (batch_size {batch_size} x world_size "
+                f"{dataset.world_size}); every epoch would be empty"
+                + (" (pass drop_last=False to serve a smaller batch)" if drop_last else "")
+            )
+        if num_workers is None:
+            num_workers = default_num_workers()
+        if persistent_workers is None:
+            persistent_workers = num_workers > 0
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        if prefetch_factor is None and num_workers > 0:
+            prefetch_factor = 2
+        if generator is None:
+            generator = torch.Generator()
+            generator.manual_seed(mix_seed(dataset.seed, 0x10AD) & 0x7FFFFFFFFFFFFFFF)
+        self._plan = torch.zeros(3, dtype=torch.int64).share_memory_()
+        stream = _PlannedStream(dataset, self._plan, batch_size, drop_last, collate_fn)
+        super().__init__(
+            stream,
+            batch_size=None,
+            num_workers=num_workers,
+            collate_fn=_as_is,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            generator=generator,
+            **kwargs,
+        )
+        # torch's own batching is off (workers make whole batches); expose ours.
+        object.__setattr__(self, "batch_size", batch_size)
+        object.__setattr__(self, "drop_last", drop_last)
+        self.volume = dataset
+        self.metrics = LoaderMetrics()
+        self.epoch = 0
+        """The epoch being served, or the next one before the first iteration."""
+        self._next_start = (0, 0)
+        self._active: Partition | None = None
+        self._consumed = 0
+        self._restart_requested = False
+        self._iter_id = 0
+        self._generation = 0
+
+    def __len__(self) -> int:
+        """Batches per rank in a whole epoch."""
+        return self.volume.partition(0, self.batch_size, self.drop_last).num_batches
+
+    # -- iteration ----------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._iter_id += 1
+        return self._serve(self._iter_id)
+
+    def _serve(self, iter_id: int) -> Iterator[Any]:
+        """One epoch (or the rest of one); restarts the workers if a state is loaded."""
+        epoch, start = self._take_next_start()
+        while True:
+            it = self._start(epoch, start)
+            try:
+                yield from self._batches(it, iter_id, epoch)
+            finally:
+                if not self._persistent_workers_on():
+                    _shutdown(it)
+            if not self._restart_requested:
+                self._finish(epoch)
+                return
+            epoch, start = self._take_next_start()
+
+    def _batches(self, it: Iterator[Delivery], iter_id: int, epoch: int) -> Iterator[Any]:
+        """The batches of one plan, timing each wait and moving the position with each."""
+        for expected in itertools.count():
+            if self._iter_id != iter_id:
+                raise RuntimeError(
+                    "unbroken.DataLoader: this iterator was superseded by a newer "
+                    "`iter(loader)`; iterate one at a time"
+                )
+            if self._restart_requested:
+                return
+            t0 = time.perf_counter()
+            d = next(it, None)
+            wait = time.perf_counter() - t0
+            if d is None:
+                return
+            self._accept(d, epoch, expected)
+            self.metrics.add(d.stats)
+            self.metrics.record_wait(wait, counted_batch=d.batch is not None)
+            self._consumed = d.position
+            if d.batch is not None:
+                yield d.batch
+
+    def _take_next_start(self) -> tuple[int, int]:
+        """Where the next epoch (or the restart) begins; skips an already-finished epoch."""
+        epoch, start = self._next_start
+        if self.volume.partition(start, self.batch_size, self.drop_last).num_batches == 0:
+            epoch, start = epoch + 1, 0
+        return epoch, start
+
+    def _start(self, epoch: int, start: int) -> Iterator[Delivery]:
+        self._generation += 1
+        self._plan.copy_(torch.tensor([self._generation, epoch, start], dtype=torch.int64))
+        self.epoch = epoch
+        self._active = self.volume.partition(start, self.batch_size, self.drop_last)
+        self._consumed = start
+        self._next_start = (epoch + 1, 0)
+        self._restart_requested = False
+        return super().__iter__()
+
+    def _accept(self, d: Any, epoch: int, expected: int) -> None:
+        """A batch must be the next one of the current plan, or the position is wrong."""
+        if not isinstance(d, Delivery):
+            raise TypeError(f"unbroken.DataLoader: a worker returned {type(d).__name__}")
+        if (d.generation, d.epoch, d.batch_id) != (self._generation, epoch, expected):
+            raise RuntimeError(
+                f"unbroken.DataLoader: expected batch {expected} of epoch {epoch} "
+                f"(plan {self._generation}), got {d!r}"
+            )
+
+    def _finish(self, epoch: int) -> None:
+        part = self._active
+        if part is not None and self._consumed != part.end:
+            raise RuntimeError(
+                f"unbroken.DataLoader: epoch {epoch} ended at position {self._consumed}, "
+                f"expected {part.end}; batches were lost"
+            )
+        self._active = None
+
+    def _persistent_workers_on(self) -> bool:
+        return bool(self.persistent_workers and self.num_workers > 0)
+
+    # -- state --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global position (small, JSON-able): the same on every rank."""
+        if self._active is not None and not self._restart_requested:
+            epoch, position = self.epoch, self._consumed
+            if position >= self._active.end:  # end of epoch: resume at the next one
+                epoch, position = epoch + 1, 0
+        else:
+            epoch, position = self._next_start
+        return {
+            "format": STATE_FORMAT,
+            "epoch": epoch,
+            "position": position,
+            "seed": self.volume.seed,
+            "shuffle": self.volume.shuffle,
+            "num_samples": len(self.volume),
+            "fingerprint": self.volume.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; mid-iteration, the workers restart at that position."""
+        self._check_state(state)
+        self._next_start = (int(state["epoch"]), int(state["position"]))
+        if self._active is not None:
+            self._restart_requested = True
+        else:
+            self.epoch = self._next_start[0]
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS):
+            missing = [k for k in _STATE_KEYS if not isinstance(state, dict) or k not in state]
+            raise LoaderStateError(f"unbroken.DataLoader: loader state lacks {missing}")
+        if state["format"] != STATE_FORMAT:
+            raise LoaderStateError(f"unbroken.DataLoader: unknown state format {state['format']!r}")
+        ds = self.volume
+        if state["fingerprint"] != ds.fingerprint:
+            raise LoaderStateError(
+                f"unbroken.DataLoader: the saved position belongs to another file set: "
+                f"saved index fingerprint {state['fingerprint']} ({state['num_samples']} files), "
+                f"this volume {ds.url} has {ds.fingerprint} ({len(ds)} files). The files, "
+                "the include/exclude patterns or the cached index (refresh_index=True) differ"
+            )
+        for key, mine in (("seed", ds.seed), ("shuffle", ds.shuffle)):
+            if state[key] != mine:
+                raise LoaderStateError(
+                    f"unbroken.DataLoader: saved {key}={state[key]!r} but this dataset has "
+                    f"{key}={mine!r}; the saved position only means something in the saved order"
+                )
+        for key in ("epoch", "position"):
+            if not isinstance(state[key], int) or isinstance(state[key], bool) or state[key] < 0:
+                raise LoaderStateError(f"unbroken.DataLoader: bad {key} {state[key]!r} in state")
+        if state["position"] > len(ds):
+            raise LoaderStateError(
+                f"unbroken.DataLoader: position {state['position']} is past the {len(ds)} files"
+            )
+
+
+class _PlannedStream(IterableDataset):
+    """What torch's workers iterate: this worker's batches of the current plan."""
+
+    def __init__(
+        self,
+        dataset: VolumeDataset,
+        plan: torch.Tensor,
+        batch_size: int,
+        drop_last: bool,
+        collate_fn: Callable[[list[Any]], Any] | None,
+    ) -> None:
+        self.dataset = dataset
+        self.plan = plan
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.collate_fn = collate_fn
+
+    def __iter__(self) -> Iterator[Delivery]:
+        generation, epoch, start = (int(v) for v in self.plan.tolist())
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        return self.dataset.iter_batches(
+            epoch,
+            start,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            collate_fn=self.collate_fn or default_collate,
+            worker=worker,
+            num_workers=workers,
+            generation=generation,
+        )
+
+
+def default_num_workers() -> int:
+    """One worker per core, up to 8: decode is the CPU work; fetch runs in threads."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+def _shutdown(it: Any) -> None:
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()

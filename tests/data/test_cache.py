@@ -1,0 +1,373 @@
+"""LocalCache on a local path, memory:// and a real S3 server on loopback."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pickle
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.data._cache_util import FAST_RETRY, disk_bytes, put_files, slow, spawn
+from unbroken import open_store
+from unbroken.data.cache import LocalCache, SourceChangedError, default_cache_dir
+from unbroken.storage import Entry, ObjectNotFoundError, StoreError
+
+SHARED = ["local", "s3"]  # backends that several processes can reach
+
+
+def test_hits_and_misses_are_counted(store, tmp_path):
+    entries = put_files(store, 5, size=300)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    first = [cache.read(e) for e in entries]
+    assert [cache.read(e) for e in entries] == first
+    assert first == [store.read_bytes(e.key) for e in entries]
+    s = cache.stats.snapshot()
+    assert (s["hits"], s["misses"], s["bytes_fetched"]) == (5, 5, 1500)
+    assert s["fetch_seconds"] > 0
+    assert cache.used_bytes == 1500 == disk_bytes(cache.cache_dir)
+    assert all(cache.contains(e) for e in entries)
+
+
+def test_fetch_only_fills_and_read_then_hits(store, tmp_path):
+    (entry,) = put_files(store, 1)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    cache.fetch(entry)
+    cache.fetch(entry)
+    assert cache.stats.misses == 1 and cache.stats.hits == 0
+    assert cache.read(entry) == store.read_bytes(entry.key)
+    assert cache.stats.hits == 1
+
+
+def test_threads_reading_one_file_fetch_it_once(store, tmp_path):
+    (entry,) = put_files(store, 1, size=5000)
+    cache = LocalCache(slow(store, latency=0.05), str(tmp_path / "cache"))
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cache.read(entry))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1 and len(results) == 6
+    assert cache.stats.misses == 1 and cache.stats.hits == 5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("store_url", SHARED, indirect=True)
+def test_processes_sharing_a_cache_fetch_each_file_once(store_url, tmp_path):
+    url, options = store_url
+    store = open_store(url, **options)
+    entries = put_files(store, 10, size=2000)
+    cache = LocalCache(slow(store, latency=0.05), str(tmp_path / "cache"))
+    go = tmp_path / "go"
+    script = f"""
+import json, os, time
+cache, entries = OBJ
+while not os.path.exists({str(go)!r}):
+    time.sleep(0.005)
+data = [cache.read(e) for e in entries]
+print(json.dumps([cache.stats.snapshot(), [d.hex()[:16] for d in data]]))
+"""
+    orders = [entries, entries, entries[::-1], entries[3:] + entries[:3]]
+    procs = [spawn(script, (cache, order), tmp_path) for order in orders]
+    time.sleep(0.5)
+    go.touch()
+    reports = []
+    for p, order in zip(procs, orders):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+        stats, digests = json.loads(out)
+        assert digests == [store.read_bytes(e.key).hex()[:16] for e in order]
+        reports.append(stats)
+    assert sum(r["misses"] for r in reports) == len(entries)
+    assert sum(r["bytes_fetched"] for r in reports) == 2000 * len(entries)
+    assert sum(r["hits"] for r in reports) == 3 * len(entries)
+    assert cache.used_bytes == disk_bytes(cache.cache_dir) == 2000 * len(entries)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("store_url", SHARED, indirect=True)
+def test_filler_killed_midway_leaves_nothing_served_and_its_temp_is_swept(store_url, tmp_path):
+    url, options = store_url
+    store = open_store(url, **options)
+    (entry,) = put_files(store, 1, size=400_000)
+    cache_dir = str(tmp_path / "cache")
+    cache = LocalCache(slow(store, latency=0.0, bandwidth=200_000), cache_dir)
+    cache.small_file = 1000  # stream it: a temp file exists while the link is busy
+    proc = spawn("cache, entry = OBJ\ncache.read(entry)\n", (cache, entry), tmp_path)
+    deadline = time.monotonic() + 60
+    while not _temp_files(cache_dir):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "the filler never started its temp file"
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not cache.contains(entry)
+    assert _temp_files(cache_dir)
+    assert os.listdir(os.path.join(cache_dir, "locks"))  # the dead filler's lock file
+
+    again = LocalCache(store, cache_dir)
+    assert again.swept >= 2  # its temp file and its lock file
+    assert not _temp_files(cache_dir) and not os.listdir(os.path.join(cache_dir, "locks"))
+    assert again.used_bytes == 0  # its reservation died with it
+    assert again.read(entry) == store.read_bytes(entry.key)
+    assert again.used_bytes == entry.size == disk_bytes(cache_dir)
+
+
+def test_a_live_fillers_lock_blocks_others_until_published(store, tmp_path):
+    (entry,) = put_files(store, 1)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    name = cache._name(entry)
+    fd = cache.layout.try_lock(name)  # as another filler would hold it
+    assert cache.layout.try_lock(name) is None
+    assert LocalCache(store, cache.cache_dir).swept == 0  # held locks are not swept
+    got = []
+    reader = threading.Thread(target=lambda: got.append(cache.read(entry)))
+    reader.start()
+    time.sleep(0.1)
+    assert reader.is_alive() and not got  # it waits instead of fetching a second time
+    cache.layout.unlock(name, fd)
+    reader.join(10)
+    assert got == [store.read_bytes(entry.key)]
+
+
+def test_changed_source_is_refetched_and_the_old_copy_dropped(store, tmp_path):
+    store.write_bytes("doc.txt", b"version one")
+    old = store.info("doc.txt")
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    assert cache.read(old) == b"version one"
+    time.sleep(0.01)  # local etags carry mtime_ns: make sure it moves
+    store.write_bytes("doc.txt", b"version two!")
+    new = store.info("doc.txt")
+    assert new != old
+    assert cache.read(new) == b"version two!"
+    assert cache.stats.misses == 2
+    assert not cache.contains(old)
+    assert cache.used_bytes == len(b"version two!") == disk_bytes(cache.cache_dir)
+
+
+def test_same_size_new_etag_is_refetched(store, tmp_path):
+    store.write_bytes("x", b"aaaa")
+    old = store.info("x")
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    cache.read(old)
+    time.sleep(0.01)
+    store.write_bytes("x", b"bbbb")
+    new = store.info("x")
+    assert new.etag != old.etag, "the backend gave no new etag"
+    assert cache.read(new) == b"bbbb"
+
+
+def test_source_that_changed_since_indexing_is_a_clear_error(store, tmp_path):
+    store.write_bytes("img/cat.jpg", b"12345")
+    stale = Entry("img/cat.jpg", 3, "old-etag")
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    with pytest.raises(SourceChangedError, match=r"img/cat\.jpg.*5 bytes.*index says 3"):
+        cache.read(stale)
+    assert cache.used_bytes == 0 == disk_bytes(cache.cache_dir)
+
+
+def test_missing_file_names_it_and_leaves_nothing_behind(store, tmp_path):
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    with pytest.raises(ObjectNotFoundError, match=r"train/missing\.jpg"):
+        cache.read(Entry("train/missing.jpg", 10, "e"))
+    with pytest.raises(FileNotFoundError, match=r"train/missing\.jpg"):
+        cache.fetch(Entry("train/missing.jpg", 10, "e"))
+    assert cache.used_bytes == 0 == disk_bytes(cache.cache_dir)
+    assert not os.listdir(os.path.join(cache.cache_dir, "locks"))
+
+
+def test_bad_inputs_are_refused(store, tmp_path):
+    with pytest.raises(ValueError, match="limit"):
+        LocalCache(store, str(tmp_path / "c"), limit=0)
+    with pytest.raises(ValueError, match="byte size"):
+        LocalCache(store, str(tmp_path / "c"), limit="lots")
+    cache = LocalCache(store, str(tmp_path / "c"))
+    with pytest.raises(TypeError, match="Entry"):
+        cache.read("a/b")
+    with pytest.raises(ValueError, match=r"\.\."):
+        cache.read(Entry("../../etc/passwd", 10))
+
+
+def test_limit_is_respected_and_pinned_files_survive(store, tmp_path):
+    entries = put_files(store, 12, size=1000)
+    cache = LocalCache(store, str(tmp_path / "cache"), limit="3500")
+    cache.read(entries[0])
+    path = cache.layout.object_path(cache._name(entries[0]))
+    with open(path, "rb") as pinned:  # a reader in the middle of reading entries[0]
+        fcntl.flock(pinned, fcntl.LOCK_SH)
+        for e in entries[1:]:
+            assert cache.read(e) == store.read_bytes(e.key)
+            assert disk_bytes(cache.cache_dir) <= 3500
+            assert cache.used_bytes == disk_bytes(cache.cache_dir)
+        assert os.path.exists(path)
+    assert cache.stats.evictions >= 8
+    cache.read(entries[1])
+    assert disk_bytes(cache.cache_dir) <= 3500
+
+
+def test_eviction_takes_what_is_needed_furthest_in_the_future(store, tmp_path):
+    a, b, c, d = put_files(store, 4, size=100)
+    cache = LocalCache(store, str(tmp_path / "cache"), limit=350)  # room for 3
+    cache.plan([a, b, c, d, b, a, c])
+    for e in (a, b, c):
+        cache.read(e)
+    cache.read(d)  # full: of a, b, c, the next use of c is furthest (LRU would drop a)
+    assert [cache.contains(e) for e in (a, b, c, d)] == [True, True, False, True]
+    cache.read(b)
+    cache.read(a)  # hits: nothing evicted
+    assert cache.stats.evictions == 1
+    cache.close()
+
+
+def test_unplanned_files_go_first_oldest_first(store, tmp_path):
+    a, b, c, d = put_files(store, 4, size=100)
+    cache = LocalCache(store, str(tmp_path / "cache"), limit=350)
+    for e in (a, b, c):
+        cache.read(e)
+        time.sleep(0.01)
+    cache.read(a)  # a used again: b is now the least recently used
+    cache.read(d)
+    assert [cache.contains(e) for e in (a, b, c, d)] == [True, False, True, True]
+
+
+@pytest.mark.multiprocess
+def test_eviction_respects_another_processs_plan(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    a, b, c, d = put_files(store, 4, size=100)
+    cache = LocalCache(store, str(tmp_path / "cache"), limit=350)
+    for e in (a, b, c):
+        cache.read(e)
+    # another worker will soon need b and a, then c much later
+    script = "import sys\ncache, plan = OBJ\ncache.plan(plan)\nprint('ok', flush=True)\n"
+    script += "sys.stdin.read()\n"
+    other = spawn(script, (cache, [b, a, d, d, d, c]), tmp_path)
+    assert other.stdout.readline().strip() == b"ok"
+    try:
+        cache.read(d)
+        assert [cache.contains(e) for e in (a, b, c, d)] == [True, True, False, True]
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_never_touches_anything_outside_the_cache_dir(store, tmp_path):
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "keep.bin").write_bytes(b"x" * 5000)
+    entries = put_files(store, 6, size=1000)
+    cache = LocalCache(store, str(tmp_path / "cache"), limit=2500)
+    objects = os.path.join(cache.cache_dir, "objects")
+    name = cache._name(entries[5])
+    shard = os.path.join(objects, name[:2])
+    os.makedirs(shard, exist_ok=True)
+    # a symlinked shard directory, a symlink posing as a cached object, and a key link
+    # (which names a key's previous version) planted to point outside
+    os.symlink(outside, os.path.join(objects, "zz"))
+    decoy = name[:-1] + ("1" if name.endswith("0") else "0")
+    os.symlink(outside / "keep.bin", os.path.join(shard, decoy))
+    os.symlink(outside / "keep.bin", os.path.join(shard, name.rsplit("-", 1)[0]))
+    for e in entries:
+        cache.read(e)
+    smaller = LocalCache(store, cache.cache_dir, limit=1000)
+    smaller.read(entries[0])  # evicts down to the new limit
+    assert disk_bytes(cache.cache_dir) <= 1000
+    assert (outside / "keep.bin").read_bytes() == b"x" * 5000
+    assert os.path.islink(os.path.join(objects, "zz"))
+    assert os.path.islink(os.path.join(shard, decoy))
+
+
+@pytest.mark.parametrize("store_url", SHARED, indirect=True)
+def test_remote_gone_cached_files_still_served(store_url, tmp_path):
+    url, options = store_url
+    store = open_store(url, **options)
+    entries = put_files(store, 4)
+    expected = [store.read_bytes(e.key) for e in entries]
+    outage = tmp_path / "outage"
+    remote = slow(store, latency=0.0, retry=FAST_RETRY, outage_file=str(outage))
+    cache = LocalCache(remote, str(tmp_path / "cache"))
+    assert [cache.read(e) for e in entries[:3]] == expected[:3]
+    outage.touch()
+    assert [cache.read(e) for e in entries[:3]] == expected[:3]
+    assert cache.stats.hits == 3
+    with pytest.raises(StoreError, match=entries[3].key):
+        cache.read(entries[3])
+    assert cache.stats.retries == 1  # the storage layer retried once, then gave up
+    outage.unlink()
+    assert cache.read(entries[3]) == expected[3]
+
+
+def test_transient_faults_are_retried_by_the_storage_layer(store, tmp_path):
+    entries = put_files(store, 20, size=100)
+    remote = slow(store, latency=0.0, fail_rate=0.3, seed=7)
+    cache = LocalCache(remote, str(tmp_path / "cache"))
+    assert [cache.read(e) for e in entries] == [store.read_bytes(e.key) for e in entries]
+    assert cache.stats.retries == remote.stats.retries > 0
+
+
+def test_large_files_stream_to_disk(store, tmp_path):
+    (entry,) = put_files(store, 1, size=300_000)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    cache.small_file = 10_000
+    assert cache.read(entry) == store.read_bytes(entry.key)
+    assert cache.read(entry) == store.read_bytes(entry.key)
+    assert cache.stats.misses == 1 and cache.used_bytes == 300_000
+
+
+def test_pickled_cache_shares_the_directory_and_counts_its_own_work(store, tmp_path):
+    entries = put_files(store, 3)
+    cache = LocalCache(store, str(tmp_path / "cache"), limit="1MB")
+    cache.read(entries[0])
+    clone = pickle.loads(pickle.dumps(cache))
+    assert clone.limit == 1_000_000 and clone.cache_dir == cache.cache_dir
+    assert clone.stats.snapshot()["misses"] == 0
+    clone.read(entries[0])
+    assert clone.stats.hits == 1 and clone.stats.misses == 0
+
+
+def test_default_cache_dir_is_per_user_and_per_store(store, tmp_path, monkeypatch):
+    monkeypatch.setenv("UNBROKEN_CACHE_DIR", str(tmp_path / "base"))
+    cache = LocalCache(store)
+    assert cache.cache_dir == default_cache_dir(store)
+    assert cache.cache_dir.startswith(str(tmp_path / "base"))
+    other = open_store(str(tmp_path / "elsewhere"))
+    assert default_cache_dir(other) != cache.cache_dir
+
+
+def _temp_files(cache_dir: str) -> list[str]:
+    found = []
+    for dirpath, _dirs, files in os.walk(os.path.join(cache_dir, "objects")):
+        found += [os.path.join(dirpath, f) for f in files if ".unbroken-tmp-" in f]
+    return found
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("store_url", SHARED, indirect=True)
+def test_processes_sharing_a_small_cache_read_correct_bytes_within_the_bound(store_url, tmp_path):
+    url, options = store_url
+    store = open_store(url, **options)
+    entries = put_files(store, 24, size=1000)
+    digests = {e.key: store.read_bytes(e.key).hex()[:16] for e in entries}
+    cache = LocalCache(slow(store, latency=0.005), str(tmp_path / "cache"), limit=6000)
+    script = """
+import json, random
+cache, entries, seed = OBJ
+rng = random.Random(seed)
+order = entries * 2
+rng.shuffle(order)
+cache.plan(order)
+print(json.dumps([[e.key, cache.read(e).hex()[:16]] for e in order]))
+"""
+    procs = [spawn(script, (cache, entries, seed), tmp_path) for seed in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+        assert all(digests[key] == digest for key, digest in json.loads(out))
+    # 3 processes, each reading or filling at most one file at a time: overshoot <= 3 files
+    assert disk_bytes(cache.cache_dir) <= 6000 + 3 * 1000
+    assert cache.used_bytes == disk_bytes(cache.cache_dir)
+    assert not _temp_files(cache.cache_dir)

@@ -1,0 +1,93 @@
+"""Bad files and bad volumes: clear errors naming the file and the URL, or counted skips."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.data.helpers import flatten
+from unbroken.data import VolumeDataset
+from unbroken.data.dataset import SampleReadError
+from unbroken.data.index import EmptyVolumeError
+
+
+def picky_decode(data: bytes, path: str) -> int:
+    if data == b"corrupt":
+        raise ValueError("not a number")
+    return int(data)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_missing_file_raises_naming_file_and_url(make_volume, backend, workers):
+    vol = make_volume(8, backend)
+    ld = vol.loader(batch_size=2, num_workers=workers, shuffle=False)
+    vol.store.delete("d1/s0004.txt")  # listed in the index, gone from the volume
+    with pytest.raises(
+        SampleReadError, match=r"cannot read 'd1/s0004.txt' from .*" + re.escape(vol.url[-20:])
+    ):
+        list(ld)
+
+
+def test_undecodable_file_raises_naming_it(make_volume):
+    vol = make_volume(6)
+    vol.store.write_bytes("d0/s0003.txt", b"corrupt")
+    ld = vol.loader(batch_size=2, decode=picky_decode, shuffle=False)
+    with pytest.raises(SampleReadError, match=r"cannot decode 'd0/s0003.txt'.*not a number"):
+        list(ld)
+
+
+def test_skip_counts_bad_files_and_keeps_the_position(make_volume):
+    vol = make_volume(12)
+    vol.store.write_bytes("d0/s0003.txt", b"corrupt")
+    ld = vol.loader(
+        batch_size=2, num_workers=2, decode=picky_decode, on_error="skip", shuffle=False
+    )
+    vol.store.delete("d1/s0004.txt")
+    vol.store.delete("d2/s0002.txt")
+    served = [s for b in ld for s in flatten(b)]
+    assert sorted(served) == sorted(set(range(12)) - {2, 3, 4})
+    assert ld.metrics.skipped == 3
+    assert ld.state_dict()["epoch"] == 1  # the epoch still ran to its end
+
+
+def test_a_batch_of_only_bad_files_is_skipped_whole(make_volume):
+    vol = make_volume(6)
+    ld = vol.loader(batch_size=2, on_error="skip", shuffle=False)
+    for key in ("d0/s0000.txt", "d0/s0003.txt"):  # index order: the first batch
+        vol.store.delete(key)
+    batches = [flatten(b) for b in ld]
+    assert len(batches) == 2 and ld.metrics.skipped == 2 and ld.metrics.batches == 2
+
+
+def test_bad_arguments_are_refused(make_volume, tmp_path):
+    vol = make_volume(4)
+    with pytest.raises(ValueError, match="on_error must be 'raise' or 'skip'"):
+        vol.dataset(on_error="ignore")
+    with pytest.raises(ValueError, match="rank 2 is outside world_size 2"):
+        vol.dataset(rank=2, world_size=2)
+    with pytest.raises(EmptyVolumeError, match=r"no files at .*missing-volume"):
+        VolumeDataset(str(tmp_path / "missing-volume"), cache_dir=str(tmp_path / "c"))
+    from unbroken.data import DataLoader
+
+    with pytest.raises(TypeError, match="'shuffle' is not supported"):
+        DataLoader(vol.dataset(), batch_size=2, shuffle=True)
+    with pytest.raises(TypeError, match="serves a VolumeDataset"):
+        DataLoader([1, 2, 3], batch_size=2)
+
+
+def test_bad_loader_and_dataset_options_are_refused(make_volume):
+    from unbroken.data import DataLoader
+
+    vol = make_volume(4)
+    ds = vol.dataset()
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        DataLoader(ds, batch_size=0)
+    with pytest.raises(ValueError, match="in_order=False would break exact resume"):
+        DataLoader(ds, batch_size=2, in_order=False)
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        vol.dataset(seed=-1)
+    with pytest.raises(ValueError, match="prefetch_depth and prefetch_threads must be >= 1"):
+        vol.dataset(prefetch_depth=0)
+    with pytest.raises(ValueError, match="not a byte size"):
+        vol.dataset(cache_limit="lots")

@@ -1,0 +1,101 @@
+"""The file index: sorted, filtered, fingerprinted, listed once and cached."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests.conftest import make_store_url
+from unbroken import open_store
+from unbroken.data.index import EmptyVolumeError, build_index, load_or_build_index
+from unbroken.storage import NO_RETRY, StoreError
+
+
+def test_index_is_sorted_filtered_and_fingerprinted(make_volume, backend):
+    vol = make_volume(12, backend)
+    store = vol.store
+    store.write_bytes("notes/readme.md", b"x")
+    index = build_index(store, include=["*.txt"], exclude=["d2/*"])
+    keys = [e.key for e in index.entries]
+    assert keys == sorted(keys)
+    assert all(k.endswith(".txt") and not k.startswith("d2/") for k in keys)
+    assert len(index) == 8
+    assert all(e.size > 0 and e.etag for e in index.entries)
+    again = build_index(store, include=["*.txt"], exclude=["d2/*"])
+    assert again.fingerprint == index.fingerprint
+    store.write_bytes("d0/s0000.txt", b"changed!")
+    assert build_index(store, include=["*.txt"], exclude=["d2/*"]).fingerprint != index.fingerprint
+
+
+def test_cached_index_is_reused_without_listing_again(make_volume, tmp_path):
+    vol = make_volume(6)
+    index_dir = str(tmp_path / "idx")
+    first = load_or_build_index(vol.store, index_dir, include="*.txt")
+    assert len(os.listdir(index_dir)) == 2  # the index and its lock file
+    shutil.rmtree(vol.url)  # the volume is gone: only the cached copy can answer
+    second = load_or_build_index(vol.store, index_dir, include="*.txt")
+    assert second == first
+    # other patterns are another index, and refresh lists again: both see the empty volume
+    with pytest.raises(EmptyVolumeError, match=vol.url):
+        load_or_build_index(vol.store, index_dir, include="*.jpg")
+    with pytest.raises(EmptyVolumeError):
+        load_or_build_index(vol.store, index_dir, include="*.txt", refresh=True)
+
+
+def test_a_corrupt_cached_index_is_rebuilt(make_volume, tmp_path):
+    vol = make_volume(5)
+    index_dir = tmp_path / "idx"
+    first = load_or_build_index(vol.store, str(index_dir))
+    (path,) = [p for p in index_dir.iterdir() if p.suffix == ".json"]
+    path.write_text('{"format": 1, "keys": ["trunc')
+    assert load_or_build_index(vol.store, str(index_dir)) == first
+
+
+def test_empty_and_missing_volumes_name_the_url(tmp_path, make_volume):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EmptyVolumeError, match=str(tmp_path / "empty")):
+        build_index(open_store(tmp_path / "empty"))
+    with pytest.raises(EmptyVolumeError, match="nowhere"):
+        build_index(open_store(tmp_path / "nowhere"))
+    vol = make_volume(3)
+    with pytest.raises(EmptyVolumeError, match=r"3 listed; include=\['\*.png'\]"):
+        vol.dataset(include=["*.png"])
+
+
+@pytest.mark.s3
+def test_unreachable_volume_names_the_url(s3_server, tmp_path):
+    url = "s3://no-such-bucket-here/data"
+    store = open_store(url, retry=NO_RETRY, **s3_server.storage_options)
+    with pytest.raises(StoreError, match="cannot list the volume s3://no-such-bucket-here/data"):
+        build_index(store)
+    # a server that does not answer at all
+    options = dict(
+        s3_server.storage_options,
+        endpoint_url="http://127.0.0.1:9",
+        config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 1},
+    )
+    with pytest.raises(StoreError, match="no-such-bucket-here"):
+        build_index(open_store(url, retry=NO_RETRY, **options))
+
+
+@pytest.mark.s3
+def test_index_over_s3_matches_local(tmp_path, s3_server_lazy):
+    pytest.importorskip("s3fs")
+    from tests.data.conftest import write_volume
+
+    keys = {}
+    for backend in ("local", "s3"):
+        url, options = make_store_url(backend, tmp_path / backend, s3_server_lazy)
+        write_volume(url, options, 7)
+        keys[backend] = [e.key for e in build_index(open_store(url, **options)).entries]
+    assert keys["local"] == keys["s3"]
+
+
+def test_an_unwritable_index_dir_still_lists(make_volume, tmp_path):
+    vol = make_volume(4)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the index directory should be")
+    index = load_or_build_index(vol.store, str(blocker / "index"))
+    assert len(index) == 4

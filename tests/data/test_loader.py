@@ -1,0 +1,262 @@
+"""DataLoader over a VolumeDataset: exactly once, seeded epochs, exact and elastic resume."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from tests.data.conftest import decode_augmented
+from tests.data.helpers import check_save_load, flatten, same_state, serve
+from unbroken.data.loader import LoaderStateError
+
+
+def test_each_sample_once_per_epoch_across_ranks_and_workers(make_volume, backend):
+    vol = make_volume(26, backend)
+    ranks = vol.ranks(3, batch_size=2, num_workers=2, seed=5)
+    epochs = [serve(ranks) for _ in range(2)]
+    for seen in epochs:
+        flat = [s for rank in seen for s in rank]
+        assert len(flat) == 24  # 26 files, global batch 6: tail of 2 dropped on every rank
+        assert len(set(flat)) == 24
+        assert all(len(rank) == 8 for rank in seen)
+    assert epochs[0] != epochs[1]  # seeded order changes per epoch
+    assert [ld.epoch for ld in ranks] == [1, 1, 1]
+    assert same_state(ranks)["epoch"] == 2 and same_state(ranks)["position"] == 0
+
+
+def test_order_depends_on_seed_and_epoch_not_on_workers(make_volume):
+    vol = make_volume(20)
+    runs = {}
+    for workers in (0, 1, 2):
+        ld = vol.loader(batch_size=3, num_workers=workers, seed=11, drop_last=False)
+        runs[workers] = [flatten(b) for epoch in range(2) for b in ld]
+    assert runs[0] == runs[1] == runs[2]
+    other_seed = vol.loader(batch_size=3, seed=12, drop_last=False)
+    assert [flatten(b) for b in other_seed] != runs[0][: len(other_seed)]
+    unshuffled = vol.loader(batch_size=4, shuffle=False)
+    assert [s for b in unshuffled for s in flatten(b)] == [
+        s for b in unshuffled for s in flatten(b)
+    ]
+
+
+def test_tail_served_smaller_when_asked(make_volume):
+    vol = make_volume(11)
+    batches = [flatten(b) for b in vol.loader(batch_size=4, drop_last=False)]
+    assert [len(b) for b in batches] == [4, 4, 3]
+    assert sorted(s for b in batches for s in b) == list(range(11))
+    with pytest.raises(ValueError, match="do not fill one global batch of 12"):
+        vol.loader(batch_size=4, rank=0, world_size=3)
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ({"world_size": 2, "num_workers": 2}, {"world_size": 2, "num_workers": 1}),
+        ({"world_size": 2, "num_workers": 1}, {"world_size": 3, "num_workers": 2}),
+        ({"world_size": 3, "num_workers": 0}, {"world_size": 1, "num_workers": 2}),
+    ],
+    ids=["other-workers", "grow-world", "shrink-world"],
+)
+def test_mid_epoch_resume_serves_the_rest_exactly_once(make_volume, backend, before, after):
+    vol = make_volume(30, backend)
+
+    def job(world_size, num_workers):
+        return lambda: vol.ranks(world_size, batch_size=2, num_workers=num_workers, seed=4)
+
+    run = check_save_load(job(**before), job(**after), stop_after=3)
+    g_before = 2 * before["world_size"]
+    assert run.state["epoch"] == 0 and run.state["position"] == 3 * g_before
+    assert sum(map(len, run.before)) == 3 * g_before
+    g_after = 2 * after["world_size"]
+    rest = 30 - run.state["position"]
+    assert sum(map(len, run.after)) == rest - rest % g_after
+    if before["world_size"] == after["world_size"]:  # same job shape: same samples, same order
+        full = serve(job(**after)())
+        assert [b + a for b, a in zip(run.before, run.after)] == full
+
+
+def test_augmentation_identical_across_resume(make_volume):
+    vol = make_volume(24)
+
+    def job(world_size, workers):
+        return lambda: vol.ranks(
+            world_size, batch_size=2, num_workers=workers, decode=decode_augmented, seed=9
+        )
+
+    uninterrupted = {s[0]: s for rank in serve(job(2, 1)()) for s in rank}
+    run = check_save_load(job(2, 1), job(3, 2), stop_after=2, key=lambda s: s[0])
+    resumed = {s[0]: s for s in run.all_samples}
+    assert resumed == {k: uninterrupted[k] for k in resumed}
+    assert len({s[1] for s in resumed.values()}) == len(resumed)  # draws differ per sample
+
+
+def test_state_at_epoch_end_resumes_at_next_epoch(make_volume):
+    vol = make_volume(12)
+    ld = vol.loader(batch_size=4, num_workers=1, seed=1)
+    it = iter(ld)
+    epoch0 = [flatten(next(it)) for _ in range(3)]  # the last batch; StopIteration not yet seen
+    state = ld.state_dict()
+    assert (state["epoch"], state["position"]) == (1, 0)
+    reference = vol.loader(batch_size=4, seed=1)
+    ref_epochs = [[flatten(b) for b in reference] for _ in range(2)]
+    assert epoch0 == ref_epochs[0]
+    resumed = vol.loader(batch_size=4, num_workers=2, seed=1)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1  # the epoch the next iteration serves
+    assert [flatten(b) for b in resumed] == ref_epochs[1]
+    assert resumed.epoch == 1
+
+
+def test_position_counts_consumed_batches_not_prefetched_ones(make_volume):
+    vol = make_volume(40)
+    ld = vol.loader(batch_size=2, num_workers=2, seed=3)
+    it = iter(ld)
+    next(it)
+    next(it)
+    import time
+
+    time.sleep(0.5)  # let the workers run far ahead
+    assert ld.state_dict()["position"] == 4
+    first_two_more = [flatten(next(it)) for _ in range(2)]
+    resumed = vol.loader(batch_size=2, num_workers=0, seed=3)
+    resumed.load_state_dict({**ld.state_dict(), "position": 4})
+    it2 = iter(resumed)
+    assert [flatten(next(it2)) for _ in range(2)] == first_two_more
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_load_state_mid_iteration_restarts_workers(make_volume, persistent):
+    vol = make_volume(20)
+    ld = vol.loader(batch_size=2, num_workers=2, seed=2, persistent_workers=persistent)
+    reference = [flatten(b) for b in vol.loader(batch_size=2, seed=2)]
+    it = iter(ld)
+    first = [flatten(next(it)) for _ in range(2)]
+    state = ld.state_dict()
+    [next(it) for _ in range(4)]  # go further, then jump back
+    ld.load_state_dict(state)
+    assert ld.state_dict() == state
+    rest = [flatten(b) for b in it]  # the same for loop continues from the loaded position
+    assert first + rest == reference
+    assert ld.state_dict()["epoch"] == 1
+
+
+def test_second_resume_does_not_reset_the_position(make_volume):
+    vol = make_volume(24)
+    reference = [flatten(b) for b in vol.loader(batch_size=2, seed=8)]
+    ld = vol.loader(batch_size=2, num_workers=1, seed=8)
+    it = iter(ld)
+    got = [flatten(next(it)) for _ in range(3)]
+    for _ in range(2):  # two restarts in a row, each continuing where the last stopped
+        ld2 = vol.loader(batch_size=2, num_workers=2, seed=8)
+        ld2.load_state_dict(ld.state_dict())
+        it = iter(ld2)
+        got += [flatten(next(it)) for _ in range(3)]
+        ld = ld2
+    got += [flatten(b) for b in it]
+    assert got == reference
+
+
+def test_bad_states_are_refused_by_name(make_volume):
+    vol = make_volume(10)
+    ld = vol.loader(batch_size=2)
+    state = ld.state_dict()
+    other = make_volume(11).loader(batch_size=2)
+    with pytest.raises(LoaderStateError, match=r"saved index fingerprint \w+ \(11 files\)"):
+        ld.load_state_dict(other.state_dict())
+    with pytest.raises(LoaderStateError, match="saved seed=1 but this dataset has seed=0"):
+        ld.load_state_dict({**state, "seed": 1})
+    with pytest.raises(LoaderStateError, match=r"lacks \['position'\]"):
+        ld.load_state_dict({k: v for k, v in state.items() if k != "position"})
+    with pytest.raises(LoaderStateError, match="position 99 is past the 10 files"):
+        ld.load_state_dict({**state, "position": 99})
+    with pytest.raises(LoaderStateError, match="bad epoch -1"):
+        ld.load_state_dict({**state, "epoch": -1})
+    assert ld.state_dict() == state  # nothing changed by the refused loads
+    import json
+
+    assert json.loads(json.dumps(state)) == state
+
+
+def test_loader_does_not_touch_the_training_loops_rng(make_volume):
+    vol = make_volume(12)
+    for workers in (0, 2):
+        ld = vol.loader(batch_size=2, num_workers=workers, decode=decode_augmented)
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        expected = (torch.rand(3), np.random.rand(3), random.random())
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        for _ in range(2):
+            for _batch in ld:
+                pass
+        got = (torch.rand(3), np.random.rand(3), random.random())
+        assert torch.equal(got[0], expected[0])
+        assert np.array_equal(got[1], expected[1]) and got[2] == expected[2]
+
+
+def test_breaking_out_starts_the_next_epoch(make_volume):
+    vol = make_volume(12)
+    ld = vol.loader(batch_size=2, num_workers=1, seed=6)
+    for _ in ld:
+        break
+    assert ld.state_dict()["position"] == 2 and ld.epoch == 0
+    second = [flatten(b) for b in ld]
+    assert ld.epoch == 1
+    reference = vol.loader(batch_size=2, seed=6)
+    list(reference)
+    assert second == [flatten(b) for b in reference]
+    with pytest.raises(RuntimeError, match="superseded"):
+        it1 = iter(ld)
+        next(it1)
+        it2 = iter(ld)
+        next(it2)
+        next(it1)
+
+
+def test_metrics_count_waits_and_worker_work(make_volume, backend):
+    vol = make_volume(16, backend)
+    ld = vol.loader(batch_size=4, num_workers=2)
+    list(ld)
+    m = ld.metrics
+    assert m.batches == 4 and len(m.batch_fetch_seconds) == 4
+    assert m.fetch_seconds >= sum(m.batch_fetch_seconds) * 0.999
+    assert m.samples == 16 and m.decode_seconds > 0
+    assert m.misses == 16 and m.bytes_fetched == sum(len(str(i)) for i in range(16))
+    list(ld)
+    assert m.hits >= 16 and m.misses == 16
+    assert set(Counter(m.snapshot())) >= {"fetch_seconds", "hits", "misses", "retries"}
+
+
+@pytest.mark.multiprocess
+def test_spawned_persistent_workers_follow_epochs_and_restarts(make_volume):
+    vol = make_volume(16)
+    ld = vol.loader(batch_size=2, num_workers=1, seed=4, multiprocessing_context="spawn")
+    assert len(ld) == 8
+    reference = vol.loader(batch_size=2, seed=4)
+    expected = [[flatten(b) for b in reference] for _ in range(2)]
+    assert [flatten(b) for b in ld] == expected[0]
+    it = iter(ld)  # epoch 1, in the same spawned worker
+    got = [flatten(next(it)) for _ in range(3)]
+    state = ld.state_dict()
+    next(it)
+    ld.load_state_dict(state)  # jump back: the spawned worker restarts at the position
+    got += [flatten(b) for b in it]
+    assert got == expected[1]
+
+
+def test_dataset_alone_works_with_a_stock_torch_dataloader(make_volume):
+    vol = make_volume(14)
+    shards = []
+    for rank in range(2):
+        ds = vol.dataset(rank=rank, world_size=2, seed=2)
+        ds.epoch = 1
+        stock = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+        shards.append(list(stock))
+    assert sorted(shards[0] + shards[1]) == list(range(14))
+    assert len(shards[0]) == len(shards[1]) == 7
