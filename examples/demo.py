@@ -77,12 +77,14 @@ def main() -> None:
         crashed = run("run with a crash", data, f"emulated::{tmp}/ckpt-crash",
                       os.path.join(tmp, "crash.json"), args.steps, args.crash_at)  # fmt: skip
 
-    same_losses = all(
-        crashed["losses"][s] == loss for s, loss in clean["losses"].items() if s in crashed["losses"]
-    )
+    resumed_losses = crashed["losses"]
+    same_losses = all(resumed_losses[s] == clean["losses"][s] for s in resumed_losses)
     identical = clean["weights_sha256"] == crashed["weights_sha256"]
     print("\n== summary")
-    print(f"clean run:   {clean['steps']} steps in {clean['wall']:.1f}s, weights {clean['weights_sha256']}")
+    print(
+        f"clean run:   {clean['steps']} steps in {clean['wall']:.1f}s, "
+        f"weights {clean['weights_sha256']}"
+    )
     print(
         f"crashed run: rank 1 killed at step {args.crash_at}; torchrun restarted the job, which "
         f"resumed from step {crashed['resumed_from']} (attempt {crashed['attempt']}), "
