@@ -90,13 +90,18 @@ print(json.dumps([cache.stats.snapshot(), [d.hex()[:16] for d in data]]))
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("recovery", ["reopen", "takeover"])
 @pytest.mark.parametrize("store_url", SHARED, indirect=True)
-def test_filler_killed_midway_leaves_nothing_served_and_its_temp_is_swept(store_url, tmp_path):
+def test_filler_killed_midway_leaves_nothing_served_and_its_temp_is_swept(
+    store_url, recovery, tmp_path
+):
     url, options = store_url
     store = open_store(url, **options)
     (entry,) = put_files(store, 1, size=400_000)
     cache_dir = str(tmp_path / "cache")
     cache = LocalCache(slow(store, latency=0.0, bandwidth=200_000), cache_dir)
+    # a process that was already running, reading the same remote (same URL) at full speed
+    survivor = LocalCache(slow(store, latency=0.0), cache_dir)
     cache.small_file = 1000  # stream it: a temp file exists while the link is busy
     proc = spawn("cache, entry = OBJ\ncache.read(entry)\n", (cache, entry), tmp_path)
     deadline = time.monotonic() + 60
@@ -109,7 +114,13 @@ def test_filler_killed_midway_leaves_nothing_served_and_its_temp_is_swept(store_
     assert not cache.contains(entry)
     assert _temp_files(cache_dir)
     assert os.listdir(os.path.join(cache_dir, "locks"))  # the dead filler's lock file
+    assert survivor.used_bytes == entry.size  # its reservation is still counted
 
+    if recovery == "takeover":  # the next filler of that file cleans up after the dead one
+        assert survivor.read(entry) == store.read_bytes(entry.key)
+        assert not _temp_files(cache_dir) and not os.listdir(os.path.join(cache_dir, "locks"))
+        assert survivor.used_bytes == entry.size == disk_bytes(cache_dir)
+        return
     again = LocalCache(store, cache_dir)
     assert again.swept >= 2  # its temp file and its lock file
     assert not _temp_files(cache_dir) and not os.listdir(os.path.join(cache_dir, "locks"))
