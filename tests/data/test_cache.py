@@ -281,7 +281,7 @@ def test_never_touches_anything_outside_the_cache_dir(store, tmp_path):
     os.symlink(outside, os.path.join(objects, "zz"))
     decoy = name[:-1] + ("1" if name.endswith("0") else "0")
     os.symlink(outside / "keep.bin", os.path.join(shard, decoy))
-    os.symlink(outside / "keep.bin", os.path.join(shard, name.rsplit("-", 1)[0]))
+    os.symlink(outside / "keep.bin", os.path.join(cache.cache_dir, "keys", name.split("-")[0]))
     for e in entries:
         cache.read(e)
     smaller = LocalCache(store, cache.cache_dir, limit=1000)

@@ -296,6 +296,7 @@ class LocalCache:
                 self.layout.unlock(c.name, lock)
             if size is None:
                 return False
+            self.layout.forget_key(c.name)
             sizes[c.name] = size
             return True
 

@@ -3,8 +3,8 @@
 Layout under ``root`` (nothing outside it is ever created, renamed or deleted)::
 
     objects/<2 hex>/<key hash>-<version hash>   published files, immutable
-    objects/<2 hex>/<key hash>                  symlink naming the key's newest version
     objects/<2 hex>/.<name>.unbroken-tmp-<pid>-<rand>   fills in progress (temp files)
+    keys/<key hash>        symlink naming the key's newest cached version
     locks/<name>.lock      exclusive flock held by the one process filling <name>
     plans/<pid>-<token>.plan / .cursor   each process's future access order
     usage                  8-byte ledger of bytes on disk, updated under flock
@@ -63,7 +63,8 @@ class CacheLayout:
         self.objects = os.path.join(self.root, "objects")
         self.locks = os.path.join(self.root, "locks")
         self.plans = os.path.join(self.root, "plans")
-        for d in (self.objects, self.locks, self.plans):
+        self.keys = os.path.join(self.root, "keys")
+        for d in (self.objects, self.locks, self.plans, self.keys):
             os.makedirs(d, exist_ok=True)
         self._made: set[str] = set()
         self.crash_seen = False
@@ -223,25 +224,37 @@ class CacheLayout:
         return found
 
     def point_key_at(self, name: str) -> str | None:
-        """Make the key's symlink name ``name``; returns the version it named before.
+        """Make the key's link in keys/ name ``name``; returns the version it named before.
 
         Only a well-formed version name of the same key is returned, so a planted link
         can never steer a deletion anywhere else.
         """
         key = key_part(name)
-        link = os.path.join(self.shard_dir(name), key)
+        link = os.path.join(self.keys, key)
+        try:
+            os.symlink(name, link)  # the common case: the key's first version
+            return None
+        except FileExistsError:
+            pass
         try:
             previous = os.readlink(link)
-        except OSError:  # absent, or not a link
+        except OSError:  # not a link
             previous = None
         if previous == name:
             return None
-        tmp = os.path.join(self.shard_dir(name), temp_name(key))
+        tmp = os.path.join(self.keys, temp_name(key))
         os.symlink(name, tmp)
         os.replace(tmp, link)
         if previous and _VERSIONED.fullmatch(previous) and key_part(previous) == key:
             return previous
         return None
+
+    def forget_key(self, name: str) -> None:
+        """Remove the key's link if it names ``name`` (which was just evicted)."""
+        link = os.path.join(self.keys, key_part(name))
+        with contextlib.suppress(OSError):
+            if os.readlink(link) == name:
+                os.unlink(link)
 
     # -- crash leftovers ------------------------------------------------------------------
 
