@@ -1,7 +1,9 @@
 """One rank of a gloo job that trains on nothing but the data: run by test_distributed.
 
 Environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (as torchrun sets them).
-python -m tests.data.dist_job URL CACHE_DIR STOP_AFTER [STATE_JSON] -> one JSON line
+python -m tests.data.dist_job URL CACHE_DIR LAST_EPOCH STOP_AFTER [STATE_JSON]
+serves epochs until LAST_EPOCH, stopping there after STOP_AFTER steps (0: at its end),
+and prints one JSON line: samples per epoch, loader metrics, final state.
 
 Rank and world size come from torch.distributed (VolumeDataset is given neither);
 every step all-reduces the batch size, so ranks out of lockstep would hang or differ.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -21,22 +24,26 @@ from unbroken.data import DataLoader, VolumeDataset
 
 
 def main(argv: list[str]) -> None:
-    url, cache_dir, stop_after = argv[:3]
+    url, cache_dir, last_epoch, stop_after = argv[0], argv[1], int(argv[2]), int(argv[3])
     dist.init_process_group("gloo")
     ds = VolumeDataset(url, decode=decode_augmented, cache_dir=cache_dir, seed=13)
     loader = DataLoader(ds, batch_size=2, num_workers=1)
-    if len(argv) > 3:
-        loader.load_state_dict(json.loads(argv[3]))
-    samples = []
-    for step, batch in enumerate(loader, start=1):
-        size = torch.tensor([len(batch[0])])
-        dist.all_reduce(size)
-        assert size.item() == 2 * dist.get_world_size(), size
-        samples += flatten(batch)
-        if step == int(stop_after):
+    if len(argv) > 4:
+        loader.load_state_dict(json.loads(argv[4]))
+    samples = defaultdict(list)
+    while loader.state_dict()["epoch"] <= last_epoch:
+        for step, batch in enumerate(loader, start=1):
+            size = torch.tensor([len(batch[0])])
+            dist.all_reduce(size)
+            assert size.item() == 2 * dist.get_world_size(), size
+            samples[loader.epoch] += flatten(batch)
+            if loader.epoch == last_epoch and step == stop_after:
+                break
+        if loader.epoch == last_epoch:
             break
     out = {"rank": dist.get_rank(), "world": ds.world_size, "samples": samples}
-    print(json.dumps({**out, "state": loader.state_dict()}), flush=True)
+    out.update(metrics=loader.metrics.snapshot(), state=loader.state_dict())
+    print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 
 

@@ -54,19 +54,25 @@ def launch(world: int, *args: str) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-def test_gloo_job_resumed_on_another_world_size(make_volume, tmp_path):
-    vol = make_volume(30)
+def test_gloo_ranks_share_a_cache_and_resume_on_another_world_size(make_volume, tmp_path):
+    vol = make_volume(32)
     cache = str(tmp_path / "cache")
-    first = launch(2, vol.url, cache, "3")  # 2 ranks, 3 steps of 2 x 2 samples, then stop
+    # 2 ranks: all of epoch 0 (8 steps of 2 x 2), then 3 steps of epoch 1, then stop
+    first = launch(2, vol.url, cache, "1", "3")
     assert [r["world"] for r in first] == [2, 2]
     state = first[0]["state"]
-    assert state == first[1]["state"] and state["position"] == 12
-    second = launch(3, vol.url, cache, "0", json.dumps(state))  # 3 ranks: the rest
-    seen = [tuple(s) for r in first + second for s in r["samples"]]
-    indices = [s[0] for s in seen]
-    assert len(indices) == len(set(indices)) == 12 + 18  # 30 - 12 = 18 = 3 steps of 6
-    assert second[0]["state"] == {**state, "epoch": 1, "position": 0}
-    # same augmentation as an uninterrupted single-process run would draw
-    reference = vol.loader(batch_size=2, seed=13, drop_last=False, decode=decode_augmented)
-    expected = {s[0]: tuple(s) for b in reference for s in flatten(b)}
-    assert all(expected[s[0]] == s for s in seen)
+    assert state == first[1]["state"] and (state["epoch"], state["position"]) == (1, 12)
+    # 1 rank resumes the saved global position and finishes epoch 1 (10 steps of 2)
+    second = launch(1, vol.url, cache, "1", "0", json.dumps(state))
+    assert second[0]["world"] == 1 and second[0]["state"] == {**state, "epoch": 2, "position": 0}
+    reference = vol.loader(batch_size=2, seed=13, decode=decode_augmented)
+    for epoch in ("0", "1"):
+        seen = [tuple(s) for r in first + second for s in r["samples"].get(epoch, [])]
+        indices = [s[0] for s in seen]
+        assert sorted(indices) == list(range(32)), f"epoch {epoch}: not each sample once"
+        # the augmentation an uninterrupted single-process run draws for each sample
+        expected = {s[0]: tuple(s) for b in reference for s in flatten(b)}
+        assert all(expected[s[0]] == s for s in seen)
+    # one node-wide cache: each file fetched once by the two ranks and the restarted job
+    assert sum(r["metrics"]["misses"] for r in first + second) == 32
+    assert second[0]["metrics"]["misses"] == 0

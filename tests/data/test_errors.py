@@ -74,3 +74,20 @@ def test_bad_arguments_are_refused(make_volume, tmp_path):
         DataLoader(vol.dataset(), batch_size=2, shuffle=True)
     with pytest.raises(TypeError, match="serves a VolumeDataset"):
         DataLoader([1, 2, 3], batch_size=2)
+
+
+def test_bad_loader_and_dataset_options_are_refused(make_volume):
+    from unbroken.data import DataLoader
+
+    vol = make_volume(4)
+    ds = vol.dataset()
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        DataLoader(ds, batch_size=0)
+    with pytest.raises(ValueError, match="in_order=False would break exact resume"):
+        DataLoader(ds, batch_size=2, in_order=False)
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        vol.dataset(seed=-1)
+    with pytest.raises(ValueError, match="prefetch_depth and prefetch_threads must be >= 1"):
+        vol.dataset(prefetch_depth=0)
+    with pytest.raises(ValueError, match="not a byte size"):
+        vol.dataset(cache_limit="lots")

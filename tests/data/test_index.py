@@ -91,3 +91,11 @@ def test_index_over_s3_matches_local(tmp_path, s3_server_lazy):
         write_volume(url, options, 7)
         keys[backend] = [e.key for e in build_index(open_store(url, **options)).entries]
     assert keys["local"] == keys["s3"]
+
+
+def test_an_unwritable_index_dir_still_lists(make_volume, tmp_path):
+    vol = make_volume(4)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the index directory should be")
+    index = load_or_build_index(vol.store, str(blocker / "index"))
+    assert len(index) == 4

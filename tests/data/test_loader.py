@@ -106,6 +106,7 @@ def test_state_at_epoch_end_resumes_at_next_epoch(make_volume):
     assert epoch0 == ref_epochs[0]
     resumed = vol.loader(batch_size=4, num_workers=2, seed=1)
     resumed.load_state_dict(state)
+    assert resumed.epoch == 1  # the epoch the next iteration serves
     assert [flatten(b) for b in resumed] == ref_epochs[1]
     assert resumed.epoch == 1
 
@@ -247,3 +248,15 @@ def test_spawned_persistent_workers_follow_epochs_and_restarts(make_volume):
     ld.load_state_dict(state)  # jump back: the spawned worker restarts at the position
     got += [flatten(b) for b in it]
     assert got == expected[1]
+
+
+def test_dataset_alone_works_with_a_stock_torch_dataloader(make_volume):
+    vol = make_volume(14)
+    shards = []
+    for rank in range(2):
+        ds = vol.dataset(rank=rank, world_size=2, seed=2)
+        ds.epoch = 1
+        stock = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+        shards.append(list(stock))
+    assert sorted(shards[0] + shards[1]) == list(range(14))
+    assert len(shards[0]) == len(shards[1]) == 7

@@ -13,17 +13,20 @@ from __future__ import annotations
 import fcntl
 import fnmatch
 import hashlib
+import itertools
 import json
+import logging
 import os
+from array import array
 from collections.abc import Sequence
-
-import numpy as np
 
 from unbroken.storage import Entry, Store, StoreError
 from unbroken.storage.base import temp_name
 from unbroken.storage.errors import redact
 
 INDEX_FORMAT = 1
+
+log = logging.getLogger(__name__)
 
 
 class EmptyVolumeError(ValueError):
@@ -34,21 +37,21 @@ class StringTable:
     """Many strings in one bytes blob plus an offsets array: a few objects, not millions.
 
     A forked DataLoader worker touching a list of a million ``str`` objects bumps their
-    refcounts and so copies every page they live on; a blob and a numpy array are never
-    written after the fork, so all workers keep sharing one copy.
+    refcounts and so copies every page they live on; a blob and an array of offsets are
+    never written after the fork, so all workers keep sharing one copy.
     """
 
     def __init__(self, values: Sequence[str]) -> None:
         encoded = [v.encode() for v in values]
         self._blob = b"".join(encoded)
-        self._ends = np.cumsum([len(e) for e in encoded], dtype=np.int64)
+        self._ends = array("q", itertools.accumulate(len(e) for e in encoded))
 
     def __len__(self) -> int:
         return len(self._ends)
 
     def __getitem__(self, i: int) -> str:
-        start = int(self._ends[i - 1]) if i > 0 else 0
-        return self._blob[start : int(self._ends[i])].decode()
+        start = self._ends[i - 1] if i > 0 else 0
+        return self._blob[start : self._ends[i]].decode()
 
 
 class FileIndex:
@@ -63,8 +66,8 @@ class FileIndex:
         self.fingerprint = fingerprint
         """sha256 over keys, sizes and etags: changes whenever the file set changes."""
         self._keys = StringTable([e.key for e in entries])
-        self._sizes = np.array([e.size for e in entries], dtype=np.int64)
-        self._has_etag = np.array([e.etag is not None for e in entries], dtype=bool)
+        self._sizes = array("q", (e.size for e in entries))
+        self._has_etag = array("b", (e.etag is not None for e in entries))
         self._etags = StringTable([e.etag or "" for e in entries])
 
     def __len__(self) -> int:
@@ -75,7 +78,7 @@ class FileIndex:
             raise IndexError(f"sample {i} outside the {len(self)} files of {self.url}")
         i %= len(self)
         etag = self._etags[i] if self._has_etag[i] else None
-        return Entry(self._keys[i], int(self._sizes[i]), etag)
+        return Entry(self._keys[i], self._sizes[i], etag)
 
     @property
     def entries(self) -> list[Entry]:
@@ -157,16 +160,24 @@ def load_or_build_index(
     include, exclude = _patterns(include), _patterns(exclude)
     if index_dir is None:
         return build_index(store, include, exclude)
-    os.makedirs(index_dir, exist_ok=True)
     path = os.path.join(index_dir, f"index-{_cache_key(store.url, include, exclude)}.json")
     if not refresh and (cached := _read(path, store.url)) is not None:
         return cached
-    with open(path + ".lock", "a+") as lock:
+    try:
+        os.makedirs(index_dir, exist_ok=True)
+        lock = open(path + ".lock", "a+")  # noqa: SIM115 (closed below)
+    except OSError as exc:  # a read-only or full disk: list, and say why it is not kept
+        log.warning("file index not cached in %s (%s); listing %s", index_dir, exc, store)
+        return build_index(store, include, exclude)
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one lister per node; the rest wait and read
         if not refresh and (cached := _read(path, store.url)) is not None:
             return cached
         index = build_index(store, include, exclude)
-        _write(path, index, store.url, include, exclude)
+        try:
+            _write(path, index, store.url, include, exclude)
+        except OSError as exc:
+            log.warning("file index not cached at %s: %s", path, exc)
         return index
 
 

@@ -10,6 +10,7 @@ a state mid-iteration restarts the workers at the loaded position.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -131,32 +132,12 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._serve(self._iter_id)
 
     def _serve(self, iter_id: int) -> Iterator[Any]:
+        """One epoch (or the rest of one); restarts the workers if a state is loaded."""
         epoch, start = self._take_next_start()
         while True:
             it = self._start(epoch, start)
-            expected = 0
             try:
-                while True:
-                    if self._iter_id != iter_id:
-                        raise RuntimeError(
-                            "unbroken.DataLoader: this iterator was superseded by a newer "
-                            "`iter(loader)`; iterate one at a time"
-                        )
-                    if self._restart_requested:
-                        break
-                    t0 = time.perf_counter()
-                    try:
-                        d = next(it)
-                    except StopIteration:
-                        break
-                    wait = time.perf_counter() - t0
-                    self._accept(d, epoch, expected)
-                    expected += 1
-                    self.metrics.add(d.stats)
-                    self.metrics.record_wait(wait, counted_batch=d.batch is not None)
-                    self._consumed = d.position
-                    if d.batch is not None:
-                        yield d.batch
+                yield from self._batches(it, iter_id, epoch)
             finally:
                 if not self._persistent_workers_on():
                     _shutdown(it)
@@ -164,6 +145,28 @@ class DataLoader(torch.utils.data.DataLoader):
                 self._finish(epoch)
                 return
             epoch, start = self._take_next_start()
+
+    def _batches(self, it: Iterator[Delivery], iter_id: int, epoch: int) -> Iterator[Any]:
+        """The batches of one plan, timing each wait and moving the position with each."""
+        for expected in itertools.count():
+            if self._iter_id != iter_id:
+                raise RuntimeError(
+                    "unbroken.DataLoader: this iterator was superseded by a newer "
+                    "`iter(loader)`; iterate one at a time"
+                )
+            if self._restart_requested:
+                return
+            t0 = time.perf_counter()
+            d = next(it, None)
+            wait = time.perf_counter() - t0
+            if d is None:
+                return
+            self._accept(d, epoch, expected)
+            self.metrics.add(d.stats)
+            self.metrics.record_wait(wait, counted_batch=d.batch is not None)
+            self._consumed = d.position
+            if d.batch is not None:
+                yield d.batch
 
     def _take_next_start(self) -> tuple[int, int]:
         """Where the next epoch (or the restart) begins; skips an already-finished epoch."""
@@ -230,6 +233,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._next_start = (int(state["epoch"]), int(state["position"]))
         if self._active is not None:
             self._restart_requested = True
+        else:
+            self.epoch = self._next_start[0]
 
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS):
@@ -242,7 +247,8 @@ class DataLoader(torch.utils.data.DataLoader):
             raise LoaderStateError(
                 f"unbroken.DataLoader: the saved position belongs to another file set: "
                 f"saved index fingerprint {state['fingerprint']} ({state['num_samples']} files), "
-                f"this volume {ds.url} has {ds.fingerprint} ({len(ds)} files)"
+                f"this volume {ds.url} has {ds.fingerprint} ({len(ds)} files). The files, "
+                "the include/exclude patterns or the cached index (refresh_index=True) differ"
             )
         for key, mine in (("seed", ds.seed), ("shuffle", ds.shuffle)):
             if state[key] != mine:
