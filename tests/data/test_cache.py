@@ -146,10 +146,12 @@ def test_a_live_fillers_lock_blocks_others_until_published(store, tmp_path):
     assert got == [store.read_bytes(entry.key)]
 
 
-def test_changed_source_is_refetched_and_the_old_copy_dropped(store, tmp_path):
+def test_changed_source_is_refetched_and_the_stale_copy_goes_first(store, tmp_path):
     store.write_bytes("doc.txt", b"version one")
     old = store.info("doc.txt")
-    cache = LocalCache(store, str(tmp_path / "cache"))
+    store.write_bytes("other.txt", b"o" * 12)
+    other = store.info("other.txt")
+    cache = LocalCache(store, str(tmp_path / "cache"), limit=30)
     assert cache.read(old) == b"version one"
     time.sleep(0.01)  # local etags carry mtime_ns: make sure it moves
     store.write_bytes("doc.txt", b"version two!")
@@ -157,8 +159,11 @@ def test_changed_source_is_refetched_and_the_old_copy_dropped(store, tmp_path):
     assert new != old
     assert cache.read(new) == b"version two!"
     assert cache.stats.misses == 2
-    assert not cache.contains(old)
-    assert cache.used_bytes == len(b"version two!") == disk_bytes(cache.cache_dir)
+    cache.plan([new, other])
+    cache.read(other)  # full: the stale version, in no plan, is the one evicted
+    assert not cache.contains(old) and cache.contains(new) and cache.contains(other)
+    assert cache.read(new) == b"version two!"
+    assert cache.used_bytes == 24 == disk_bytes(cache.cache_dir)
 
 
 def test_same_size_new_etag_is_refetched(store, tmp_path):
@@ -276,12 +281,12 @@ def test_never_touches_anything_outside_the_cache_dir(store, tmp_path):
     name = cache._name(entries[5])
     shard = os.path.join(objects, name[:2])
     os.makedirs(shard, exist_ok=True)
-    # a symlinked shard directory, a symlink posing as a cached object, and a key link
-    # (which names a key's previous version) planted to point outside
+    # a symlinked shard directory, a symlink posing as a cached object, and one in the
+    # place of an object about to be filled
     os.symlink(outside, os.path.join(objects, "zz"))
     decoy = name[:-1] + ("1" if name.endswith("0") else "0")
     os.symlink(outside / "keep.bin", os.path.join(shard, decoy))
-    os.symlink(outside / "keep.bin", os.path.join(cache.cache_dir, "keys", name.split("-")[0]))
+    os.symlink(outside / "keep.bin", os.path.join(shard, name))
     for e in entries:
         cache.read(e)
     smaller = LocalCache(store, cache.cache_dir, limit=1000)
@@ -290,6 +295,7 @@ def test_never_touches_anything_outside_the_cache_dir(store, tmp_path):
     assert (outside / "keep.bin").read_bytes() == b"x" * 5000
     assert os.path.islink(os.path.join(objects, "zz"))
     assert os.path.islink(os.path.join(shard, decoy))
+    assert not os.path.islink(os.path.join(shard, name))  # replaced, not followed
 
 
 @pytest.mark.parametrize("store_url", SHARED, indirect=True)

@@ -248,7 +248,6 @@ class LocalCache:
         self._stats.add(
             misses=1, bytes_fetched=entry.size, fetch_seconds=time.monotonic() - started
         )
-        self._drop_old_versions(name)
         return data
 
     def _check_size(self, entry: Entry, got: int) -> None:
@@ -258,13 +257,6 @@ class LocalCache:
                 f"but the index says {entry.size}; it changed since the index was built "
                 f"(rebuild the index)"
             )
-
-    def _drop_old_versions(self, name: str) -> None:
-        """A changed source left its previous version here: remove it (unless pinned)."""
-        previous = self.layout.point_key_at(name)
-        if previous is not None:
-            with self.layout.ledger() as ledger:
-                ledger.used -= self.layout.remove_if_unpinned(previous) or 0
 
     # -- byte accounting and eviction ---------------------------------------------------
 
@@ -296,7 +288,6 @@ class LocalCache:
                 self.layout.unlock(c.name, lock)
             if size is None:
                 return False
-            self.layout.forget_key(c.name)
             sizes[c.name] = size
             return True
 

@@ -4,14 +4,13 @@ Layout under ``root`` (nothing outside it is ever created, renamed or deleted)::
 
     objects/<2 hex>/<key hash>-<version hash>   published files, immutable
     objects/<2 hex>/.<name>.unbroken-tmp-<pid>-<rand>   fills in progress (temp files)
-    keys/<key hash>        symlink naming the key's newest cached version
     locks/<name>.lock      exclusive flock held by the one process filling <name>
     plans/<pid>-<token>.plan / .cursor   each process's future access order
     usage                  8-byte ledger of bytes on disk, updated under flock
 
 The version hash covers the source's size and etag, so a changed source has a new
-name: it is a miss, fetched afresh, and the stale version, found through the key's
-symlink (one readlink, no directory scan), is dropped.
+name: it is a miss and is fetched afresh. The stale version is in no plan, so it is
+among the first files evicted.
 
 Locks are ``flock`` locks, which the kernel releases when their holder dies: a crashed
 filler never blocks others, and its lock file is swept later. Readers hold a shared
@@ -25,7 +24,6 @@ import contextlib
 import fcntl
 import hashlib
 import os
-import re
 import stat
 import struct
 from collections.abc import Iterator
@@ -47,14 +45,6 @@ def object_name(store_url: str, key: str, size: int, etag: str | None) -> str:
     return f"{key_hash}-{version}"
 
 
-_VERSIONED = re.compile(r"[0-9a-f]{32}-[0-9a-f]{12}")
-
-
-def key_part(name: str) -> str:
-    """The part of a name shared by every version of the same source object."""
-    return name.rsplit("-", 1)[0]
-
-
 class CacheLayout:
     """Paths and file-level operations inside one cache directory."""
 
@@ -63,8 +53,7 @@ class CacheLayout:
         self.objects = os.path.join(self.root, "objects")
         self.locks = os.path.join(self.root, "locks")
         self.plans = os.path.join(self.root, "plans")
-        self.keys = os.path.join(self.root, "keys")
-        for d in (self.objects, self.locks, self.plans, self.keys):
+        for d in (self.objects, self.locks, self.plans):
             os.makedirs(d, exist_ok=True)
         self._made: set[str] = set()
         self.crash_seen = False
@@ -222,39 +211,6 @@ class CacheLayout:
                     continue
                 found.append(Candidate(e.name, st.st_size, st.st_mtime))
         return found
-
-    def point_key_at(self, name: str) -> str | None:
-        """Make the key's link in keys/ name ``name``; returns the version it named before.
-
-        Only a well-formed version name of the same key is returned, so a planted link
-        can never steer a deletion anywhere else.
-        """
-        key = key_part(name)
-        link = os.path.join(self.keys, key)
-        try:
-            os.symlink(name, link)  # the common case: the key's first version
-            return None
-        except FileExistsError:
-            pass
-        try:
-            previous = os.readlink(link)
-        except OSError:  # not a link
-            previous = None
-        if previous == name:
-            return None
-        tmp = os.path.join(self.keys, temp_name(key))
-        os.symlink(name, tmp)
-        os.replace(tmp, link)
-        if previous and _VERSIONED.fullmatch(previous) and key_part(previous) == key:
-            return previous
-        return None
-
-    def forget_key(self, name: str) -> None:
-        """Remove the key's link if it names ``name`` (which was just evicted)."""
-        link = os.path.join(self.keys, key_part(name))
-        with contextlib.suppress(OSError):
-            if os.readlink(link) == name:
-                os.unlink(link)
 
     # -- crash leftovers ------------------------------------------------------------------
 
