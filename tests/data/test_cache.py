@@ -388,3 +388,25 @@ print(json.dumps([[e.key, cache.read(e).hex()[:16]] for e in order]))
     assert disk_bytes(cache.cache_dir) <= 6000 + 3 * 1000
     assert cache.used_bytes == disk_bytes(cache.cache_dir)
     assert not _temp_files(cache.cache_dir)
+
+
+@pytest.mark.multiprocess
+def test_a_forked_child_does_not_move_its_parents_plan(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    entries = put_files(store, 3, size=10)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    cache.plan(entries)
+    cursor = cache._plan.cursor_path
+    pid = os.fork()
+    if pid == 0:  # the child reads everything; the parent's cursor must not move
+        try:
+            for e in entries:
+                cache.read(e)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    with open(cursor, "rb") as f:
+        assert int.from_bytes(f.read(8), "little") == 0
+    cache.read(entries[0])
+    with open(cursor, "rb") as f:
+        assert int.from_bytes(f.read(8), "little") == 1

@@ -3,9 +3,10 @@
 ``read(entry)`` serves a file from the cache directory, fetching it from the store on
 first access. A fill is atomic (temp file + rename) and deduplicated across processes
 by a fill lock, so no file is fetched twice at the same time; a crashed filler leaves
-only a temp file, swept later. With a ``limit``, bytes are reserved before a fetch and
-files are evicted to make room, furthest-future use first (see ``eviction.py``).
-The on-disk protocol lives in ``cache_files.py``; this module decides what to do.
+its lock file and maybe a temp file, cleaned up by the next process that finds them.
+With a ``limit``, bytes are reserved before a fetch and files are evicted to make
+room, furthest-future use first (see ``eviction.py``). The on-disk protocol lives in
+``cache_files.py``; this module decides what to do.
 """
 
 from __future__ import annotations
@@ -336,6 +337,7 @@ def _after_fork() -> None:
     for cache in list(_live):
         cache._mutex = threading.Lock()
         cache._local_fills = {}
+        cache._plan = None  # the parent's plan and cursor are not this process's
         cache._stats._lock = threading.Lock()
 
 
