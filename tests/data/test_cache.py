@@ -410,3 +410,12 @@ def test_a_forked_child_does_not_move_its_parents_plan(tmp_path):
     cache.read(entries[0])
     with open(cursor, "rb") as f:
         assert int.from_bytes(f.read(8), "little") == 1
+
+
+def test_fetch_of_a_large_file_does_not_read_it_back(store, tmp_path):
+    (entry,) = put_files(store, 1, size=50_000)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    cache.small_file = 1000
+    assert cache.fetch(entry) is None and cache.contains(entry)
+    assert cache.used_bytes == entry.size == disk_bytes(cache.cache_dir)
+    assert cache.read(entry) == store.read_bytes(entry.key)

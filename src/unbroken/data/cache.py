@@ -188,7 +188,7 @@ class LocalCache:
                 served = self._serve_published(entry, name, want, waited)
                 if served is not _ABSENT:
                     return served
-                return self._fetch_and_publish(entry, name, fd)
+                return self._fetch_and_publish(entry, name, fd, want)
             finally:
                 self.layout.unlock(name, fd)
 
@@ -205,7 +205,7 @@ class LocalCache:
         self._stats.add(hits=int(want), waits=int(waited))
         return data
 
-    def _fetch_and_publish(self, entry: Entry, name: str, lock: int) -> bytes:
+    def _fetch_and_publish(self, entry: Entry, name: str, lock: int, want: bool) -> bytes | None:
         """Download into a temp file, check its size, rename into place.
 
         Runs under the fill lock ``lock``, whose file records the bytes reserved for this
@@ -221,6 +221,7 @@ class LocalCache:
         tmp = self.layout.temp_path(name)
         started = time.monotonic()
         pin = None
+        published = False
         try:
             if entry.size <= self.small_file:
                 data = self.store.read_bytes(entry.key)
@@ -229,19 +230,23 @@ class LocalCache:
             else:
                 self.store.download(entry.key, tmp)
                 self._check_size(entry, os.path.getsize(tmp))
-                pin = self.layout.pin(tmp)  # so it cannot vanish before it is read
+                data = None
+                if want:
+                    pin = self.layout.pin(tmp)  # so it cannot vanish before it is read
             with self.layout.ledger() as ledger:
                 ledger.used -= self.layout.size_on_disk(path)  # a damaged copy it replaces
                 os.replace(tmp, path)
                 self.layout.set_reservation(lock, 0)
+            published = True
             if pin is not None:
                 data = self.layout.read_fd(pin)
         except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            with self.layout.ledger() as ledger:
-                ledger.used -= entry.size
-                self.layout.set_reservation(lock, 0)
+            if not published:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                with self.layout.ledger() as ledger:
+                    ledger.used -= entry.size
+                    self.layout.set_reservation(lock, 0)
             raise
         finally:
             if pin is not None:
