@@ -394,7 +394,7 @@ print(json.dumps([[e.key, cache.read(e).hex()[:16]] for e in order]))
 def test_a_forked_child_does_not_move_its_parents_plan(tmp_path):
     store = open_store(str(tmp_path / "store"))
     entries = put_files(store, 3, size=10)
-    cache = LocalCache(store, str(tmp_path / "cache"))
+    cache = LocalCache(store, str(tmp_path / "cache"), limit="1MB")
     cache.plan(entries)
     cursor = cache._plan.cursor_path
     pid = os.fork()
@@ -419,3 +419,19 @@ def test_fetch_of_a_large_file_does_not_read_it_back(store, tmp_path):
     assert cache.fetch(entry) is None and cache.contains(entry)
     assert cache.used_bytes == entry.size == disk_bytes(cache.cache_dir)
     assert cache.read(entry) == store.read_bytes(entry.key)
+
+
+def test_plans_are_published_only_with_a_limit_and_dead_ones_swept(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    entries = put_files(store, 3, size=10)
+    plans = tmp_path / "cache" / "plans"
+    LocalCache(store, str(tmp_path / "cache")).plan(entries)
+    assert not os.listdir(plans)
+    (plans / "999999999-dead.plan").write_text("x")  # a process that died long ago
+    (plans / "999999999-dead.cursor").write_bytes(b"\0" * 8)
+    limited = LocalCache(store, str(tmp_path / "cache"), limit="1MB")
+    assert not os.listdir(plans)
+    limited.plan(entries)
+    assert len(os.listdir(plans)) == 2
+    limited.close()
+    assert not os.listdir(plans)

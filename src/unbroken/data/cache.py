@@ -68,6 +68,7 @@ class LocalCache:
         publishes, so a stale lock file is the sign of a crash: only then (or for a new
         cache) are temp files swept and the ledger recounted from the disk.
         """
+        self._plans.sweep_dead()
         stale = self.layout.sweep_locks()
         if not stale and self.layout.has_ledger():
             return 0
@@ -133,7 +134,12 @@ class LocalCache:
         return self.layout.is_published(self._name(entry), entry.size)
 
     def plan(self, upcoming: Sequence[Entry]) -> None:
-        """Publish this process's future access order; eviction keeps what comes soon."""
+        """Publish this process's future access order; eviction keeps what comes soon.
+
+        Without a limit nothing is ever evicted, so nothing is published.
+        """
+        if self.limit is None:
+            return
         if self._plan is None or self._plan.pid != os.getpid():
             self._plan = PlanWriter(self.layout.plans)
         self._plan.publish([self._name(e) for e in upcoming])
