@@ -90,13 +90,18 @@ print(json.dumps([cache.stats.snapshot(), [d.hex()[:16] for d in data]]))
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("recovery", ["reopen", "takeover"])
 @pytest.mark.parametrize("store_url", SHARED, indirect=True)
-def test_filler_killed_midway_leaves_nothing_served_and_its_temp_is_swept(store_url, tmp_path):
+def test_filler_killed_midway_leaves_nothing_served_and_its_temp_is_swept(
+    store_url, recovery, tmp_path
+):
     url, options = store_url
     store = open_store(url, **options)
     (entry,) = put_files(store, 1, size=400_000)
     cache_dir = str(tmp_path / "cache")
     cache = LocalCache(slow(store, latency=0.0, bandwidth=200_000), cache_dir)
+    # a process that was already running, reading the same remote (same URL) at full speed
+    survivor = LocalCache(slow(store, latency=0.0), cache_dir)
     cache.small_file = 1000  # stream it: a temp file exists while the link is busy
     proc = spawn("cache, entry = OBJ\ncache.read(entry)\n", (cache, entry), tmp_path)
     deadline = time.monotonic() + 60
@@ -109,7 +114,13 @@ def test_filler_killed_midway_leaves_nothing_served_and_its_temp_is_swept(store_
     assert not cache.contains(entry)
     assert _temp_files(cache_dir)
     assert os.listdir(os.path.join(cache_dir, "locks"))  # the dead filler's lock file
+    assert survivor.used_bytes == entry.size  # its reservation is still counted
 
+    if recovery == "takeover":  # the next filler of that file cleans up after the dead one
+        assert survivor.read(entry) == store.read_bytes(entry.key)
+        assert not _temp_files(cache_dir) and not os.listdir(os.path.join(cache_dir, "locks"))
+        assert survivor.used_bytes == entry.size == disk_bytes(cache_dir)
+        return
     again = LocalCache(store, cache_dir)
     assert again.swept >= 2  # its temp file and its lock file
     assert not _temp_files(cache_dir) and not os.listdir(os.path.join(cache_dir, "locks"))
@@ -135,10 +146,12 @@ def test_a_live_fillers_lock_blocks_others_until_published(store, tmp_path):
     assert got == [store.read_bytes(entry.key)]
 
 
-def test_changed_source_is_refetched_and_the_old_copy_dropped(store, tmp_path):
+def test_changed_source_is_refetched_and_the_stale_copy_goes_first(store, tmp_path):
     store.write_bytes("doc.txt", b"version one")
     old = store.info("doc.txt")
-    cache = LocalCache(store, str(tmp_path / "cache"))
+    store.write_bytes("other.txt", b"o" * 12)
+    other = store.info("other.txt")
+    cache = LocalCache(store, str(tmp_path / "cache"), limit=30)
     assert cache.read(old) == b"version one"
     time.sleep(0.01)  # local etags carry mtime_ns: make sure it moves
     store.write_bytes("doc.txt", b"version two!")
@@ -146,8 +159,11 @@ def test_changed_source_is_refetched_and_the_old_copy_dropped(store, tmp_path):
     assert new != old
     assert cache.read(new) == b"version two!"
     assert cache.stats.misses == 2
-    assert not cache.contains(old)
-    assert cache.used_bytes == len(b"version two!") == disk_bytes(cache.cache_dir)
+    cache.plan([new, other])
+    cache.read(other)  # full: the stale version, in no plan, is the one evicted
+    assert not cache.contains(old) and cache.contains(new) and cache.contains(other)
+    assert cache.read(new) == b"version two!"
+    assert cache.used_bytes == 24 == disk_bytes(cache.cache_dir)
 
 
 def test_same_size_new_etag_is_refetched(store, tmp_path):
@@ -265,12 +281,12 @@ def test_never_touches_anything_outside_the_cache_dir(store, tmp_path):
     name = cache._name(entries[5])
     shard = os.path.join(objects, name[:2])
     os.makedirs(shard, exist_ok=True)
-    # a symlinked shard directory, a symlink posing as a cached object, and a key link
-    # (which names a key's previous version) planted to point outside
+    # a symlinked shard directory, a symlink posing as a cached object, and one in the
+    # place of an object about to be filled
     os.symlink(outside, os.path.join(objects, "zz"))
     decoy = name[:-1] + ("1" if name.endswith("0") else "0")
     os.symlink(outside / "keep.bin", os.path.join(shard, decoy))
-    os.symlink(outside / "keep.bin", os.path.join(shard, name.rsplit("-", 1)[0]))
+    os.symlink(outside / "keep.bin", os.path.join(shard, name))
     for e in entries:
         cache.read(e)
     smaller = LocalCache(store, cache.cache_dir, limit=1000)
@@ -279,6 +295,7 @@ def test_never_touches_anything_outside_the_cache_dir(store, tmp_path):
     assert (outside / "keep.bin").read_bytes() == b"x" * 5000
     assert os.path.islink(os.path.join(objects, "zz"))
     assert os.path.islink(os.path.join(shard, decoy))
+    assert not os.path.islink(os.path.join(shard, name))  # replaced, not followed
 
 
 @pytest.mark.parametrize("store_url", SHARED, indirect=True)
@@ -371,3 +388,50 @@ print(json.dumps([[e.key, cache.read(e).hex()[:16]] for e in order]))
     assert disk_bytes(cache.cache_dir) <= 6000 + 3 * 1000
     assert cache.used_bytes == disk_bytes(cache.cache_dir)
     assert not _temp_files(cache.cache_dir)
+
+
+@pytest.mark.multiprocess
+def test_a_forked_child_does_not_move_its_parents_plan(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    entries = put_files(store, 3, size=10)
+    cache = LocalCache(store, str(tmp_path / "cache"), limit="1MB")
+    cache.plan(entries)
+    cursor = cache._plan.cursor_path
+    pid = os.fork()
+    if pid == 0:  # the child reads everything; the parent's cursor must not move
+        try:
+            for e in entries:
+                cache.read(e)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    with open(cursor, "rb") as f:
+        assert int.from_bytes(f.read(8), "little") == 0
+    cache.read(entries[0])
+    with open(cursor, "rb") as f:
+        assert int.from_bytes(f.read(8), "little") == 1
+
+
+def test_fetch_of_a_large_file_does_not_read_it_back(store, tmp_path):
+    (entry,) = put_files(store, 1, size=50_000)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    cache.small_file = 1000
+    assert cache.fetch(entry) is None and cache.contains(entry)
+    assert cache.used_bytes == entry.size == disk_bytes(cache.cache_dir)
+    assert cache.read(entry) == store.read_bytes(entry.key)
+
+
+def test_plans_are_published_only_with_a_limit_and_dead_ones_swept(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    entries = put_files(store, 3, size=10)
+    plans = tmp_path / "cache" / "plans"
+    LocalCache(store, str(tmp_path / "cache")).plan(entries)
+    assert not os.listdir(plans)
+    (plans / "999999999-dead.plan").write_text("x")  # a process that died long ago
+    (plans / "999999999-dead.cursor").write_bytes(b"\0" * 8)
+    limited = LocalCache(store, str(tmp_path / "cache"), limit="1MB")
+    assert not os.listdir(plans)
+    limited.plan(entries)
+    assert len(os.listdir(plans)) == 2
+    limited.close()
+    assert not os.listdir(plans)

@@ -82,24 +82,30 @@ class PlanReader:
     def load(self) -> list[tuple[list[str], int]]:
         """(names, cursor) of each live plan; plans of dead processes are removed."""
         plans = []
+        for stem in self.sweep_dead():
+            names = self._names(stem + ".plan")
+            if names is not None:
+                plans.append((names, _read_cursor(stem + ".cursor")))
+        return plans
+
+    def sweep_dead(self) -> list[str]:
+        """Remove the files of dead processes' plans; the live plans' paths, less '.plan'."""
         try:
             files = os.listdir(self.directory)
         except FileNotFoundError:
             return []
+        live = []
         for fname in files:
-            if not fname.endswith(".plan") or ".unbroken-tmp-" in fname:
-                continue
-            path = os.path.join(self.directory, fname)
-            stem = path[: -len(".plan")]
-            if not _owner_alive(fname):
-                for p in (path, stem + ".cursor"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(p)
-                continue
-            names = self._names(path)
-            if names is not None:
-                plans.append((names, _read_cursor(stem + ".cursor")))
-        return plans
+            if fname.endswith(".plan") and ".unbroken-tmp-" not in fname:
+                stem = os.path.join(self.directory, fname[: -len(".plan")])
+                if _owner_alive(fname):
+                    live.append(stem)
+                    continue
+            elif not fname.endswith(".cursor") or _owner_alive(fname):
+                continue  # a live cursor, or a temp plan (its writer's own business)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.directory, fname))
+        return live
 
     def _names(self, path: str) -> list[str] | None:
         try:

@@ -3,13 +3,15 @@
 ``read(entry)`` serves a file from the cache directory, fetching it from the store on
 first access. A fill is atomic (temp file + rename) and deduplicated across processes
 by a fill lock, so no file is fetched twice at the same time; a crashed filler leaves
-only a temp file, swept later. With a ``limit``, bytes are reserved before a fetch and
-files are evicted to make room, furthest-future use first (see ``eviction.py``).
-The on-disk protocol lives in ``cache_files.py``; this module decides what to do.
+its lock file and maybe a temp file, cleaned up by the next process that finds them.
+With a ``limit``, bytes are reserved before a fetch and files are evicted to make
+room, furthest-future use first (see ``eviction.py``). The on-disk protocol lives in
+``cache_files.py``; this module decides what to do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -66,6 +68,7 @@ class LocalCache:
         publishes, so a stale lock file is the sign of a crash: only then (or for a new
         cache) are temp files swept and the ledger recounted from the disk.
         """
+        self._plans.sweep_dead()
         stale = self.layout.sweep_locks()
         if not stale and self.layout.has_ledger():
             return 0
@@ -131,7 +134,12 @@ class LocalCache:
         return self.layout.is_published(self._name(entry), entry.size)
 
     def plan(self, upcoming: Sequence[Entry]) -> None:
-        """Publish this process's future access order; eviction keeps what comes soon."""
+        """Publish this process's future access order; eviction keeps what comes soon.
+
+        Without a limit nothing is ever evicted, so nothing is published.
+        """
+        if self.limit is None:
+            return
         if self._plan is None or self._plan.pid != os.getpid():
             self._plan = PlanWriter(self.layout.plans)
         self._plan.publish([self._name(e) for e in upcoming])
@@ -186,7 +194,7 @@ class LocalCache:
                 served = self._serve_published(entry, name, want, waited)
                 if served is not _ABSENT:
                     return served
-                return self._fetch_and_publish(entry, name)
+                return self._fetch_and_publish(entry, name, fd, want)
             finally:
                 self.layout.unlock(name, fd)
 
@@ -203,40 +211,55 @@ class LocalCache:
         self._stats.add(hits=int(want), waits=int(waited))
         return data
 
-    def _fetch_and_publish(self, entry: Entry, name: str) -> bytes:
-        """Download into a temp file, check its size, rename into place. Holds the lock."""
+    def _fetch_and_publish(self, entry: Entry, name: str, lock: int, want: bool) -> bytes | None:
+        """Download into a temp file, check its size, rename into place.
+
+        Runs under the fill lock ``lock``, whose file records the bytes reserved for this
+        fill; every change of the ledger happens together with the change on disk, under
+        the ledger's lock, so a recount at any moment agrees with the ledger.
+        """
         path = self.layout.object_path(name)
-        self._reserve(entry.size)
+        if self.layout.crash_seen:  # a filler died mid-fill: clean up after it first
+            self.layout.crash_seen = False
+            self.layout.sweep_temps()
+            self._recount()
+        self._reserve(entry.size, lock)
         tmp = self.layout.temp_path(name)
         started = time.monotonic()
+        pin = None
+        published = False
         try:
-            large = entry.size > self.small_file
-            if not large:
+            if entry.size <= self.small_file:
                 data = self.store.read_bytes(entry.key)
                 self._check_size(entry, len(data))
                 _write_new(tmp, data)
             else:
                 self.store.download(entry.key, tmp)
                 self._check_size(entry, os.path.getsize(tmp))
-                data = b""
-            replaced = os.path.exists(path)  # a damaged copy, already counted
-            if not large:
+                data = None
+                if want:
+                    pin = self.layout.pin(tmp)  # so it cannot vanish before it is read
+            with self.layout.ledger() as ledger:
+                ledger.used -= self.layout.size_on_disk(path)  # a damaged copy it replaces
                 os.replace(tmp, path)
-            else:  # pin the large file across the rename, then read it
-                data = self.layout.publish_and_read(tmp, path)
+                self.layout.set_reservation(lock, 0)
+            published = True
+            if pin is not None:
+                data = self.layout.read_fd(pin)
         except BaseException:
-            self._release(entry.size)
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            if not published:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                with self.layout.ledger() as ledger:
+                    ledger.used -= entry.size
+                    self.layout.set_reservation(lock, 0)
             raise
+        finally:
+            if pin is not None:
+                os.close(pin)
         self._stats.add(
             misses=1, bytes_fetched=entry.size, fetch_seconds=time.monotonic() - started
         )
-        if replaced:
-            self._release(entry.size)
-        self._drop_old_versions(name)
         return data
 
     def _check_size(self, entry: Entry, got: int) -> None:
@@ -247,15 +270,9 @@ class LocalCache:
                 f"(rebuild the index)"
             )
 
-    def _drop_old_versions(self, name: str) -> None:
-        """A changed source left its previous version here: remove it (unless pinned)."""
-        previous = self.layout.point_key_at(name)
-        if previous is not None:
-            self._release(self.layout.remove_if_unpinned(previous) or 0)
-
     # -- byte accounting and eviction ---------------------------------------------------
 
-    def _reserve(self, nbytes: int) -> None:
+    def _reserve(self, nbytes: int, lock: int) -> None:
         """Count ``nbytes`` before they land, evicting first if the limit needs it.
 
         If every remaining file is pinned, the fill proceeds anyway: the overshoot is at
@@ -266,11 +283,7 @@ class LocalCache:
                 need = ledger.used + nbytes - self.limit + int(self.limit * EVICT_SLACK)
                 ledger.used -= self._evict(need)
             ledger.used += nbytes
-
-    def _release(self, nbytes: int) -> None:
-        if nbytes:
-            with self.layout.ledger() as ledger:
-                ledger.used -= nbytes
+            self.layout.set_reservation(lock, nbytes)
 
     def _evict(self, need: int) -> int:
         """Free at least ``need`` bytes if unpinned files allow; returns bytes freed."""
@@ -296,10 +309,14 @@ class LocalCache:
         return freed
 
     def _recount(self) -> None:
-        """Set the ledger from what is on disk (after a crash it may have drifted)."""
+        """Set the ledger from the disk: published files plus live fills' reservations.
+
+        Exact even while other processes fill and evict: each of them changes the disk
+        and the ledger together under the ledger's lock, which the recount holds.
+        """
         with self.layout.ledger() as ledger:
             published = sum(c.size for c in self.layout.scan_objects())
-            ledger.used = published + self.layout.temp_bytes()
+            ledger.used = published + self.layout.held_reservations()
             if self.limit is not None and ledger.used > self.limit:
                 ledger.used -= self._evict(ledger.used - self.limit)
 
@@ -331,6 +348,7 @@ def _after_fork() -> None:
     for cache in list(_live):
         cache._mutex = threading.Lock()
         cache._local_fills = {}
+        cache._plan = None  # the parent's plan and cursor are not this process's
         cache._stats._lock = threading.Lock()
 
 

@@ -3,15 +3,14 @@
 Layout under ``root`` (nothing outside it is ever created, renamed or deleted)::
 
     objects/<2 hex>/<key hash>-<version hash>   published files, immutable
-    objects/<2 hex>/<key hash>                  symlink naming the key's newest version
     objects/<2 hex>/.<name>.unbroken-tmp-<pid>-<rand>   fills in progress (temp files)
     locks/<name>.lock      exclusive flock held by the one process filling <name>
     plans/<pid>-<token>.plan / .cursor   each process's future access order
     usage                  8-byte ledger of bytes on disk, updated under flock
 
 The version hash covers the source's size and etag, so a changed source has a new
-name: it is a miss, fetched afresh, and the stale version, found through the key's
-symlink (one readlink, no directory scan), is dropped.
+name: it is a miss and is fetched afresh. The stale version is in no plan, so it is
+among the first files evicted.
 
 Locks are ``flock`` locks, which the kernel releases when their holder dies: a crashed
 filler never blocks others, and its lock file is swept later. Readers hold a shared
@@ -25,7 +24,6 @@ import contextlib
 import fcntl
 import hashlib
 import os
-import re
 import stat
 import struct
 from collections.abc import Iterator
@@ -35,6 +33,9 @@ from unbroken.storage.base import is_temp_name, temp_name
 from unbroken.storage.local import LocalStore
 
 _LEDGER = struct.Struct("<q")
+_LOCK_RECORD = struct.Struct("<16sq")  # holder pid (text, for people), bytes reserved
+_RESERVED = struct.Struct("<q")
+_RESERVED_AT = 16
 
 
 def object_name(store_url: str, key: str, size: int, etag: str | None) -> str:
@@ -42,14 +43,6 @@ def object_name(store_url: str, key: str, size: int, etag: str | None) -> str:
     key_hash = hashlib.sha1(f"{store_url}\0{key}".encode()).hexdigest()[:32]
     version = hashlib.sha1(f"{size}\0{etag}".encode()).hexdigest()[:12]
     return f"{key_hash}-{version}"
-
-
-_VERSIONED = re.compile(r"[0-9a-f]{32}-[0-9a-f]{12}")
-
-
-def key_part(name: str) -> str:
-    """The part of a name shared by every version of the same source object."""
-    return name.rsplit("-", 1)[0]
 
 
 class CacheLayout:
@@ -63,6 +56,8 @@ class CacheLayout:
         for d in (self.objects, self.locks, self.plans):
             os.makedirs(d, exist_ok=True)
         self._made: set[str] = set()
+        self.crash_seen = False
+        """Set when a fill lock left by a dead holder was taken over: the ledger may be off."""
 
     def object_path(self, name: str) -> str:
         return os.path.join(self.objects, name[:2], name)
@@ -91,11 +86,35 @@ class CacheLayout:
                 os.close(fd)
                 return None
             if _same_file(fd, path):
-                # the holder's pid, for people; no truncate: on ext4 a truncate plus a
-                # write makes close() flush (auto_da_alloc), milliseconds per fill
-                os.pwrite(fd, f"{os.getpid():<10}\n".encode(), 0)
+                if os.pread(fd, 1, 0):  # a holder wrote here and never removed it: it died
+                    self.crash_seen = True
+                # the holder's pid (for people) and its reservation, none yet. No truncate:
+                # on ext4 a truncate plus a write makes close() flush (auto_da_alloc)
+                os.pwrite(fd, _LOCK_RECORD.pack(f"{os.getpid():<15}\n".encode(), 0), 0)
                 return fd
             os.close(fd)  # the holder removed that lock file as we opened it: retry
+
+    def set_reservation(self, fd: int, nbytes: int) -> None:
+        """Record in a held fill lock the bytes the ledger counts for that fill."""
+        os.pwrite(fd, _RESERVED.pack(nbytes), _RESERVED_AT)
+
+    def held_reservations(self) -> int:
+        """Bytes reserved by fills in progress: the sum over lock files someone holds."""
+        total = 0
+        for name in os.listdir(self.locks):
+            path = os.path.join(self.locks, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: a live fill (or an evictor, reserving 0)
+                raw = os.pread(fd, _RESERVED.size, _RESERVED_AT)
+                total += _RESERVED.unpack(raw)[0] if len(raw) == _RESERVED.size else 0
+            finally:
+                os.close(fd)
+        return total
 
     def unlock(self, name: str, fd: int) -> None:
         """Release a fill lock taken by :meth:`try_lock` and remove its file."""
@@ -126,16 +145,25 @@ class CacheLayout:
         finally:
             os.close(fd)
 
-    def publish_and_read(self, tmp: str, path: str) -> bytes:
-        """Rename a filled temp file into place and read it, pinned throughout."""
-        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+    def pin(self, path: str) -> int:
+        """Open ``path`` under a shared pin; the caller reads it and closes the fd."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
+    @staticmethod
+    def read_fd(fd: int) -> bytes:
+        with open(fd, "rb", closefd=False) as f:
+            f.seek(0)
+            return f.read()
+
+    def size_on_disk(self, path: str) -> int:
+        """Size of the regular file at ``path``; 0 if there is none."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            os.replace(tmp, path)
-            with open(fd, "rb", closefd=False) as f:
-                return f.read()
-        finally:
-            os.close(fd)
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return 0
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
     def is_published(self, name: str, size: int) -> bool:
         try:
@@ -183,37 +211,6 @@ class CacheLayout:
                     continue
                 found.append(Candidate(e.name, st.st_size, st.st_mtime))
         return found
-
-    def point_key_at(self, name: str) -> str | None:
-        """Make the key's symlink name ``name``; returns the version it named before.
-
-        Only a well-formed version name of the same key is returned, so a planted link
-        can never steer a deletion anywhere else.
-        """
-        key = key_part(name)
-        link = os.path.join(self.shard_dir(name), key)
-        try:
-            previous = os.readlink(link)
-        except OSError:  # absent, or not a link
-            previous = None
-        if previous == name:
-            return None
-        tmp = os.path.join(self.shard_dir(name), temp_name(key))
-        os.symlink(name, tmp)
-        os.replace(tmp, link)
-        if previous and _VERSIONED.fullmatch(previous) and key_part(previous) == key:
-            return previous
-        return None
-
-    def temp_bytes(self) -> int:
-        """Bytes held by fills in progress (temp files under objects/)."""
-        total = 0
-        for shard in _subdirs(self.objects):
-            for e in os.scandir(os.path.join(self.objects, shard)):
-                if is_temp_name(e.name) and e.is_file(follow_symlinks=False):
-                    with contextlib.suppress(FileNotFoundError):
-                        total += e.stat(follow_symlinks=False).st_size
-        return total
 
     # -- crash leftovers ------------------------------------------------------------------
 
