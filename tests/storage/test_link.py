@@ -16,13 +16,26 @@ def _transfer(name: str, bandwidth: float, nbytes: int) -> None:
     SharedLink(bandwidth, name).transfer(nbytes)
 
 
+def _transfer_on(link: SharedLink, nbytes: int) -> None:
+    link.transfer(nbytes)
+
+
 @pytest.mark.multiprocess
-def test_parallel_processes_share_one_timeline():
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_parallel_processes_share_one_timeline(start_method):
     name = f"test-{uuid.uuid4().hex[:8]}"
     bandwidth, nbytes, procs = 400e6, 20 << 20, 4
     start = time.monotonic()
-    ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=_transfer, args=(name, bandwidth, nbytes)) for _ in range(procs)]
+    ctx = mp.get_context(start_method)
+    if start_method == "fork":
+        # Children inherit a link whose file the parent already opened (and locks).
+        link = SharedLink(bandwidth, name)
+        link.transfer(1)
+        workers = [ctx.Process(target=_transfer_on, args=(link, nbytes)) for _ in range(procs)]
+    else:
+        workers = [
+            ctx.Process(target=_transfer, args=(name, bandwidth, nbytes)) for _ in range(procs)
+        ]
     for w in workers:
         w.start()
     for w in workers:

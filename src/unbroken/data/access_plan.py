@@ -16,7 +16,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 
 from unbroken.storage.base import temp_name
-from unbroken.storage.local import _pid_alive
+from unbroken._util.procs import pid_alive
 
 _CURSOR = struct.Struct("<q")
 
@@ -125,7 +125,7 @@ class PlanReader:
 
 def _owner_alive(fname: str) -> bool:
     try:
-        return _pid_alive(int(fname.split("-", 1)[0]))
+        return pid_alive(int(fname.split("-", 1)[0]))
     except ValueError:
         return False
 

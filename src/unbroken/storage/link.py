@@ -36,16 +36,22 @@ class SharedLink:
         self.name = name
         self.path = os.path.join(_state_dir(), f"unbroken-link-{name}.state")
         self._fd: int | None = None
+        self._fd_pid = 0
 
     def __getstate__(self) -> dict:
-        return {"bandwidth": self.bandwidth, "name": self.name, "path": self.path, "_fd": None}
+        state = dict(self.__dict__)
+        state.update(_fd=None, _fd_pid=0)
+        return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
 
     def _file(self) -> int:
-        if self._fd is None:
+        # flock() belongs to the open file description, which a forked child shares with
+        # its parent: each process must open its own, or they would not exclude each other.
+        if self._fd is None or self._fd_pid != os.getpid():
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            self._fd_pid = os.getpid()
         return self._fd
 
     def reserve(self, nbytes: int) -> float:
@@ -73,6 +79,6 @@ class SharedLink:
                 time.sleep(delay)
 
     def close(self) -> None:
-        if self._fd is not None:
+        if self._fd is not None and self._fd_pid == os.getpid():
             os.close(self._fd)
-            self._fd = None
+        self._fd = None

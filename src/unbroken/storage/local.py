@@ -6,6 +6,7 @@ import os
 import shutil
 import time
 
+from unbroken._util.procs import pid_alive
 from unbroken.storage.base import (
     TEMP_MARKER,
     Entry,
@@ -93,7 +94,7 @@ class LocalStore(Store):
                 pid = _owner_pid(name)
                 try:
                     old = now - os.stat(path).st_mtime >= min_age
-                    if (pid is not None and not _pid_alive(pid)) or (min_age and old):
+                    if (pid is not None and not pid_alive(pid)) or (min_age and old):
                         os.unlink(path)
                         removed += 1
                 except FileNotFoundError:
@@ -111,13 +112,3 @@ def _owner_pid(name: str) -> int | None:
         return int(name.split(TEMP_MARKER, 1)[1].split("-", 1)[0])
     except (IndexError, ValueError):
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -40,6 +40,9 @@ class RetryPolicy:
 
 NO_RETRY = RetryPolicy(max_attempts=1)
 
+_JITTER = random.Random()
+"""One jitter source per process; seeding a generator per call costs more than the call."""
+
 
 class RetryStats:
     """Counts retries so the data loader and benchmarks can report them."""
@@ -59,7 +62,7 @@ def call_with_retry(
     rng: random.Random | None = None,
 ) -> T:
     """Run ``fn``; retry transient failures per ``policy``; raise a named final error."""
-    rng = rng or random.Random()
+    rng = rng or _JITTER
     start = time.monotonic()
     attempt = 0
     while True:
