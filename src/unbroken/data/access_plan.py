@@ -15,8 +15,8 @@ import uuid
 from bisect import bisect_left
 from collections.abc import Sequence
 
-from unbroken.storage.base import temp_name
 from unbroken._util.procs import pid_alive
+from unbroken.storage.base import temp_name
 
 _CURSOR = struct.Struct("<q")
 
