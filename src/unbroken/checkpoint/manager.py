@@ -256,6 +256,7 @@ class CheckpointManager:
             staged=staged,
             values=json.loads(json.dumps(flat.values)),
             rng=capture_rng_state(),
+            pinned=frozenset(flat.first),
         )
         self._pipeline.submit(job)
         self._last_step, self._last_start = step, time.monotonic()

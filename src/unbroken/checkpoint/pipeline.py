@@ -41,6 +41,7 @@ from unbroken.checkpoint.manifest import (
     step_dir,
     write_manifest,
 )
+from unbroken.checkpoint.planners import PinnedSavePlanner
 from unbroken.checkpoint.retention import plan_deletions
 from unbroken.checkpoint.writer import TierWriter
 from unbroken.storage import LocalStore, Store
@@ -69,6 +70,8 @@ class SaveJob:
     """JSON-able entries of the state; they go into the manifest."""
     rng: dict[str, Any]
     """This rank's RNG states at the moment of the save."""
+    pinned: frozenset[str] = frozenset()
+    """Keys saved from the lowest rank that holds them (module buffers)."""
     submitted: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     error: SaveFailedError | None = None
@@ -210,6 +213,7 @@ class SavePipeline:
             dcp.save(
                 job.staged.state_dict,
                 storage_writer=writer,
+                planner=PinnedSavePlanner(job.pinned),
                 process_group=g.pg,
                 no_dist=g.pg is None,
             )
