@@ -157,3 +157,17 @@ def test_module_and_optimizer_round_trip(store, tmp_path):
     for k in s1:
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(s1[k][name], s2[k][name])
+
+
+def test_without_collectives_each_rank_names_its_own_files(tmp_path):
+    """dcp.save(use_collectives=False): per-rank names, and vanilla DCP still loads them."""
+    from tests.checkpoint.format_util import TierWriter
+
+    sd = {"w": torch.arange(6.0), "k": 5}
+    writer = TierWriter(tmp_path / "c")
+    dcp.save(sd, storage_writer=writer, no_dist=True, use_collectives=False)
+    names = sorted(r.name for r in writer.records)
+    assert names == ["__0.metadata", "__0.metadata.json", "__0_0.distcp"]
+    out = {"w": torch.zeros(6), "k": 0}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(tmp_path / "c"), no_dist=True)
+    assert_same(out, sd)

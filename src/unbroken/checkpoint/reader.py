@@ -105,6 +105,8 @@ class TierReader(StorageReader):
         self.prefix = step_dir(step)
         self.storage_data: dict[Any, ItemLocation] = {}
         self.load_id = str(uuid.uuid4())
+        self.failure: CheckpointError | None = None
+        """The last CheckpointError this reader raised (DCP may wrap or flatten it)."""
 
     # -- StorageReader --------------------------------------------------------------
 
@@ -116,13 +118,16 @@ class TierReader(StorageReader):
             )
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
+        self.failure = None
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise CheckpointError(f"step {self.step}: no per-rank metadata in {self.checkpoint_id}")
-        data = self._read_whole(METADATA_JSON)
-        metadata = metadata_from_json(data, where=self._url(METADATA_JSON))
-        self._check_locations(metadata.storage_data)
+    def read_metadata(self) -> Metadata:  # no **kwargs: there is no per-rank fallback
+        try:
+            data = self._read_whole(METADATA_JSON)
+            metadata = metadata_from_json(data, where=self._url(METADATA_JSON))
+            self._check_locations(metadata.storage_data)
+        except CheckpointError as exc:
+            self.failure = exc  # DCP flattens read_metadata errors into a message
+            raise
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -141,6 +146,16 @@ class TierReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            self._read_data(plan, planner)
+        except CheckpointError as exc:
+            self.failure = exc
+            raise
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         by_location: dict[ItemLocation, list[ReadItem]] = {}
         for req in plan.items:
             loc = self.storage_data.get(req.storage_index)
@@ -152,9 +167,6 @@ class TierReader(StorageReader):
         for loc, payload in self._fetch(list(by_location)):
             for req in by_location[loc]:
                 self._deliver(req, loc, payload, planner)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     @property
     def checkpoint_id(self) -> str:
@@ -324,6 +336,8 @@ def load_state_dict(
         )
     except CheckpointException as exc:
         inner = first_checkpoint_error(exc)
+        if inner is exc and reader.failure is not None:
+            inner = reader.failure
         if inner is exc:
             raise
         raise inner from exc
