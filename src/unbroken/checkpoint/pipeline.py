@@ -172,6 +172,8 @@ class SavePipeline:
             except BaseException as e:  # a bug of ours must not vanish in a thread
                 log.exception("checkpoint worker: unexpected error at step %d", job.step)
                 job.error = SaveFailedError(job.step, e)
+            finally:
+                job.staged.release()  # idempotent; covers a failure before the local write
             job.seconds["total"] = time.monotonic() - job.submitted
             with self._lock:
                 self._current = None
@@ -207,6 +209,7 @@ class SavePipeline:
         self._agree(problem, f"staging step {step}", exc)
         t1 = time.monotonic()
         job.seconds["staging"] = t1 - t0
+        job.seconds["blocking"] = float(job.staged.stats.get("blocking_seconds", 0.0))
 
         writer = TierWriter(local_dir)
         try:
@@ -221,6 +224,8 @@ class SavePipeline:
             raise _PhaseFailed(
                 f"writing step {step} to the local staging tier {local_dir} failed: {describe(e)}"
             ) from e
+        finally:
+            job.staged.release()  # the host buffers are free for the next save
         t2 = time.monotonic()
         job.seconds["local"] = t2 - t1
 
