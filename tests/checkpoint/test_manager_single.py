@@ -44,6 +44,7 @@ def test_round_trip_every_kind_of_value_and_rng(tmp_path, tier):
             shutil.rmtree(mgr.staging_dir)
         fresh = make_state(1, lr=0.9)
         assert mgr.restore(fresh) == 4
+        assert mgr.last_restore.tier == tier
         assert_same(snapshot(fresh), expected)
         assert rng_draws() == draws
         assert mgr.stats.committed == 1 and mgr.stats.failed == 0
@@ -256,3 +257,71 @@ def test_bad_inputs_are_named(tmp_path):
             mgr.save(2, {"optim": opt})
         with pytest.raises(ValueError, match="non-negative"):
             mgr.save(-1, {"x": 1})
+
+
+def test_every_seconds_cadence(tmp_path):
+    state = make_state()
+    with manager(tmp_path, every_steps=None, every_seconds=0.2, when_busy="wait") as mgr:
+        assert not mgr.maybe_save(1, state)  # 0.2 s have not passed since the manager began
+        import time
+
+        time.sleep(0.25)
+        assert mgr.maybe_save(2, state)
+        assert not mgr.maybe_save(3, state)
+        mgr.wait()
+    assert [c.step for c in mgr.checkpoints()] == [2]
+
+
+def test_unreachable_durable_store_is_named(tmp_path):
+    from .distributed import free_port
+
+    opts = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"}}
+    state = make_state()
+    mgr = manager(tmp_path, url="s3://nowhere/ckpt", storage_options=opts, retry=FAST_RETRY)
+    with pytest.raises(ub.StoreError, match="s3://nowhere/ckpt"):
+        mgr.restore(state)
+    mgr.save(2, state)
+    with pytest.raises(SaveFailedError, match="step 2") as info:
+        mgr.close()
+    assert "s3://nowhere/ckpt" in str(info.value)
+
+
+DISK_FULL = """
+import resource, signal, sys, torch
+sys.path.insert(0, {root!r})
+import unbroken as ub
+from unbroken.checkpoint.errors import SaveFailedError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+mgr = ub.CheckpointManager({durable!r}, staging_dir={staging!r})
+state = {{"big": torch.ones(1_000_000)}}
+mgr.save(1, state)
+mgr.wait()  # staging buffers exist now (they are reused)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # a nearly full disk
+try:
+    mgr.save(2, state)
+    mgr.close()
+except SaveFailedError as e:
+    print("FAILED:", e)
+print("committed:", [c.step for c in mgr.checkpoints() if c.committed])
+"""
+
+
+def test_staging_disk_full_is_a_clear_failure(tmp_path):
+    import subprocess
+    import sys
+
+    from .distributed import ROOT, rank_env
+
+    script = DISK_FULL.format(
+        root=str(ROOT / "src"), durable=str(tmp_path / "d"), staging=str(tmp_path / "s")
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert "FAILED: checkpoint save of step 2 failed" in out, out
+    assert "local staging tier" in out and "File too large" in out, out
+    assert "committed: [1]" in out, out

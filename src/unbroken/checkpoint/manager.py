@@ -178,6 +178,8 @@ class CheckpointManager:
         self._last_start = time.monotonic()
         self._committed: set[int] = set()
         self._closed = False
+        self.last_restore: Any = None
+        """What the last restore() loaded (step, tier, url, seconds), or None."""
         self._pipeline = SavePipeline(
             self.store,
             self.staging_dir,
@@ -343,7 +345,7 @@ class CheckpointManager:
 
         self._pipeline.wait()
         self._report_failures(raising=False)
-        manifest = restore(
+        restored = restore(
             state,
             durable=self.store,
             staging=self.staging,
@@ -351,11 +353,12 @@ class CheckpointManager:
             step=step,
             strict=strict,
         )
-        if manifest is None:
+        self.last_restore = restored
+        if restored is None:
             return None
-        self._committed.add(manifest.step)
-        self._last_step, self._last_start = manifest.step, time.monotonic()
-        return manifest.step
+        self._committed.add(restored.step)
+        self._last_step, self._last_start = restored.step, time.monotonic()
+        return restored.step
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint in the durable tier, committed or not, by step."""
