@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import unbroken as ub
+from unbroken.checkpoint.catalog import verify_checkpoint
 
 from .distributed import ROOT, SCENARIOS, free_port, kill_tree, rank_env
 
@@ -86,6 +87,9 @@ def check_restorable(url: str, staging: str) -> int | None:
     for name, p in state["model"].state_dict().items():
         assert torch.all(p == step), f"{name} is torn: not all {step} (restored step {step})"
     assert torch.all(state["extra"] == step)
+    store = ub.open_store(url)
+    for c in committed:  # every committed checkpoint is whole, byte for byte
+        assert verify_checkpoint(store, c, deep=True) == [], c
     return step
 
 
