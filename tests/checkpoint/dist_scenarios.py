@@ -77,7 +77,12 @@ def scenario_ddp(a: argparse.Namespace) -> None:
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(optim, 2, 0.5)
     mgr = ub.CheckpointManager(
-        a.url, staging_dir=a.staging, every_steps=3, keep_last=2, when_busy="wait"
+        a.url,
+        staging_dir=a.staging,
+        every_steps=3,
+        keep_last=2,
+        when_busy="wait",
+        storage_options=json.loads(a.options),
     )
     state = {"model": model, "optim": optim, "sched": sched, "epoch": 1}
     assert mgr.restore(state) is None
@@ -272,6 +277,7 @@ def main() -> None:
     p.add_argument("--staging", required=True)
     p.add_argument("--expected", default="")
     p.add_argument("--link", default="test")
+    p.add_argument("--options", default="{}", help="storage options (JSON)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--crash-at", type=int, default=0)

@@ -7,14 +7,26 @@ import json
 import pytest
 import torch
 
+import unbroken as ub
+from unbroken.checkpoint.manifest import step_dir
+
 from .distributed import check, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
 
-def test_ddp_round_trip_on_two_ranks_both_tiers(tmp_path):
-    out = check(torchrun(2, "ddp", "--url", str(tmp_path / "d"), "--staging", str(tmp_path / "s")))
+@pytest.mark.s3
+def test_ddp_round_trip_on_two_ranks_both_tiers_s3(tmp_path, s3_server):
+    """Both ranks upload to the loopback S3 server; restore from staging, then from S3."""
+    url = f"s3://{s3_server.new_bucket()}/run/ckpt"
+    options = json.dumps(s3_server.storage_options)
+    out = check(
+        torchrun(2, "ddp", "--url", url, "--staging", str(tmp_path / "s"), "--options", options)
+    )
     assert out.count("ddp ok") == 2
+    store = ub.open_store(url, **s3_server.storage_options)
+    names = {e.key.split("/", 1)[1] for e in store.list(step_dir(6))}
+    assert {"__0_0.distcp", "__1_0.distcp", "rng/rank-00001.json", "manifest.json"} <= names
 
 
 def test_fsdp2_reshards_two_to_one_and_three(tmp_path):
