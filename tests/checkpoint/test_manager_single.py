@@ -325,3 +325,39 @@ def test_staging_disk_full_is_a_clear_failure(tmp_path):
     assert "FAILED: checkpoint save of step 2 failed" in out, out
     assert "local staging tier" in out and "File too large" in out, out
     assert "committed: [1]" in out, out
+
+
+def test_reused_staging_dir_with_a_stale_local_copy(tmp_path):
+    state = {"w": torch.ones(10)}
+    with manager(tmp_path, url=str(tmp_path / "run1")) as mgr:
+        mgr.save(2, state)
+        mgr.wait()
+    state["w"].fill_(2.0)
+    with manager(tmp_path, url=str(tmp_path / "run2")) as mgr:  # same staging_dir
+        mgr.save(2, state)
+        mgr.wait()
+        fresh = {"w": torch.zeros(10)}
+        assert mgr.restore(fresh) == 2
+    assert torch.equal(fresh["w"], torch.full((10,), 2.0))
+
+
+def test_in_place_change_during_the_copy_never_commits_mixed_values(tmp_path):
+    """Either the save is abandoned (torn) and reported, or it holds the values at save()."""
+    big = torch.zeros(16_000_000)  # 64 MB: the background copy takes a while
+    state = {"big": big, "small": torch.zeros(3)}
+    mgr = manager(tmp_path)
+    mgr.save(2, state)
+    big.add_(1.0)  # not through an optimizer: nothing makes this wait for the copy
+    try:
+        mgr.close()
+        committed = True
+    except SaveFailedError as e:
+        assert "torn" in str(e).lower() or "changed" in str(e).lower(), e
+        committed = False
+    steps = [c.step for c in mgr.checkpoints() if c.committed]
+    assert steps == ([2] if committed else [])
+    if committed:
+        fresh = {"big": torch.full((16_000_000,), 7.0), "small": torch.ones(3)}
+        with manager(tmp_path) as again:
+            assert again.restore(fresh) == 2
+        assert torch.all(fresh["big"] == 0.0)

@@ -207,6 +207,12 @@ class SavePipeline:
         except Exception as e:
             problem, exc = describe(e), e
         self._agree(problem, f"staging step {step}", exc)
+        # The durable tier has no commit of this step, so a local manifest here is stale
+        # (a reused staging_dir): un-commit that copy before writing over it.
+        try:
+            os.unlink(os.path.join(local_dir, MANIFEST))
+        except FileNotFoundError:
+            pass
         t1 = time.monotonic()
         job.seconds["staging"] = t1 - t0
         job.seconds["blocking"] = float(job.staged.stats.get("blocking_seconds", 0.0))
