@@ -105,8 +105,10 @@ class SaveStats:
     skipped_committed: int = 0
     """Saves of a step that is already committed (never overwritten)."""
     seconds_blocked: float = 0.0
-    """Training-loop time spent inside save/maybe_save (staging start, waits)."""
+    """Training-loop time spent inside save/maybe_save (staging start, busy waits)."""
     seconds_waited_busy: float = 0.0
+    seconds_in_wait: float = 0.0
+    """Time spent in wait() (the caller asked to block)."""
     last_commit_seconds: float | None = None
     """From save() to committed, for the newest committed save."""
     last_phase_seconds: dict[str, float] = field(default_factory=dict)
@@ -310,7 +312,7 @@ class CheckpointManager:
         """Block until the save in flight is committed; raise SaveFailedError if one failed."""
         t0 = time.monotonic()
         self._pipeline.wait(timeout)
-        self.stats.seconds_blocked += time.monotonic() - t0
+        self.stats.seconds_in_wait += time.monotonic() - t0
         self._report_failures(raising=True)
 
     def close(self) -> None:
