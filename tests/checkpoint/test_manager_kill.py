@@ -118,6 +118,7 @@ def test_kill_during_saves_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_kill_during_saves_many(tmp_path):
     restored = run_trials(tmp_path, trials=20, seed=2)
     assert sum(s is not None for s in restored) >= 15, restored
