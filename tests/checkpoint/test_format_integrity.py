@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import pickle
 
@@ -12,7 +14,7 @@ from tests.checkpoint.format_util import assert_same, load_from, publish, save_s
 from unbroken import open_store
 from unbroken.checkpoint.dcp_json import metadata_from_json
 from unbroken.checkpoint.errors import CheckpointCorruptError
-from unbroken.checkpoint.manifest import step_dir
+from unbroken.checkpoint.manifest import FileRecord, Manifest, crc32c_bytes, crc32c_file, step_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -134,8 +136,6 @@ def test_hostile_metadata_pickle_is_never_opened(tmp_path):
     directory, _ = save_step(tmp_path / "stage", 9, state())
     (directory / ".metadata").write_bytes(pickle.dumps(Hostile(str(marker))))
     # Re-make the manifest so that the hostile file is even listed as legitimate.
-    from unbroken.checkpoint.manifest import FileRecord, Manifest, crc32c_file
-
     files = {
         p.name: FileRecord(p.name, p.stat().st_size, crc32c_file(p)) for p in directory.iterdir()
     }
@@ -147,14 +147,45 @@ def test_hostile_metadata_pickle_is_never_opened(tmp_path):
     assert not marker.exists()
 
 
-def test_hostile_non_tensor_value_is_refused_not_executed(store, tmp_path):
-    marker = tmp_path / "pwned-value"
-    sd = {"w": torch.ones(3), "evil": Hostile(str(marker))}
-    _, manifest = committed(tmp_path, store, sd=sd)
+def test_hostile_value_is_refused_at_save_time(tmp_path):
+    """A value weights_only cannot load would make the checkpoint unrestorable: fail now."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    marker = tmp_path / "pwned-save"
+    with pytest.raises(CheckpointException, match=r"'evil' could not be restored safely"):
+        save_step(tmp_path / "stage", 9, {"w": torch.ones(3), "evil": Hostile(str(marker))})
     assert not marker.exists()
+
+
+def plant_value(directory, fqn: str, payload: bytes) -> Manifest:
+    """An attacker with write access: append ``payload`` to the shard, point ``fqn`` at it,
+    and fix every checksum (metadata.json, manifest) so that all of them agree."""
+    shard = directory / SHARD
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(payload)
+    doc = json.loads((directory / "metadata.json").read_bytes())
+    entry = next(e for e in doc["storage_data"] if e["fqn"] == fqn)
+    entry.update(
+        record=[offset, len(payload)], payload=[offset, len(payload)], crc32c=crc32c_bytes(payload)
+    )
+    (directory / "metadata.json").write_bytes(json.dumps(doc).encode())
+    files = {
+        p.name: FileRecord(p.name, p.stat().st_size, crc32c_file(p)) for p in directory.iterdir()
+    }
+    return Manifest(9, 1, files, "test", torch.__version__, 0.0, {})
+
+
+def test_hostile_value_with_valid_checksums_is_refused_not_executed(store, tmp_path):
+    marker = tmp_path / "pwned-value"
+    directory, _ = save_step(tmp_path / "stage", 9, {"w": torch.ones(3), "evil": 0})
+    hostile = io.BytesIO()
+    torch.save(Hostile(str(marker)), hostile)
+    manifest = plant_value(directory, "evil", hostile.getvalue())
+    publish(directory, store, manifest)
     with pytest.raises(CheckpointCorruptError, match=r"'evil'.*weights_only") as info:
         load_from(store, manifest, {"w": torch.zeros(3), "evil": None})
-    assert info.value.file == SHARD
+    assert info.value.file == SHARD and "GLOBAL posix.mkdir" in str(info.value)
     assert not marker.exists()
 
 
@@ -191,3 +222,28 @@ def test_writer_refuses_to_overwrite_a_committed_checkpoint(tmp_path):
     with pytest.raises(CheckpointException, match="refusing to write over it"):
         save_step(tmp_path / "stage", 9, {"w": torch.zeros(4096)})
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+
+
+def test_numpy_array_value_is_refused_at_save_time_with_the_global_named(tmp_path):
+    """np.random.get_state() holds an ndarray: weights_only refuses it, so the save does."""
+    import numpy as np
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match=r"'np_rng'.*numpy"):
+        save_step(tmp_path / "stage", 9, {"np_rng": np.random.get_state()})
+
+
+@pytest.mark.parametrize(
+    ("target", "named"),
+    [
+        ({"w": torch.zeros(5), "b": torch.zeros(7), "meta": {"k": 0}}, r"torch.Size\(\[4096\]\)"),
+        ({**blank(), "extra": torch.zeros(2)}, "extra"),
+    ],
+)
+def test_key_or_shape_mismatch_is_a_mismatch_error_naming_it(tmp_path, target, named):
+    from unbroken.checkpoint.errors import CheckpointMismatchError
+
+    store = open_store(tmp_path / "durable")
+    _, manifest = committed(tmp_path, store)
+    with pytest.raises(CheckpointMismatchError, match=rf"step 9: .*{named}"):
+        load_from(store, manifest, target)

@@ -119,3 +119,20 @@ def test_crc32c_known_vector_and_file(tmp_path):
     path.write_bytes(data)
     assert crc32c_file(path) == crc32c_bytes(data)
     assert crc32c_bytes(data[1000:], crc32c_bytes(data[:1000])) == crc32c_bytes(data)
+
+
+def test_new_manifest_stamps_versions_and_refuses_conflicting_reports():
+    import torch
+
+    from unbroken import __version__
+    from unbroken.checkpoint.manifest import new_manifest
+
+    a = FileRecord("__0_0.distcp", 10, 1)
+    m = new_manifest(5, 2, [a, FileRecord("__1_0.distcp", 20, 2), a], extra={"x": 1})
+    assert m.nbytes == 30 and m.world_size == 2 and m.extra == {"x": 1}
+    assert m.library_version == __version__ and m.torch_version == torch.__version__
+    assert m.created > 0
+    with pytest.raises(ValueError, match=r"'__0_0.distcp' reported twice"):
+        new_manifest(5, 2, [a, FileRecord("__0_0.distcp", 11, 1)])
+    with pytest.raises(ValueError, match="must not list itself"):
+        new_manifest(5, 2, [FileRecord("manifest.json", 1, 1)])

@@ -10,17 +10,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from unbroken.checkpoint.dcp_json import metadata_from_json
 from unbroken.checkpoint.errors import CheckpointError
 from unbroken.checkpoint.manifest import (
     MANIFEST_NAME,
+    METADATA_JSON,
     Manifest,
     crc32c_bytes,
     parse_step_dir,
     read_manifest,
     step_dir,
 )
-from unbroken.checkpoint.writer import METADATA_JSON
 from unbroken.storage import Store
 
 VERIFY_CHUNK = 64 << 20
@@ -85,6 +84,8 @@ def verify_checkpoint(store: Store, step: int, *, deep: bool = False) -> list[st
                     f"{record.name}: crc32c {crc:#010x}, manifest says {record.crc32c:#010x}"
                 )
         if not problems and METADATA_JSON in manifest.files:
+            from unbroken.checkpoint.dcp_json import metadata_from_json  # imports torch
+
             key = f"{prefix}/{METADATA_JSON}"
             try:
                 metadata_from_json(store.read_bytes(key), where=store.url_for(key))

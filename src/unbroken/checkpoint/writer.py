@@ -5,9 +5,9 @@ it is, a tensor as its raw bytes (streamed from the tensor's own memory in bound
 chunks, no copy for a contiguous CPU tensor) inside a torch.load-able envelope (see
 :mod:`unbroken.checkpoint.tensor_record`). crc32c is computed as bytes go out, for the
 whole file (the manifest's checksum) and for each payload (what the reader checks).
-Files appear by temp name + fsync + rename + directory fsync. The coordinator's ``finish`` writes
-``metadata.json`` (what our reader uses) and ``.metadata`` (pickle, for vanilla
-``dcp.load`` only).
+Files appear by temp name + fsync + rename + directory fsync. The coordinator's
+``finish`` writes ``metadata.json`` (what our reader uses) and ``.metadata`` (pickle, for
+vanilla ``dcp.load`` only).
 """
 
 from __future__ import annotations
@@ -34,13 +34,18 @@ from unbroken.checkpoint.dcp_json import (
     vanilla_metadata,
 )
 from unbroken.checkpoint.errors import CheckpointError
-from unbroken.checkpoint.manifest import MANIFEST_NAME, FileRecord, crc32c_bytes
+from unbroken.checkpoint.manifest import (
+    MANIFEST_NAME,
+    METADATA_JSON,
+    METADATA_PICKLE,
+    FileRecord,
+    crc32c_bytes,
+)
 from unbroken.checkpoint.tensor_record import envelope, padding, raw_view
+from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
 from unbroken.storage.base import atomic_local_write
 
 SHARD_SUFFIX = ".distcp"
-METADATA_JSON = "metadata.json"
-METADATA_PICKLE = ".metadata"
 WRITE_CHUNK = 8 << 20
 """Bytes handed to one write() and one crc32c() call: bounds the time the GIL is held."""
 
@@ -157,6 +162,13 @@ class TierWriter(StorageWriter):
                 raise CheckpointError(
                     f"item {fqn!r}: planner gave {type(data).__name__} for a bytes item"
                 )
+            try:
+                load_weights_only(data.getbuffer())
+            except UnsafeValueError as exc:
+                raise CheckpointError(
+                    f"item {fqn!r} could not be restored safely: {exc}. Save plain Python "
+                    "values (int, float, str, list, dict, ...) or tensors instead"
+                ) from exc
             payload_crc = out.write(data.getbuffer(), payload=True)
             loc = ItemLocation(name, start, out.pos - start, start, out.pos - start, payload_crc)
         else:
