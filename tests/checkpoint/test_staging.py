@@ -270,8 +270,16 @@ def test_first_accepts_tensors_and_buffer_keys_sees_through_wrappers(stager):
         stager.stage(state, first=[3])
 
 
-def test_in_place_change_during_the_copy_tears_and_is_reported(stager):
-    big = {f"t{i:02d}": torch.randn(256, 1024) for i in range(32)}  # 32 MB, 512 chunks
+def _slow_copy_state() -> dict[str, torch.Tensor]:
+    """32 MB that a stager with 4 KB chunks copies in 8192 steps, each needing the GIL
+    back: a write issued right after stage() lands long before the copy ends, even when
+    the machine is loaded."""
+    return {f"pad{i:02d}": torch.randn(256, 1024) for i in range(32)}
+
+
+def test_in_place_change_during_the_copy_tears_and_is_reported():
+    stager = StateStager(chunk_bytes=4096)
+    big = _slow_copy_state()
     big["z.last"] = torch.zeros(4)  # copied last
     staged = stager.stage(big)
     big["z.last"].add_(1.0)  # something else writes a source before its copy finished
@@ -284,15 +292,15 @@ def test_in_place_change_during_the_copy_tears_and_is_reported(stager):
     with stager.stage(big) as again:
         again.wait()
         _assert_same(big, again.state_dict)
+    stager.close()
 
 
 def test_optimizer_step_without_attach_tears():
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(4, 256)).sum().backward()
-    stager = StateStager(chunk_bytes=64 * 1024)
-    big = {f"pad{i}": torch.randn(256, 1024) for i in range(32)}  # copied before the model
-    staged = stager.stage({**big, "model": model.state_dict()})
+    stager = StateStager(chunk_bytes=4096)
+    staged = stager.stage({**_slow_copy_state(), "model": model.state_dict()})  # model last
     opt.step()  # not attached: nothing makes it wait
     with pytest.raises(TornSnapshotError) as info:
         staged.wait()

@@ -16,24 +16,35 @@ buffers, and the next ``stage()`` waits for that.
 
 from __future__ import annotations
 
-import copy
-import sys
 import threading
 import time
 import weakref
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from unbroken.checkpoint.host_buffers import BufferSpec, HostBufferPool
-from unbroken.checkpoint.staging_copy import DEFAULT_CHUNK_BYTES, CopyJob, Leaf, copy_now
-from unbroken.checkpoint.staging_copy import version_of as _version_of
+from unbroken.checkpoint.staging_copy import (
+    DEFAULT_CHUNK_BYTES,
+    CopyJob,
+    Leaf,
+    copy_now,
+    version_of,
+)
 from unbroken.checkpoint.staging_errors import (
     CheckpointError,
     StagingBudgetError,
     StagingBusyError,
     TornSnapshotError,
+)
+from unbroken.checkpoint.staging_tree import (
+    Found,
+    buffer_keys,
+    collect,
+    match_first,
+    rebuild,
+    wrap_like,
 )
 
 __all__ = [
@@ -46,36 +57,6 @@ __all__ = [
     "TornSnapshotError",
     "buffer_keys",
 ]
-
-
-_WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
-
-def buffer_keys(module: torch.nn.Module, prefix: str = "") -> list[str]:
-    """State-dict keys of a module's persistent buffers: what forward may change in place.
-
-    Pass them as ``stage(first=...)``; ``prefix`` is the module's key in the staged state
-    (e.g. ``"model"``). Names are given as ``get_state_dict`` writes them: without the
-    prefixes of DDP, ``torch.compile``, activation checkpointing and FSDP wrappers.
-    """
-    persistent = {
-        id(buf)
-        for mod in module.modules()
-        for name, buf in mod._buffers.items()
-        if buf is not None and name not in mod._non_persistent_buffers_set
-    }
-    ddp_module = sys.modules.get("torch.nn.parallel.distributed")  # no DDP unless imported
-    ddp = getattr(ddp_module, "DistributedDataParallel", ())
-    keys = []
-    for key, value in module.state_dict(keep_vars=True).items():
-        if id(value) not in persistent:
-            continue
-        if isinstance(module, ddp) and key.startswith("module."):
-            key = key[len("module.") :]
-        for part in _WRAPPER_PARTS:
-            key = key.replace(part, "")
-        keys.append(f"{prefix}.{key}" if prefix else key)
-    return keys
 
 
 class StagedState:
@@ -119,7 +100,7 @@ class StagedState:
         """
         if not self._job.join(timeout):
             raise TimeoutError(
-                f"staging of {self._stats['bytes']} bytes still copying after {timeout} s"
+                f"staging of {int(self._stats['bytes'])} bytes still copying after {timeout} s"
             )
         job = self._job
         if job.error is not None:
@@ -230,16 +211,16 @@ class StateStager:
             raise TypeError(f"stage() takes a mapping, got {type(state_dict)!r}")
         with self._stage_lock:
             self._wait_released(timeout)
-            found = _collect(state_dict)
-            first_names = _match_first(first, found)
-            leaves, staged_by_name, allocated = self._plan(found, first_names)
+            found = collect(state_dict)
+            first_names = match_first(first, found)
+            leaves, staged_values, allocated = self._plan(found, first_names)
             sync = [leaf.name in first_names or _must_copy_now(leaf) for leaf in leaves]
             now = [leaf for leaf, s in zip(leaves, sync) if s]
             later = [leaf for leaf, s in zip(leaves, sync) if not s]
             torn = copy_now(now, self._streams)
             if torn:
                 raise TornSnapshotError(torn)
-            staged_dict = _rebuild(state_dict, (), staged_by_name)
+            staged_dict = rebuild(state_dict, iter(staged_values))
             job = CopyJob(later, self._streams, self.chunk_bytes)
             stats = {
                 "bytes": float(sum(leaf.nbytes for leaf in leaves)),
@@ -282,126 +263,26 @@ class StateStager:
             self._cond.notify_all()
 
     def _plan(
-        self, found: list[tuple[str, torch.Tensor]], first: set[str]
-    ) -> tuple[list[Leaf], dict[str, torch.Tensor], int]:
-        """One leaf per distinct source; host buffers for them; the staged value per key."""
-        by_alias: dict[tuple, str] = {}
-        owner: dict[str, str] = {}  # key -> key whose buffer it shares
+        self, found: list[Found], first: set[str]
+    ) -> tuple[list[Leaf], list[torch.Tensor], int]:
+        """One leaf per distinct memory; its host buffer; the staged value per found tensor."""
+        owner: dict[tuple, str] = {}  # memory -> key of the leaf that copies it
         specs: dict[str, BufferSpec] = {}
         sources: dict[str, torch.Tensor] = {}
-        for name, value in found:
-            local = _local(value)
-            alias = _alias_key(local)
-            if alias in by_alias:
-                owner[name] = by_alias[alias]
-                if name in first:
-                    first.add(by_alias[alias])
+        for f in found:
+            if f.alias in owner:  # tied: shares the earlier key's buffer
+                if f.name in first:
+                    first.add(owner[f.alias])
                 continue
-            by_alias[alias] = owner[name] = name
-            sources[name] = local
-            specs[name] = BufferSpec(tuple(local.shape), local.dtype, pinned=local.is_cuda)
+            owner[f.alias] = f.name
+            sources[f.name] = f.local
+            specs[f.name] = BufferSpec(tuple(f.local.shape), f.local.dtype, f.local.is_cuda)
         buffers, allocated = self.pool.reserve(specs)
-        leaves = [
-            Leaf(name, sources[name], buffers[name], _version_of(sources[name])) for name in specs
-        ]
-        staged = {name: _wrap_like(value, buffers[owner[name]]) for name, value in found}
+        leaves = [Leaf(name, src, buffers[name], version_of(src)) for name, src in sources.items()]
+        staged = [wrap_like(f.value, buffers[owner[f.alias]]) for f in found]
         return leaves, staged, allocated
 
 
 def _must_copy_now(leaf: Leaf) -> bool:
     """Sources whose tearing cannot be detected, or that no side stream serves."""
     return leaf.version is None or leaf.src.device.type not in ("cpu", "cuda")
-
-
-def _collect(obj: Any, path: tuple = (), out: dict | None = None) -> list[tuple[str, Any]]:
-    """(dotted key, tensor) for every tensor in nested mappings, lists and tuples."""
-    found: dict[str, torch.Tensor] = {} if out is None else out
-    if isinstance(obj, torch.Tensor):
-        name = ".".join(str(p) for p in path)
-        _check_tensor(name, obj)
-        if name in found:
-            raise ValueError(f"state dict key {name!r} appears twice once flattened")
-        found[name] = obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            _collect(value, (*path, key), found)
-    elif type(obj) in (list, tuple):
-        for index, value in enumerate(obj):
-            _collect(value, (*path, index), found)
-    return list(found.items())
-
-
-def _rebuild(obj: Any, path: tuple, staged: dict[str, torch.Tensor]) -> Any:
-    """The same structure with tensors replaced by staged ones, everything else deep-copied."""
-    if isinstance(obj, torch.Tensor):
-        return staged[".".join(str(p) for p in path)]
-    if isinstance(obj, Mapping):
-        return {key: _rebuild(value, (*path, key), staged) for key, value in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(_rebuild(value, (*path, i), staged) for i, value in enumerate(obj))
-    return copy.deepcopy(obj)
-
-
-def _match_first(
-    first: Iterable[str | torch.Tensor], found: list[tuple[str, torch.Tensor]]
-) -> set[str]:
-    """Keys chosen by ``first``: names (exactly or as a prefix; each must match a key) and
-    tensors (by memory; buffers left out of the state dict match nothing)."""
-    if isinstance(first, (str, torch.Tensor)):
-        first = [first]
-    names = [name for name, _ in found]
-    by_memory: dict[tuple, list[str]] = {}
-    for name, value in found:
-        by_memory.setdefault(_alias_key(_local(value)), []).append(name)
-    chosen: set[str] = set()
-    for want in first:
-        if isinstance(want, torch.Tensor):
-            chosen.update(by_memory.get(_alias_key(_local(want)), ()))
-            continue
-        if not isinstance(want, str):
-            raise TypeError(f"stage(first=...) takes keys or tensors, got {type(want)!r}")
-        hits = [n for n in names if n == want or n.startswith(f"{want}.")]
-        if not hits:
-            raise ValueError(f"stage(first=...) names {want!r}, which is no tensor key")
-        chosen.update(hits)
-    return chosen
-
-
-def _dtensor_type() -> type | None:
-    """DTensor's class, if it was ever imported (no DTensor exists otherwise)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(value, dtensor):
-        return value._local_tensor
-    return value
-
-
-def _wrap_like(value: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """A DTensor over the host buffer for a DTensor source (same mesh and placements)."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(value, dtensor):
-        # The constructor, not from_local: from_local would move the buffer back to the
-        # mesh's device.
-        return dtensor(buffer, value._spec, requires_grad=False)
-    return buffer
-
-
-def _check_tensor(name: str, t: torch.Tensor) -> None:
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(t, dtensor):
-        t = t._local_tensor
-    elif type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise TypeError(f"state dict key {name!r}: cannot stage tensor type {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"state dict key {name!r}: cannot stage a {t.layout} tensor")
-    if t.is_meta:
-        raise ValueError(f"state dict key {name!r} is a meta tensor with no data to stage")
-
-
-def _alias_key(t: torch.Tensor) -> tuple:
-    """Equal for tensors that are the same memory (tied weights share one buffer)."""
-    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
