@@ -12,10 +12,19 @@ import torch
 from torch import nn
 
 import unbroken as ub
+from unbroken.checkpoint.catalog import verify_checkpoint
 from unbroken.checkpoint.errors import CheckpointMismatchError, SaveFailedError
 from unbroken.checkpoint.manifest import step_dir
 
-from .manager_util import assert_same, flip_payload_byte, make_state, rng_draws, snapshot, train
+from .manager_util import (
+    assert_same,
+    flip_payload_byte,
+    make_state,
+    plant_value,
+    rng_draws,
+    snapshot,
+    train,
+)
 
 FAST_RETRY = ub.RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.01)
 
@@ -182,8 +191,8 @@ class Evil:
 
 
 class EvilStateful:
-    def __init__(self, marker: str) -> None:
-        self.value = {"evil": Evil(marker)}
+    def __init__(self, value) -> None:
+        self.value = {"evil": value}
 
     def state_dict(self):
         return self.value
@@ -193,20 +202,24 @@ class EvilStateful:
 
 
 def test_planted_pickle_is_never_executed(tmp_path):
-    """An attacker writes a consistent checkpoint whose plain value is a malicious pickle."""
-    from .format_util import publish, save_step
+    """An attacker rewrites a committed step: a plain value becomes a malicious pickle,
+    with every size and checksum fixed up to match."""
+    import io
+    import shutil
 
     marker = tmp_path / "pwned"
-    model = nn.Linear(2, 2)
-    planted = {f"model.{k}": v for k, v in model.state_dict().items()}
-    planted["thing.evil"] = Evil(str(marker))
-    directory, manifest = save_step(tmp_path / "attacker", 2, planted)
-    publish(directory, ub.open_store(str(tmp_path / "durable")), manifest)
-    assert not marker.exists()
+    with manager(tmp_path) as mgr:
+        mgr.save(2, {"model": nn.Linear(2, 2), "thing": EvilStateful(0)})
+        mgr.wait()
+    shutil.rmtree(tmp_path / "staging")
+    hostile = io.BytesIO()
+    torch.save(Evil(str(marker)), hostile)
+    plant_value(tmp_path / "durable" / step_dir(2), "thing.evil", hostile.getvalue())
+    assert verify_checkpoint(ub.open_store(str(tmp_path / "durable")), 2, deep=True) == []
     with manager(tmp_path) as mgr, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(ub.checkpoint.errors.CheckpointError, match=r"thing\.evil"):
-            mgr.restore({"model": nn.Linear(2, 2), "thing": EvilStateful("x")})
+            mgr.restore({"model": nn.Linear(2, 2), "thing": EvilStateful(0)})
     assert not marker.exists()
 
 
