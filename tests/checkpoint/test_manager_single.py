@@ -409,3 +409,14 @@ def test_permission_denied_on_the_durable_tier_is_named(tmp_path, immutable):
             mgr.wait()
     assert "permission denied" in str(info.value) and str(durable) in str(info.value)
     assert list(durable.iterdir()) == []
+
+
+def test_synchronous_saves_are_committed_on_return(tmp_path):
+    state = make_state()
+    with manager(tmp_path, async_save=False) as mgr:
+        for step in range(1, 7):
+            train(state, [step])
+            mgr.maybe_save(step, state)
+            due = [s for s in (2, 4, 6) if s <= step]
+            assert [c.step for c in mgr.checkpoints() if c.committed] == due[-3:]
+        assert mgr.stats.committed == 3 and mgr.stats.skipped_busy == 0
