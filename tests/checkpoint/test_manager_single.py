@@ -419,3 +419,21 @@ def test_synchronous_saves_are_committed_on_return(tmp_path):
             due = [s for s in (2, 4, 6) if s <= step]
             assert [c.step for c in mgr.checkpoints() if c.committed] == due[-3:]
         assert mgr.stats.committed == 3 and mgr.stats.skipped_busy == 0
+
+
+def test_a_commit_record_without_its_files_is_skipped(tmp_path):
+    import shutil
+
+    state = make_state()
+    with manager(tmp_path, when_busy="wait") as mgr:
+        mgr.save(2, state)
+        mgr.wait()
+        expected = snapshot(state)
+        train(state, range(3, 5))
+        mgr.save(4, state)
+    shutil.rmtree(tmp_path / "staging")
+    (tmp_path / "durable" / step_dir(4) / "__0_0.distcp").unlink()
+    fresh = make_state(7)
+    with manager(tmp_path) as mgr, pytest.warns(RuntimeWarning, match="incomplete"):
+        assert mgr.restore(fresh) == 2
+    assert_same(snapshot(fresh), expected)
