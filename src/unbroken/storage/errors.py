@@ -103,9 +103,7 @@ def is_transient(exc: BaseException) -> bool:
 def _classify_one(exc: BaseException) -> bool | None:
     if isinstance(exc, StoreError):
         return exc.transient
-    if isinstance(
-        exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-    ):
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
