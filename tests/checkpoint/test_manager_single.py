@@ -442,3 +442,30 @@ def test_a_commit_record_without_its_files_is_skipped(tmp_path):
     with manager(tmp_path) as mgr, pytest.warns(RuntimeWarning, match="incomplete"):
         assert mgr.restore(fresh) == 2
     assert_same(snapshot(fresh), expected)
+
+
+def test_durable_copy_loads_with_vanilla_dcp(tmp_path):
+    """Interop: plain dcp.load with FileSystemReader finds the manager's keys."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    state = make_state()
+    train(state, range(1, 3))
+    with manager(tmp_path) as mgr:
+        mgr.save(2, state)
+    fresh = make_state(4)
+    model, optim = fresh["model"], fresh["optim"]
+    sd = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optim),
+        "ema": fresh["ema"],
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, checkpoint_id=str(tmp_path / "durable" / step_dir(2)))
+    for k, v in state["model"].state_dict().items():
+        assert torch.equal(sd["model"][k], v), k
+    assert torch.equal(sd["ema"], state["ema"])
