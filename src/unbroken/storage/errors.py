@@ -144,8 +144,9 @@ def final_error(op: str, url: str, exc: BaseException, *, attempts: int = 1) -> 
         return ObjectNotFoundError(f"{where}: not found ({cause})", op=op, url=safe_url)
     if isinstance(exc, PermissionError):
         return StorePermissionError(f"{where}: permission denied ({cause})", op=op, url=safe_url)
-    if attempts > 1:
+    if is_transient(exc):
+        plural = "attempt" if attempts == 1 else "attempts"
         return RetriesExhaustedError(
-            f"{where}: still failing after {attempts} attempts ({cause})", op=op, url=safe_url
+            f"{where}: still failing after {attempts} {plural} ({cause})", op=op, url=safe_url
         )
     return StoreError(f"{where}: {cause}", op=op, url=safe_url)
