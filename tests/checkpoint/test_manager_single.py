@@ -495,3 +495,15 @@ def test_next_save_stages_while_the_previous_one_uploads(tmp_path):
     ) as again:
         assert again.restore(fresh) == 4
     assert torch.all(fresh["w"] == 4.0) and fresh["step"] == 4
+
+
+def test_background_worker_runs_at_lower_priority(tmp_path):
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice is Linux only")
+    with manager(tmp_path) as mgr:
+        mgr.save(2, {"w": torch.ones(4)})
+        mgr.wait()
+        worker = mgr._pipeline._thread.native_id
+        assert os.getpriority(os.PRIO_PROCESS, worker) > os.getpriority(os.PRIO_PROCESS, 0)
