@@ -1,0 +1,510 @@
+"""CheckpointManager in one process (no process group): round trips, cadence, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import unbroken as ub
+from unbroken.checkpoint.catalog import verify_checkpoint
+from unbroken.checkpoint.errors import CheckpointMismatchError, SaveFailedError
+from unbroken.checkpoint.manifest import step_dir
+
+from .manager_util import (
+    assert_same,
+    flip_payload_byte,
+    make_state,
+    plant_value,
+    rng_draws,
+    snapshot,
+    train,
+)
+
+FAST_RETRY = ub.RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.01)
+
+
+def manager(tmp_path: Path, url: str | None = None, **kw) -> ub.CheckpointManager:
+    kw.setdefault("every_steps", 2)
+    return ub.CheckpointManager(
+        url or str(tmp_path / "durable"), staging_dir=str(tmp_path / "staging"), **kw
+    )
+
+
+@pytest.mark.parametrize("tier", ["staging", "durable"])
+def test_round_trip_every_kind_of_value_and_rng(tmp_path, tier):
+    state = make_state(0)
+    with manager(tmp_path) as mgr:
+        assert mgr.restore(state) is None
+        train(state, range(1, 5))
+        state["meta"] = {"name": "run-7", "tags": [3]}
+        assert mgr.save(4, state)
+        mgr.wait()
+        expected, draws = snapshot(state), rng_draws()
+        train(state, range(5, 7))  # moves on after the save
+        if tier == "durable":
+            import shutil
+
+            shutil.rmtree(mgr.staging_dir)
+        fresh = make_state(1, lr=0.9)
+        assert mgr.restore(fresh) == 4
+        assert mgr.last_restore.tier == tier
+        assert_same(snapshot(fresh), expected)
+        assert rng_draws() == draws
+        assert mgr.stats.committed == 1 and mgr.stats.failed == 0
+
+
+def test_maybe_save_cadence_and_retention(tmp_path):
+    state = make_state()
+    for step in (1, 99):  # abandoned partial saves of an earlier run, one older, one newer
+        partial = tmp_path / "durable" / step_dir(step)
+        partial.mkdir(parents=True)
+        (partial / "__0_0.distcp").write_bytes(b"half")
+        (tmp_path / "staging" / step_dir(step)).mkdir(parents=True)
+    with manager(tmp_path, every_steps=2, keep_last=2, keep_every_steps=4, when_busy="wait") as mgr:
+        for step in range(0, 11):
+            train(state, [step])
+            mgr.maybe_save(step, state)
+    infos = mgr.checkpoints()  # after close(): retention has run
+    assert [c.step for c in infos if c.committed] == [4, 8, 10]
+    assert [c.step for c in infos if not c.committed] == [99]  # newer: maybe in flight
+    staged = sorted(os.listdir(tmp_path / "staging"))
+    assert staged == [step_dir(10), step_dir(99)], staged  # the newest committed only
+
+
+def test_a_committed_step_is_never_saved_again(tmp_path):
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        assert mgr.save(2, state)
+        mgr.wait()
+        assert not mgr.save(2, state)
+        assert mgr.stats.skipped_committed == 1
+    # A new manager (a restarted job) that did not restore: the pipeline refuses.
+    before = (tmp_path / "durable" / step_dir(2) / "manifest.json").read_bytes()
+    with pytest.raises(SaveFailedError, match="already committed"), manager(tmp_path) as mgr2:
+        mgr2.save(2, state)
+    assert (tmp_path / "durable" / step_dir(2) / "manifest.json").read_bytes() == before
+
+
+def test_background_failure_surfaces_and_commits_nothing(tmp_path):
+    switch = tmp_path / "outage"
+    opts = {"latency": 0, "bandwidth": None, "outage_file": str(switch)}
+    url = "emulated::" + str(tmp_path / "durable")
+    state = make_state()
+    mgr = manager(tmp_path, url=url, storage_options=opts, retry=FAST_RETRY)
+    assert mgr.save(2, state)
+    mgr.wait()
+    switch.write_text("down")
+    assert mgr.save(4, state)  # fails in the background: the remote is down
+    with pytest.warns(RuntimeWarning, match="step 4 failed"):
+        mgr._pipeline.wait()  # let the failure happen, without reporting it
+        assert not mgr.maybe_save(5, state)  # reported here, training goes on
+    switch.unlink()
+    assert mgr.stats.failed == 1 and [e.step for e in mgr.failures] == [4]
+    assert [c.step for c in mgr.checkpoints() if c.committed] == [2]
+    assert not (tmp_path / "durable" / step_dir(4) / "manifest.json").exists()
+    switch.write_text("down")
+    mgr.save(6, state)
+    with pytest.raises(SaveFailedError, match="step 6") as info:
+        mgr.close()
+    assert "outage" in str(info.value)
+    fresh = make_state(3)
+    switch.unlink()
+    with manager(tmp_path, url=url, storage_options=opts) as again:
+        assert again.restore(fresh) == 2
+
+
+def test_raise_on_failure_stops_training(tmp_path):
+    switch = tmp_path / "outage"
+    switch.write_text("down")
+    opts = {"latency": 0, "bandwidth": None, "outage_file": str(switch)}
+    mgr = manager(
+        tmp_path,
+        url="emulated::" + str(tmp_path / "d"),
+        storage_options=opts,
+        raise_on_failure=True,
+        retry=FAST_RETRY,
+    )
+    state = make_state()
+    mgr.save(2, state)
+    mgr._pipeline.wait()
+    with pytest.raises(SaveFailedError, match="step 2"):
+        mgr.maybe_save(3, state)
+    mgr.close()
+
+
+def test_corrupt_newest_falls_back_to_previous(tmp_path):
+    state = make_state()
+    with manager(tmp_path, keep_last=3, when_busy="wait") as mgr:
+        train(state, range(1, 3))
+        mgr.save(2, state)
+        mgr.wait()
+        expected = snapshot(state)
+        train(state, range(3, 5))
+        mgr.save(4, state)
+        mgr.wait()
+    # Flip one byte in the newest checkpoint, in both tiers.
+    for tier in ("durable", "staging"):
+        flip_payload_byte(tmp_path / tier / step_dir(4))
+    fresh = make_state(5)
+    with manager(tmp_path) as mgr, pytest.warns(RuntimeWarning, match="falling back"):
+        assert mgr.restore(fresh) == 2
+    assert_same(snapshot(fresh), expected)
+
+
+def test_corrupt_local_copy_reads_durable_same_step(tmp_path):
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        train(state, range(1, 3))
+        mgr.save(2, state)
+        mgr.wait()
+        expected = snapshot(state)
+    flip_payload_byte(tmp_path / "staging" / step_dir(2), "optim.state.0.weight.exp_avg")
+    fresh = make_state(5)
+    with manager(tmp_path) as mgr, pytest.warns(RuntimeWarning, match="not usable"):
+        assert mgr.restore(fresh) == 2
+    assert_same(snapshot(fresh), expected)
+
+
+def test_every_copy_corrupt_raises(tmp_path):
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        mgr.save(2, state)
+        mgr.wait()
+    for tier in ("durable", "staging"):
+        flip_payload_byte(tmp_path / tier / step_dir(2), "model.3.bias")
+    with manager(tmp_path) as mgr, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ub.checkpoint.errors.CheckpointCorruptError, match="could be loaded"):
+            mgr.restore(make_state(1))
+
+
+class Evil:
+    """Pickles to a call that would create a marker file if anyone unpickled it."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class EvilStateful:
+    def __init__(self, value) -> None:
+        self.value = {"evil": value}
+
+    def state_dict(self):
+        return self.value
+
+    def load_state_dict(self, sd):
+        self.value = sd
+
+
+def test_planted_pickle_is_never_executed(tmp_path):
+    """An attacker rewrites a committed step: a plain value becomes a malicious pickle,
+    with every size and checksum fixed up to match."""
+    import io
+    import shutil
+
+    marker = tmp_path / "pwned"
+    with manager(tmp_path) as mgr:
+        mgr.save(2, {"model": nn.Linear(2, 2), "thing": EvilStateful(0)})
+        mgr.wait()
+    shutil.rmtree(tmp_path / "staging")
+    hostile = io.BytesIO()
+    torch.save(Evil(str(marker)), hostile)
+    plant_value(tmp_path / "durable" / step_dir(2), "thing.evil", hostile.getvalue())
+    assert verify_checkpoint(ub.open_store(str(tmp_path / "durable")), 2, deep=True) == []
+    with manager(tmp_path) as mgr, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ub.checkpoint.errors.CheckpointError, match=r"thing\.evil"):
+            mgr.restore({"model": nn.Linear(2, 2), "thing": EvilStateful(0)})
+    assert not marker.exists()
+
+
+def test_another_model_is_a_mismatch_naming_keys(tmp_path):
+    with manager(tmp_path) as mgr:
+        mgr.save(2, {"model": nn.Linear(4, 3), "epoch": 1})
+        mgr.wait()
+    other = {"model": nn.Sequential(nn.Linear(4, 5)), "epoch": 0}
+    with manager(tmp_path) as mgr, pytest.raises(CheckpointMismatchError) as info:
+        mgr.restore(other)
+    msg = str(info.value)
+    assert "model.0.weight" in msg and "model.weight" in msg
+    wrong_shape = {"model": nn.Linear(4, 7), "epoch": 0}
+    with manager(tmp_path) as mgr, pytest.raises(CheckpointMismatchError, match=r"\(3, 4\)"):
+        mgr.restore(wrong_shape)
+    assert other["epoch"] == 0  # nothing was replaced
+
+
+def test_s3_durable_tier(tmp_path, s3_server):
+    url = f"s3://{s3_server.new_bucket()}/run/ckpt"
+    state = make_state()
+    with manager(tmp_path, url=url, storage_options=s3_server.storage_options) as mgr:
+        train(state, range(1, 3))
+        mgr.save(2, state)
+        mgr.wait()
+        expected = snapshot(state)
+        import shutil
+
+        shutil.rmtree(mgr.staging_dir)
+        fresh = make_state(9)
+        assert mgr.restore(fresh) == 2
+    assert_same(snapshot(fresh), expected)
+    store = ub.open_store(url, **s3_server.storage_options)
+    doc = json.loads(store.read_bytes(f"{step_dir(2)}/manifest.json"))
+    assert doc["step"] == 2 and doc["world_size"] == 1
+
+
+def test_bad_inputs_are_named(tmp_path):
+    with pytest.raises(ValueError, match="inside the durable"):
+        ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "d" / "s")
+    with pytest.raises(ValueError, match="every_steps"):
+        ub.CheckpointManager(tmp_path / "d", every_steps=0)
+    with manager(tmp_path) as mgr:
+        with pytest.raises(TypeError, match="'gen'"):
+            mgr.save(2, {"gen": object()})
+        opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1)
+        with pytest.raises(ValueError, match="no module in the state owns"):
+            mgr.save(2, {"optim": opt})
+        with pytest.raises(ValueError, match="non-negative"):
+            mgr.save(-1, {"x": 1})
+
+
+def test_every_seconds_cadence(tmp_path):
+    state = make_state()
+    with manager(tmp_path, every_steps=None, every_seconds=0.2, when_busy="wait") as mgr:
+        assert not mgr.maybe_save(1, state)  # 0.2 s have not passed since the manager began
+        import time
+
+        time.sleep(0.25)
+        assert mgr.maybe_save(2, state)
+        assert not mgr.maybe_save(3, state)
+        mgr.wait()
+    assert [c.step for c in mgr.checkpoints()] == [2]
+
+
+def test_unreachable_durable_store_is_named(tmp_path):
+    from .distributed import free_port
+
+    opts = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"}}
+    state = make_state()
+    mgr = manager(tmp_path, url="s3://nowhere/ckpt", storage_options=opts, retry=FAST_RETRY)
+    with pytest.raises(ub.StoreError, match="s3://nowhere/ckpt"):
+        mgr.restore(state)
+    mgr.save(2, state)
+    with pytest.raises(SaveFailedError, match="step 2") as info:
+        mgr.close()
+    assert "s3://nowhere/ckpt" in str(info.value)
+
+
+DISK_FULL = """
+import resource, signal, sys, torch
+sys.path.insert(0, {root!r})
+import unbroken as ub
+from unbroken.checkpoint.errors import SaveFailedError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+mgr = ub.CheckpointManager({durable!r}, staging_dir={staging!r})
+state = {{"big": torch.ones(1_000_000)}}
+mgr.save(1, state)
+mgr.wait()  # staging buffers exist now (they are reused)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # a nearly full disk
+try:
+    mgr.save(2, state)
+    mgr.close()
+except SaveFailedError as e:
+    print("FAILED:", e)
+print("committed:", [c.step for c in mgr.checkpoints() if c.committed])
+"""
+
+
+def test_staging_disk_full_is_a_clear_failure(tmp_path):
+    import subprocess
+    import sys
+
+    from .distributed import ROOT, rank_env
+
+    script = DISK_FULL.format(
+        root=str(ROOT / "src"), durable=str(tmp_path / "d"), staging=str(tmp_path / "s")
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert "FAILED: checkpoint save of step 2 failed" in out, out
+    assert "local staging tier" in out and "File too large" in out, out
+    assert "committed: [1]" in out, out
+
+
+def test_reused_staging_dir_with_a_stale_local_copy(tmp_path):
+    state = {"w": torch.ones(10)}
+    with manager(tmp_path, url=str(tmp_path / "run1")) as mgr:
+        mgr.save(2, state)
+        mgr.wait()
+    state["w"].fill_(2.0)
+    with manager(tmp_path, url=str(tmp_path / "run2")) as mgr:  # same staging_dir
+        mgr.save(2, state)
+        mgr.wait()
+        fresh = {"w": torch.zeros(10)}
+        assert mgr.restore(fresh) == 2
+    assert torch.equal(fresh["w"], torch.full((10,), 2.0))
+
+
+def test_in_place_change_during_the_copy_never_commits_mixed_values(tmp_path):
+    """Either the save is abandoned (torn) and reported, or it holds the values at save()."""
+    big = torch.zeros(16_000_000)  # 64 MB: the background copy takes a while
+    state = {"big": big, "small": torch.zeros(3)}
+    mgr = manager(tmp_path)
+    mgr.save(2, state)
+    big.add_(1.0)  # not through an optimizer: nothing makes this wait for the copy
+    try:
+        mgr.close()
+        committed = True
+    except SaveFailedError as e:
+        assert "torn" in str(e).lower() or "changed" in str(e).lower(), e
+        committed = False
+    steps = [c.step for c in mgr.checkpoints() if c.committed]
+    assert steps == ([2] if committed else [])
+    if committed:
+        fresh = {"big": torch.full((16_000_000,), 7.0), "small": torch.ones(3)}
+        with manager(tmp_path) as again:
+            assert again.restore(fresh) == 2
+        assert torch.all(fresh["big"] == 0.0)
+
+
+@pytest.fixture
+def immutable(tmp_path):
+    """Make a directory refuse writes even to root (chattr +i); undone after the test."""
+    import shutil
+    import subprocess
+
+    made: list[Path] = []
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    if not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(probe)]).returncode:
+        pytest.skip("chattr +i is not available here")
+    subprocess.run(["chattr", "-i", str(probe)], check=True)
+
+    def make(path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["chattr", "+i", str(path)], check=True)
+        made.append(path)
+        return path
+
+    yield make
+    for path in made:
+        subprocess.run(["chattr", "-i", str(path)], check=False)
+
+
+def test_permission_denied_on_the_durable_tier_is_named(tmp_path, immutable):
+    durable = immutable(tmp_path / "durable")
+    with manager(tmp_path, url=str(durable)) as mgr:
+        assert mgr.restore(make_state()) is None  # reading an empty durable tier is fine
+        mgr.save(2, make_state())
+        with pytest.raises(SaveFailedError, match="step 2") as info:
+            mgr.wait()
+    assert "permission denied" in str(info.value) and str(durable) in str(info.value)
+    assert list(durable.iterdir()) == []
+
+
+def test_synchronous_saves_are_committed_on_return(tmp_path):
+    state = make_state()
+    with manager(tmp_path, async_save=False) as mgr:
+        for step in range(1, 7):
+            train(state, [step])
+            mgr.maybe_save(step, state)
+            due = [s for s in (2, 4, 6) if s <= step]
+            assert [c.step for c in mgr.checkpoints() if c.committed] == due[-3:]
+        assert mgr.stats.committed == 3 and mgr.stats.skipped_busy == 0
+
+
+def test_a_commit_record_without_its_files_is_skipped(tmp_path):
+    import shutil
+
+    state = make_state()
+    with manager(tmp_path, when_busy="wait") as mgr:
+        mgr.save(2, state)
+        mgr.wait()
+        expected = snapshot(state)
+        train(state, range(3, 5))
+        mgr.save(4, state)
+    shutil.rmtree(tmp_path / "staging")
+    (tmp_path / "durable" / step_dir(4) / "__0_0.distcp").unlink()
+    fresh = make_state(7)
+    with manager(tmp_path) as mgr, pytest.warns(RuntimeWarning, match="incomplete"):
+        assert mgr.restore(fresh) == 2
+    assert_same(snapshot(fresh), expected)
+
+
+def test_durable_copy_loads_with_vanilla_dcp(tmp_path):
+    """Interop: plain dcp.load with FileSystemReader finds the manager's keys."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    state = make_state()
+    train(state, range(1, 3))
+    with manager(tmp_path) as mgr:
+        mgr.save(2, state)
+    fresh = make_state(4)
+    model, optim = fresh["model"], fresh["optim"]
+    sd = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optim),
+        "ema": fresh["ema"],
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, checkpoint_id=str(tmp_path / "durable" / step_dir(2)))
+    for k, v in state["model"].state_dict().items():
+        assert torch.equal(sd["model"][k], v), k
+    assert torch.equal(sd["ema"], state["ema"])
+
+
+def test_next_save_stages_while_the_previous_one_uploads(tmp_path):
+    """Host buffers are free once a save is written locally; its upload runs on."""
+    import time
+
+    opts = {"latency": 0, "bandwidth": "1MB", "link": f"slow-{tmp_path.name}"}
+    state = {"w": torch.zeros(500_000), "step": 0}  # 2 MB: ~2 s on the emulated link
+    mgr = manager(tmp_path, url="emulated::" + str(tmp_path / "durable"), storage_options=opts)
+    mgr.save(2, state)
+    first = mgr._pipeline.in_flight
+    while mgr._stager.busy:  # until step 2 is in the local tier
+        time.sleep(0.01)
+    state["w"].fill_(4.0)
+    state["step"] = 4
+    assert mgr.save(4, state)
+    assert not first.done.is_set(), "step 2 should still be uploading"
+    assert mgr.stats.waited_busy == 0
+    mgr.close()
+    assert [c.step for c in mgr.checkpoints() if c.committed] == [2, 4]
+    fresh = {"w": torch.ones(500_000), "step": -1}
+    with manager(
+        tmp_path, url="emulated::" + str(tmp_path / "durable"), storage_options=opts
+    ) as again:
+        assert again.restore(fresh) == 4
+    assert torch.all(fresh["w"] == 4.0) and fresh["step"] == 4
+
+
+def test_background_worker_runs_at_lower_priority(tmp_path):
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice is Linux only")
+    with manager(tmp_path) as mgr:
+        mgr.save(2, {"w": torch.ones(4)})
+        mgr.wait()
+        worker = mgr._pipeline._thread.native_id
+        main = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, worker) == min(19, main + 10)
