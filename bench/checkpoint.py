@@ -1,0 +1,486 @@
+"""Checkpoint benchmark: what each way of saving costs a 2-rank training job.
+
+Rows, measured side by side in one run on real gloo ranks (FSDP2, Adam), every remote
+byte through the same emulated remote (20 ms/request, 200 MB/s node-wide link):
+no saves (the baseline), a memcpy floor, torch.save on rank 0, dcp.save,
+dcp.async_save with its defaults, dcp.async_save with its best working options, and
+unbroken.CheckpointManager. Prints one table, the targets, and a final JSON line of
+ratios. See bench/README.md, section bench/checkpoint.py.
+
+    python bench/checkpoint.py --quick          # tiny state, < 1 minute
+    python bench/checkpoint.py --params-gb 1    # the full run (minutes to an hour)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import faulthandler
+import gc
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _ckpt_measure import (
+    MemorySampler,
+    evaluate,
+    excess_over_median,
+    format_table,
+    format_targets,
+    json_line,
+)
+from _ckpt_rows import ROWS, RowContext, local_tensors
+
+ROW_CLASSES = {cls.key: cls for cls in ROWS}
+ROW_TITLES = {cls.key: cls.title for cls in ROWS}
+
+
+@dataclasses.dataclass
+class Config:
+    """One benchmark run; the same object travels to every rank."""
+
+    params_gb: float = 1.0
+    """GiB of fp32 parameters in the whole model (Adam adds twice as much state)."""
+    ranks: int = 2
+    """Number of gloo ranks; FSDP2 shards the state across them."""
+    saves: int = 20
+    """Saves per row in the timed run (plus one warm-up save and one commit probe)."""
+    every: int | None = None
+    """Steps between saves; None: long enough for one save to cross the link."""
+    batch: int = 8
+    """Rows per training batch on each rank."""
+    rows: tuple[str, ...] = tuple(ROW_CLASSES)
+    """Which rows to run, in order; the baseline is always first."""
+    isolate: bool = True
+    """Run every row in fresh rank processes (clean memory figures; slower)."""
+    latency: float = 0.020
+    """Emulated remote: seconds per request."""
+    bandwidth: float = 200e6
+    """Emulated remote: bytes/second of the node-wide link."""
+    link: str = "ckpt-bench"
+    """Name of this run's emulated link (its own, so other users of the node don't share it)."""
+    work_dir: str = ""
+    """Scratch directory: emulated remote, staging tiers, spill files, results."""
+    pg_timeout_s: float = 1800.0
+    """Collective timeout: a hung rank fails its row instead of the whole run."""
+    row_timeout_s: float = 3600.0
+    """Wall-clock limit for one row (or one group of rows) before its ranks are killed."""
+    keep: bool = False
+    """Keep the scratch directory afterwards (to look at what each row wrote)."""
+
+    @property
+    def remote_options(self) -> dict[str, Any]:
+        return {"latency": self.latency, "bandwidth": self.bandwidth, "link": self.link}
+
+
+# -- the model and its training step ----------------------------------------------------
+
+
+def model_shape(params_bytes: float) -> tuple[int, int]:
+    """(width, layers) of a square MLP with about ``params_bytes`` of fp32 weights."""
+    params = max(params_bytes / 4, 64 * 64 * 2)
+    width = int(2 ** math.floor(math.log2(math.sqrt(params / 8))))
+    width = min(8192, max(64, width))
+    return width, max(2, round(params / (width * width)))
+
+
+def build(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    width, layers = model_shape(cfg.params_gb * (1 << 30))
+    blocks = []
+    for _ in range(layers):
+        linear = torch.nn.Linear(width, width, bias=False)
+        torch.nn.init.normal_(linear.weight, std=width**-0.5)
+        blocks.append(torch.nn.Sequential(linear, torch.nn.Tanh()))
+    model = torch.nn.Sequential(*blocks)
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-4)
+    return model, optim, width
+
+
+def train_step(model: torch.nn.Module, width: int, batch: int, gen: torch.Generator) -> None:
+    """Forward and backward; FSDP2 all-gathers and reduce-scatters across ranks."""
+    x = torch.randn(batch, width, generator=gen)
+    model(x).square().mean().backward()
+
+
+def checksum(tensors: list[torch.Tensor]) -> list[float]:
+    return [float(t.double().sum()) + float(t.double().square().sum()) for t in tensors]
+
+
+# -- one row on one rank ----------------------------------------------------------------
+
+
+def _max(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _timed_max(fn: Any) -> tuple[float, Any]:
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    return _max([time.perf_counter() - t0])[0], out
+
+
+def calibrate_every(cfg: Config, model: Any, optim: Any, width: int, state_bytes: int) -> int:
+    """Steps between saves so that one save has time to cross the link."""
+    gen = torch.Generator().manual_seed(1)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        train_step(model, width, cfg.batch, gen)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    step_s = _max([(time.perf_counter() - t0) / 3])[0]
+    upload_s = state_bytes / cfg.bandwidth + cfg.latency
+    return int(min(200, max(2, math.ceil(1.25 * upload_s / step_s))))
+
+
+def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
+    gc.collect()
+    model, optim, width = build(cfg)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(2):  # creates Adam's state
+        train_step(model, width, cfg.batch, gen)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    rank_bytes = sum(t.nbytes for t in local_tensors(model, optim))
+    sizes = torch.tensor([rank_bytes, rank_bytes], dtype=torch.float64)
+    dist.all_reduce(sizes[:1], op=dist.ReduceOp.SUM)
+    dist.all_reduce(sizes[1:], op=dist.ReduceOp.MAX)
+    state_bytes, max_rank_bytes = int(sizes[0]), int(sizes[1])
+    every = cfg.every or calibrate_every(cfg, model, optim, width, state_bytes)
+
+    row_dir = os.path.join(cfg.work_dir, "remote", key)
+    os.makedirs(row_dir, exist_ok=True)
+    ctx = RowContext(
+        model, optim, rank, every, row_dir, os.path.join(cfg.work_dir, key), cfg.remote_options
+    )
+    gc.collect()
+    sampler = MemorySampler().start()
+    rss0 = sampler.sample()
+    try:
+        row = ROW_CLASSES[key](ctx)
+    except (ImportError, AttributeError) as e:  # the library part is not there yet
+        sampler.stop()
+        return {"error": f"{type(e).__name__}: {e}"}
+    if key != "baseline":
+        row.save(0)  # warm-up: buffers, helper processes; not timed
+        row.drain()
+
+    steps = (cfg.saves + 1) * every - 1
+    blocked, optim_s, after_save = 0.0, [], []
+    flag = False
+    dist.barrier()
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        train_step(model, width, cfg.batch, gen)
+        tb = time.perf_counter()
+        row.before_optim_step()
+        to = time.perf_counter()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        row.on_step(step)
+        blocked += (to - tb) + (time.perf_counter() - t1)
+        optim_s.append(t1 - to)
+        after_save.append(flag)
+        flag = row.is_save_step(step)
+    dist.barrier()
+    loop_s = time.perf_counter() - t0
+    row.drain()
+    rss_end = sampler.sample()
+    peak = sampler.stop()
+    blocked += excess_over_median(optim_s, after_save)
+
+    result: dict[str, Any] = {
+        "every": every,
+        "steps": steps,
+        "state_bytes": state_bytes,
+        "rank_bytes": max_rank_bytes,
+    }
+    commit_s = restore_local_s = restore_durable_s = local_tier_bps = -1.0
+    if key != "baseline":
+        commit_s, _ = _timed_max(lambda: (row.save(steps + 1), row.drain()))
+        reference = checksum(local_tensors(model, optim))
+        restore_local_s = _restore_timed(row.restore_local, model, optim, reference)
+        if key == "unbroken":
+            local_tier_bps = _local_tier_bandwidth(row, rank)
+        restore_durable_s = _restore_timed(row.restore_durable, model, optim, reference)
+        row.close()
+    stats = _max(
+        [
+            blocked / max(1, cfg.saves) if key != "baseline" else -1.0,
+            loop_s,
+            commit_s,
+            float(peak),
+            float(rss_end - rss0),
+            restore_local_s,
+            restore_durable_s,
+            local_tier_bps,
+        ]
+    )
+    names = [
+        "blocked_s",
+        "loop_s",
+        "commit_s",
+        "peak_pss",
+        "rss_growth",
+        "restore_local_s",
+        "restore_durable_s",
+        "local_tier_bps",
+    ]
+    result.update({n: (None if v < 0 and n != "rss_growth" else v) for n, v in zip(names, stats)})
+    return result
+
+
+def _restore_timed(restore: Any, model: Any, optim: Any, reference: list[float]) -> float:
+    """Zero the live state, restore, check every tensor came back; -1 if no such tier."""
+    for t in local_tensors(model, optim):
+        t.zero_()
+    seconds, done = _timed_max(restore)
+    if done is None:
+        return -1.0
+    got = checksum(local_tensors(model, optim))
+    bad = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
+    if bad:
+        raise RuntimeError(
+            f"restore via {restore.__qualname__} gave different values in "
+            f"{len(bad)} of {len(got)} tensors (first: #{bad[0]})"
+        )
+    return seconds
+
+
+def _local_tier_bandwidth(row: Any, rank: int) -> float:
+    """Plain sequential read speed of the newest checkpoint's files in the staging tier."""
+    if rank != 0:
+        return -1.0
+    files = row.local_tier_files()
+    if not files:
+        return -1.0
+    nbytes, t0 = 0, time.perf_counter()
+    buf = bytearray(16 << 20)
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                nbytes += n
+    return nbytes / (time.perf_counter() - t0)
+
+
+def rank_main(rank: int, cfg: Config, keys: list[str], port: int) -> None:
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid>: where is a hung rank?
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=cfg.ranks,
+        timeout=datetime.timedelta(seconds=cfg.pg_timeout_s),
+    )
+    try:
+        for key in keys:
+            result = run_row(key, rank, cfg)
+            if key == "baseline" and cfg.every is None and "every" in result:
+                cfg.every = result["every"]
+            if rank == 0:
+                path = os.path.join(cfg.work_dir, "results", f"{key}.json")
+                with open(path + ".tmp", "w") as f:
+                    json.dump(result, f)
+                os.replace(path + ".tmp", path)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the parent: launch ranks, survive a failing row, report ----------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(cfg: Config, keys: list[str]) -> str | None:
+    """Run ``keys`` on fresh ranks; None if they all finished, else why they did not."""
+    ctx = mp.start_processes(
+        rank_main, args=(cfg, keys, free_port()), nprocs=cfg.ranks, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + cfg.row_timeout_s * (1 if cfg.isolate else len(keys))
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                return f"timed out after {cfg.row_timeout_s:.0f} s"
+        return None
+    except ProcessException as e:
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        return lines[-1] if lines else type(e).__name__
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def run_all(cfg: Config) -> dict[str, dict]:
+    results_dir = os.path.join(cfg.work_dir, "results")
+    os.makedirs(results_dir, exist_ok=True)
+    results: dict[str, dict] = {}
+    pending = list(cfg.rows)
+    while pending:
+        batch = list(pending[:1] if cfg.isolate else pending)
+        why = _launch(cfg, batch)
+        for key in batch:
+            path = os.path.join(results_dir, f"{key}.json")
+            pending.remove(key)
+            if not os.path.exists(path):  # the first row without a result is the one that failed
+                results[key] = {"error": why or "rank processes wrote no result"}
+                break  # later rows get a fresh launch
+            with open(path) as f:
+                results[key] = json.load(f)
+        base = results.get("baseline", {})
+        if cfg.every is None and base.get("every"):
+            cfg.every = base["every"]
+    return results
+
+
+def report(cfg: Config, results: dict[str, dict], started: float) -> str:
+    base_loop = (results.get("baseline") or {}).get("loop_s")
+    rows = []
+    for key in cfg.rows:
+        r = dict(results.get(key, {"error": "not run"}))
+        r["name"] = ROW_TITLES[key]
+        if not r.get("error"):
+            if key == "baseline":
+                r["extra_s"] = 0.0
+            elif base_loop is not None and r.get("loop_s") is not None:
+                r["extra_s"] = (r["loop_s"] - base_loop) / cfg.saves
+        rows.append(r)
+        results[key] = r
+    any_row = next((r for r in rows if r.get("state_bytes")), {})
+    state_bytes = any_row.get("state_bytes", 0)
+    env = {
+        "state_bytes": state_bytes,
+        "rank_bytes": any_row.get("rank_bytes", 0),
+        "bandwidth": cfg.bandwidth,
+        "latency": cfg.latency,
+        "local_tier_bps": (results.get("unbroken") or {}).get("local_tier_bps"),
+    }
+    targets, ratios = evaluate(results, env)
+    opts = ", ".join(f"{k}={v}" for k, v in ROW_CLASSES["dcp_async_best"].OPTIONS.items())
+    head = [
+        f"checkpoint benchmark: {cfg.ranks} ranks (gloo, FSDP2, Adam), "
+        f"state {state_bytes / (1 << 30):.3f} GiB in all "
+        f"(params {cfg.params_gb:g} GiB + Adam), {cfg.saves} saves every {cfg.every} steps",
+        f"remote: emulated, {cfg.latency * 1000:g} ms/request, {cfg.bandwidth / 1e6:g} MB/s "
+        f"node-wide link; link floor per save "
+        f"{state_bytes / cfg.bandwidth + cfg.latency:.3f} s",
+        f"dcp.async_save best = DefaultStager(StagingOptions({opts})), "
+        f"AsyncCheckpointerType.PROCESS",
+        "",
+    ]
+    error = (results.get("unbroken") or {}).get("error")
+    extra = {
+        "quick": cfg.params_gb < 0.05,
+        "state_gib": round(state_bytes / (1 << 30), 4),
+        "saves": cfg.saves,
+        "every": cfg.every,
+        "ranks": cfg.ranks,
+        "seconds": round(time.time() - started, 1),
+        "unbroken_error": error,
+    }
+    return "\n".join(
+        [*head, format_table(rows), "", format_targets(targets), json_line(ratios, extra)]
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny state, few steps: < 1 minute")
+    p.add_argument("--params-gb", type=float, default=None, help="GiB of parameters (1)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--saves", type=int, default=None, help="saves per row (20; quick 3)")
+    p.add_argument("--every", type=int, default=None, help="steps between saves (auto)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument(
+        "--rows",
+        default=",".join(ROW_CLASSES),
+        help=f"comma-separated subset of {','.join(ROW_CLASSES)}",
+    )
+    p.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fresh rank processes per row (default: on, off with --quick)",
+    )
+    p.add_argument("--work-dir", default=None, help="scratch directory (a fresh temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    p.add_argument("--row-timeout", type=float, default=None, help="seconds per row")
+    a = p.parse_args(argv)
+    keys = [k.strip() for k in a.rows.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in ROW_CLASSES]
+    if unknown:
+        p.error(f"unknown rows {unknown}; choose from {list(ROW_CLASSES)}")
+    keys = ["baseline"] + [k for k in keys if k != "baseline"]
+    for name in ("params_gb", "saves", "every", "row_timeout"):
+        value = getattr(a, name)
+        if value is not None and value <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    cfg = Config(
+        params_gb=a.params_gb or (0.004 if a.quick else 1.0),
+        ranks=a.ranks,
+        saves=a.saves or (3 if a.quick else 20),
+        every=a.every,
+        batch=a.batch,
+        rows=tuple(keys),
+        isolate=(not a.quick) if a.isolate is None else a.isolate,
+        link=f"ckpt-bench-{os.getpid()}",
+        work_dir=a.work_dir or tempfile.mkdtemp(prefix="ckpt-bench-"),
+        pg_timeout_s=120.0 if a.quick else 1800.0,
+        row_timeout_s=a.row_timeout or (120.0 if a.quick else 3600.0),
+        keep=a.keep,
+    )
+    if cfg.ranks < 1:
+        p.error(f"--ranks must be >= 1, got {cfg.ranks}")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    started = time.time()
+    os.makedirs(cfg.work_dir, exist_ok=True)
+    try:
+        results = run_all(cfg)
+        print(report(cfg, results, started), flush=True)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/unbroken-link-{cfg.link}.state")
+        if not cfg.keep:
+            shutil.rmtree(cfg.work_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
