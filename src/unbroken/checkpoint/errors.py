@@ -1,0 +1,48 @@
+"""Checkpoint errors: each names what is wrong and where (step, file, URL)."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class for every checkpoint failure."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's bytes are missing, short, or do not match their recorded checksum."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        file: str | None = None,
+        url: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.file = file
+        self.url = url
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint's keys or shapes differ from what the caller asked to load."""
+
+
+class NoCheckpointError(CheckpointError):
+    """No (committed) checkpoint where one was required."""
+
+
+class SaveFailedError(CheckpointError):
+    """A background save failed; ``step`` says which, ``__cause__`` and ``cause`` why."""
+
+    def __init__(
+        self, step: int, cause: BaseException | None = None, message: str | None = None
+    ) -> None:
+        text = message or f"checkpoint save of step {step} failed"
+        if cause is not None and message is None:
+            text += f": {type(cause).__name__}: {cause}"
+        super().__init__(text)
+        self.step = step
+        self.cause = cause
+        if cause is not None:
+            self.__cause__ = cause

@@ -1,0 +1,367 @@
+"""CheckpointManager: the training loop's one entry point to checkpoints.
+
+The foreground part of a save is only: build the flat state dict, start staging it into
+reused host buffers (module buffers first), capture the RNG states, hand the job to the
+background pipeline. Everything else (local tier, durable tier, commit, retention) runs in
+:mod:`unbroken.checkpoint.pipeline`; restore lives in :mod:`unbroken.checkpoint.recovery`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Mapping, MutableMapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
+from unbroken.checkpoint.collectives import Group
+from unbroken.checkpoint.errors import SaveFailedError
+from unbroken.checkpoint.pipeline import PipelineConfig, SaveJob, SavePipeline
+from unbroken.checkpoint.staging import StateStager
+from unbroken.checkpoint.state_dicts import collect
+from unbroken.state.rng import capture_rng_state
+from unbroken.storage import LocalStore, RetryPolicy, Store, open_store
+from unbroken.storage.errors import redact
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointConfig", "CheckpointInfo", "CheckpointManager", "SaveStats"]
+
+
+@dataclass
+class CheckpointConfig:
+    """Everything a CheckpointManager is told; every rank must be given the same."""
+
+    url: str
+    """Durable tier: a path or any store URL (``s3://...``, ``emulated::...``)."""
+    staging_dir: str | None = None
+    """Local fast tier. None: ``$UNBROKEN_STAGING_DIR`` or the temp dir, one subdirectory
+    per durable URL, so a restarted job finds its own local copy."""
+    every_steps: int | None = 500
+    """maybe_save saves when ``step % every_steps == 0`` (step 0 never)."""
+    every_seconds: float | None = None
+    """maybe_save also saves when this long has passed since the last save started. On
+    several ranks rank agreement costs one tiny all_reduce per maybe_save call."""
+    keep_last: int | None = 3
+    """Committed checkpoints kept in the durable tier (None: all)."""
+    keep_every_steps: int | None = None
+    """Also keep every committed checkpoint whose step is a multiple of this."""
+    async_save: bool = True
+    """False: save() returns only once the checkpoint is committed."""
+    storage_options: dict[str, Any] | None = None
+    """Passed to ``open_store`` for the durable tier."""
+    when_busy: Literal["skip", "wait"] = "skip"
+    """What maybe_save does when a save is due while the previous one is still in flight:
+    skip this one (training never waits) or wait for the previous one. save() always waits."""
+    raise_on_failure: bool = False
+    """Raise SaveFailedError from maybe_save/save when a background save failed (default:
+    warn there; wait() and close() always raise)."""
+    upload_streams: int = 4
+    """Parallel uploads per rank."""
+    staging_max_bytes: int | None = None
+    """Bound on the host staging buffers (None: whatever one copy of the state needs)."""
+    timeout: float = 1800.0
+    """Seconds a background collective may wait for a peer before failing the save."""
+    retry: RetryPolicy | None = None
+    """How hard the durable tier retries a transient failure (None: the store default)."""
+
+    def __post_init__(self) -> None:
+        for name in ("every_steps", "keep_last", "keep_every_steps", "upload_streams"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"CheckpointManager: {name} must be a positive int, got {value!r}")
+        if self.every_seconds is not None and self.every_seconds <= 0:
+            raise ValueError(
+                f"CheckpointManager: every_seconds must be > 0, got {self.every_seconds}"
+            )
+        if self.when_busy not in ("skip", "wait"):
+            raise ValueError(
+                f"CheckpointManager: when_busy must be 'skip' or 'wait', got {self.when_busy!r}"
+            )
+
+
+@dataclass
+class SaveStats:
+    """Counters of one manager; ``seconds_*`` are sums over saves."""
+
+    requested: int = 0
+    """Saves that were due (maybe_save) or asked for (save)."""
+    started: int = 0
+    committed: int = 0
+    failed: int = 0
+    skipped_busy: int = 0
+    """Due saves skipped because the previous one was still in flight."""
+    waited_busy: int = 0
+    """Saves that waited for the previous one to finish."""
+    skipped_committed: int = 0
+    """Saves of a step that is already committed (never overwritten)."""
+    seconds_blocked: float = 0.0
+    """Training-loop time spent inside save/maybe_save (staging start, waits)."""
+    seconds_waited_busy: float = 0.0
+    last_commit_seconds: float | None = None
+    """From save() to committed, for the newest committed save."""
+    last_phase_seconds: dict[str, float] = field(default_factory=dict)
+    bytes_committed: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_staging_dir(url: str) -> str:
+    """A per-job local directory, stable across restarts of the same job."""
+    base = os.environ.get("UNBROKEN_STAGING_DIR") or os.path.join(
+        tempfile.gettempdir(), f"unbroken-staging-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    )
+    key = url if "://" in url or "::" in url else os.path.abspath(url)
+    return os.path.join(base, hashlib.sha1(key.encode()).hexdigest()[:16])
+
+
+class CheckpointManager:
+    """Asynchronous, tiered, atomically committed checkpoints with automatic recovery.
+
+    On several ranks, construct it on every rank in the same order (it makes its own
+    gloo groups, a collective call), and call save/maybe_save/restore on every rank.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        staging_dir: str | os.PathLike | None = None,
+        every_steps: int | None = 500,
+        every_seconds: float | None = None,
+        keep_last: int | None = 3,
+        keep_every_steps: int | None = None,
+        async_save: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        config = CheckpointConfig(
+            url=os.fspath(url),
+            staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,
+            every_steps=every_steps,
+            every_seconds=every_seconds,
+            keep_last=keep_last,
+            keep_every_steps=keep_every_steps,
+            async_save=async_save,
+            storage_options=storage_options,
+            **options,
+        )
+        self.config = config
+        self.store: Store = open_store(
+            config.url, retry=config.retry, **(config.storage_options or {})
+        )
+        self.staging_dir = os.path.abspath(config.staging_dir or default_staging_dir(config.url))
+        self._check_tiers()
+        os.makedirs(self.staging_dir, exist_ok=True)
+        self.staging = LocalStore(self.staging_dir)
+        self.stats = SaveStats()
+        # Two groups: the worker's, and one for foreground agreement (due / busy), so the
+        # two threads never share a group and neither touches the default group.
+        self._group = Group.create(config.timeout)
+        self._fg_group = Group.create(config.timeout)
+        self._stager = StateStager(max_bytes=config.staging_max_bytes)
+        self._attached: set[int] = set()
+        self._failures: list[SaveFailedError] = []
+        self.failures: list[SaveFailedError] = []
+        """Every background save failure so far (reported or not)."""
+        self._lock = threading.Lock()
+        self._last_step: int | None = None
+        self._last_start = time.monotonic()
+        self._committed: set[int] = set()
+        self._closed = False
+        self._pipeline = SavePipeline(
+            self.store,
+            self.staging_dir,
+            self._group,
+            PipelineConfig(
+                keep_last=config.keep_last,
+                keep_every_steps=config.keep_every_steps,
+                upload_streams=config.upload_streams,
+            ),
+            on_done=self._on_done,
+        )
+
+    def _check_tiers(self) -> None:
+        if isinstance(self.store, LocalStore):
+            durable = os.path.realpath(self.store.url)
+            staging = os.path.realpath(self.staging_dir)
+            if staging == durable or staging.startswith(durable + os.sep):
+                raise ValueError(
+                    f"CheckpointManager: staging_dir {self.staging_dir} is inside the durable "
+                    f"tier {self.store.url}; give it a directory of its own"
+                )
+
+    # -- saving ----------------------------------------------------------------------
+
+    def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
+        self._report_failures(raising=False)
+        due = self._is_due(step)
+        busy = self._pipeline.in_flight is not None
+        if self._fg_group.world_size > 1 and (
+            self.config.every_seconds is not None or (due and self.config.when_busy == "skip")
+        ):
+            due, busy = self._fg_group.any(due, busy)
+        if not due:
+            return False
+        return self._save(step, state, skip_if_busy=busy and self.config.when_busy == "skip")
+
+    def save(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Save now (waits for a save still in flight); False if ``step`` is already committed."""
+        self._report_failures(raising=False)
+        return self._save(step, state, skip_if_busy=False)
+
+    def _is_due(self, step: int) -> bool:
+        if step == self._last_step or step in self._committed:
+            return False
+        c = self.config
+        if c.every_steps is not None and step > 0 and step % c.every_steps == 0:
+            return True
+        return (
+            c.every_seconds is not None and time.monotonic() - self._last_start >= c.every_seconds
+        )
+
+    def _save(self, step: int, state: Mapping[str, Any], *, skip_if_busy: bool) -> bool:
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
+        t0 = time.monotonic()
+        self.stats.requested += 1
+        if step == self._last_step or step in self._committed:
+            self.stats.skipped_committed += 1
+            return False
+        if skip_if_busy:  # agreed by every rank, whatever this rank's own worker is doing
+            self.stats.skipped_busy += 1
+            log.info("checkpoint step %d skipped: the previous save is still in flight", step)
+            return False
+        if self._pipeline.in_flight is not None:
+            self.stats.waited_busy += 1
+            self._pipeline.wait()
+            self.stats.seconds_waited_busy += time.monotonic() - t0
+        flat = collect(state)
+        self._attach([v for v in state.values() if isinstance(v, torch.optim.Optimizer)])
+        staged = self._stager.stage(flat.tensors, first=flat.first)
+        job = SaveJob(
+            step=step,
+            staged=staged,
+            values=json.loads(json.dumps(flat.values)),
+            rng=capture_rng_state(),
+        )
+        self._pipeline.submit(job)
+        self._last_step, self._last_start = step, time.monotonic()
+        self.stats.started += 1
+        if not self.config.async_save:
+            job.done.wait()
+            self._report_failures(raising=self.config.raise_on_failure)
+        self.stats.seconds_blocked += time.monotonic() - t0
+        return True
+
+    def _attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        new = [o for o in optimizers if id(o) not in self._attached]
+        if new:
+            self._stager.attach(new)
+            self._attached.update(id(o) for o in new)
+
+    def _on_done(self, job: SaveJob) -> None:
+        """Worker thread: account for a finished job."""
+        with self._lock:
+            self.stats.last_phase_seconds = dict(job.seconds)
+            if job.error is not None:
+                self.stats.failed += 1
+                self._failures.append(job.error)
+                self.failures.append(job.error)
+                log.error("%s", job.error)
+            else:
+                assert job.manifest is not None
+                self.stats.committed += 1
+                self.stats.last_commit_seconds = job.seconds.get("total")
+                self.stats.bytes_committed += job.manifest.nbytes
+                self._committed.add(job.step)
+
+    def _report_failures(self, *, raising: bool) -> None:
+        """Each failure is reported once: raised, or warned about (then kept in .failures)."""
+        with self._lock:
+            pending, self._failures = self._failures, []
+        if not pending:
+            return
+        if raising or self.config.raise_on_failure:
+            for err in pending[1:]:
+                log.error("also failed: %s", err)
+            raise pending[-1]
+        for err in pending:
+            warnings.warn(str(err), RuntimeWarning, stacklevel=3)
+
+    # -- waiting and closing -----------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save in flight is committed; raise SaveFailedError if one failed."""
+        t0 = time.monotonic()
+        self._pipeline.wait(timeout)
+        self.stats.seconds_blocked += time.monotonic() - t0
+        self._report_failures(raising=True)
+
+    def close(self) -> None:
+        """Wait for the save in flight, stop the worker; raises if a save failed."""
+        if self._closed:
+            return
+        try:
+            self._pipeline.wait()
+            self._report_failures(raising=True)
+        finally:
+            self._closed = True
+            self._pipeline.close()
+            self._stager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- restoring and listing -----------------------------------------------------------
+
+    def restore(
+        self, state: MutableMapping[str, Any], *, step: int | None = None, strict: bool = True
+    ) -> int | None:
+        """Load the newest committed checkpoint (or ``step``) into ``state``; its step or None.
+
+        Modules, optimizers, schedulers and tensors are loaded in place; JSON-able entries
+        are replaced in ``state``; each rank's RNG states are restored.
+        """
+        from unbroken.checkpoint.recovery import restore
+
+        self._pipeline.wait()
+        self._report_failures(raising=False)
+        manifest = restore(
+            state,
+            durable=self.store,
+            staging=self.staging,
+            group=self._group,
+            step=step,
+            strict=strict,
+        )
+        if manifest is None:
+            return None
+        self._committed.add(manifest.step)
+        self._last_step, self._last_start = manifest.step, time.monotonic()
+        return manifest.step
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Every checkpoint in the durable tier, committed or not, by step."""
+        return list_checkpoints(self.store)
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointManager({redact(self.store.url)!r}, staging_dir={self.staging_dir!r}, "
+            f"every_steps={self.config.every_steps}, keep_last={self.config.keep_last})"
+        )

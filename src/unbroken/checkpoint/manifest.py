@@ -1,0 +1,177 @@
+"""The commit record: a JSON manifest that lists every file of a checkpoint.
+
+A checkpoint is committed iff its ``manifest.json`` parses and every file it lists exists
+with the listed size. The manifest is written last, in one ``write_bytes`` (an atomic
+rename on a path, a single PUT on an object store), so it is the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import crc32c as _crc32c
+
+from unbroken.checkpoint.errors import CheckpointCorruptError, NoCheckpointError
+from unbroken.storage import ObjectNotFoundError, Store
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+"""Bumped when the layout changes in a way an older reader cannot follow."""
+STEP_DIGITS = 12
+_STEP_DIR = re.compile(rf"^step-(\d{{{STEP_DIGITS},}})$")
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file of a checkpoint: its name relative to the step directory, size, crc32c."""
+
+    name: str
+    size: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a committed checkpoint holds; ``files`` is keyed by ``FileRecord.name``."""
+
+    step: int
+    world_size: int
+    files: dict[str, FileRecord]
+    """Every file of every rank; the manifest itself is not listed."""
+    library_version: str
+    torch_version: str
+    created: float
+    """``time.time()`` when the coordinator committed."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """JSON-able fields of the manager's own (e.g. the loader position, a run id)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.size for r in self.files.values())
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT_VERSION,
+            "step": self.step,
+            "world_size": self.world_size,
+            "library_version": self.library_version,
+            "torch_version": self.torch_version,
+            "created": self.created,
+            "files": [asdict(r) for r in sorted(self.files.values(), key=lambda r: r.name)],
+            "extra": self.extra,
+        }
+        return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> Manifest:
+        """Parse and validate; any defect raises CheckpointCorruptError naming ``where``."""
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CheckpointCorruptError(
+                f"{where}: manifest is not valid JSON ({exc})", url=where
+            ) from exc
+        try:
+            if not isinstance(doc, dict):
+                raise TypeError("top level is not an object")
+            if doc.get("format") != FORMAT_VERSION:
+                raise ValueError(f"unknown manifest format {doc.get('format')!r}")
+            files: dict[str, FileRecord] = {}
+            for item in doc["files"]:
+                rec = FileRecord(str(item["name"]), _nonneg(item["size"]), _nonneg(item["crc32c"]))
+                _check_file_name(rec.name)
+                if rec.name in files:
+                    raise ValueError(f"file {rec.name!r} listed twice")
+                files[rec.name] = rec
+            extra = doc.get("extra", {})
+            if not isinstance(extra, dict):
+                raise TypeError("extra is not an object")
+            return cls(
+                step=_nonneg(doc["step"]),
+                world_size=_nonneg(doc["world_size"]),
+                files=files,
+                library_version=str(doc["library_version"]),
+                torch_version=str(doc["torch_version"]),
+                created=float(doc["created"]),
+                extra=extra,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(
+                f"{where}: malformed manifest ({type(exc).__name__}: {exc})", url=where
+            ) from exc
+
+
+def _nonneg(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _check_file_name(name: str) -> None:
+    parts = name.split("/")
+    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"bad file name {name!r} (must be relative, without '..')")
+    if name == MANIFEST_NAME:
+        raise ValueError(f"{MANIFEST_NAME} must not list itself")
+
+
+def step_dir(step: int) -> str:
+    """``step-000000001200``: zero-padded so that lexical order is step order."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
+    return f"step-{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a ``step-*`` directory name, or None if the name is not one."""
+    m = _STEP_DIR.match(name.strip("/"))
+    return int(m.group(1)) if m else None
+
+
+def crc32c_bytes(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """crc32c of ``data``, continuing from ``value`` (the crc of what came before)."""
+    return _crc32c.crc32c(data, value)
+
+
+def crc32c_file(path: str | os.PathLike) -> int:
+    """crc32c of a whole local file, read in bounded chunks."""
+    value = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            value = _crc32c.crc32c(view[:n], value)
+    return value
+
+
+def manifest_key(step: int) -> str:
+    return f"{step_dir(step)}/{MANIFEST_NAME}"
+
+
+def write_manifest(store: Store, manifest: Manifest) -> None:
+    """Commit a checkpoint: one atomic write of its manifest, after all its files landed."""
+    store.write_bytes(manifest_key(manifest.step), manifest.to_json())
+
+
+def read_manifest(store: Store, step: int) -> Manifest:
+    """The manifest of ``step``; NoCheckpointError if absent, CheckpointCorruptError if bad."""
+    key = manifest_key(step)
+    url = store.url_for(key)
+    try:
+        data = store.read_bytes(key)
+    except ObjectNotFoundError as exc:
+        raise NoCheckpointError(f"step {step}: no manifest at {url} (not committed)") from exc
+    manifest = Manifest.from_json(data, where=url)
+    if manifest.step != step:
+        raise CheckpointCorruptError(
+            f"{url}: manifest says step {manifest.step}, directory says step {step}",
+            step=step,
+            file=MANIFEST_NAME,
+            url=url,
+        )
+    return manifest

@@ -1,0 +1,328 @@
+"""The background half of a save: local tier -> durable tier -> commit -> retention.
+
+One worker thread per manager runs one :class:`SaveJob` at a time, at lowered CPU and I/O
+priority. Every rank runs the same sequence of collectives on the manager's dedicated
+gloo group for every job, whatever happens locally: a rank that failed sends a
+description of its error where others send results, so nobody deadlocks and nothing is
+committed. The coordinator writes ``manifest.json`` (the commit record) last, only after
+every rank has reported its files durable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from unbroken._util.priority import lower_thread_priority
+from unbroken._version import __version__
+from unbroken.checkpoint.catalog import list_checkpoints
+from unbroken.checkpoint.collectives import Group
+from unbroken.checkpoint.errors import SaveFailedError
+from unbroken.checkpoint.manifest import (
+    MANIFEST_NAME,
+    FileRecord,
+    Manifest,
+    crc32c_bytes,
+    parse_step_dir,
+    step_dir,
+    write_manifest,
+)
+from unbroken.checkpoint.retention import plan_deletions
+from unbroken.checkpoint.writer import TierWriter
+from unbroken.storage import LocalStore, Store
+
+log = logging.getLogger(__name__)
+
+# DCP says so on every single-process save and load; no group is our normal case there.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or")
+
+MANIFEST = MANIFEST_NAME
+
+
+def rng_file(rank: int) -> str:
+    """Name (inside a step directory) of one rank's RNG state file."""
+    return f"rng/rank-{rank:05d}.json"
+
+
+@dataclass
+class SaveJob:
+    """One save on its way from host buffers to a commit record."""
+
+    step: int
+    staged: Any
+    """A StagedState (its ``state_dict`` is the flat DCP state dict in host buffers)."""
+    values: dict[str, Any]
+    """JSON-able entries of the state; they go into the manifest."""
+    rng: dict[str, Any]
+    """This rank's RNG states at the moment of the save."""
+    submitted: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: SaveFailedError | None = None
+    manifest: Manifest | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase: staging, local, upload, commit, total."""
+
+
+class _PhaseFailed(Exception):
+    """A phase failed on some rank; ``args[0]`` says where and why."""
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line cause that can travel to other ranks."""
+    if isinstance(exc, CheckpointException):
+        parts = [f"rank {r}: {type(e[0]).__name__}: {e[0]}" for r, e in exc.failures.items()]
+        return "; ".join(parts) or str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass
+class PipelineConfig:
+    """How the background half of a save behaves."""
+
+    keep_last: int | None
+    """Committed checkpoints to keep in the durable tier (None keeps all)."""
+    keep_every_steps: int | None
+    """Also keep every checkpoint whose step is a multiple of this."""
+    upload_streams: int = 4
+    """Parallel uploads per rank."""
+    lower_priority: bool = True
+    """Renice the worker thread and lower its I/O priority."""
+
+
+class SavePipeline:
+    """Runs save jobs one at a time in a background thread."""
+
+    def __init__(
+        self,
+        durable: Store,
+        staging_dir: str,
+        group: Group,
+        config: PipelineConfig,
+        on_done: Callable[[SaveJob], None],
+    ) -> None:
+        self.durable = durable
+        self.staging_dir = staging_dir
+        self.local = LocalStore(staging_dir)
+        self.group = group
+        self.config = config
+        self._on_done = on_done
+        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._current: SaveJob | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="unbroken-ckpt", daemon=True)
+        self._thread.start()
+
+    # -- foreground side -------------------------------------------------------------
+
+    def submit(self, job: SaveJob) -> None:
+        with self._lock:
+            if self._current is not None:
+                raise RuntimeError("a save is still in flight; wait for it first")
+            self._current = job
+        self._queue.put(job)
+
+    @property
+    def in_flight(self) -> SaveJob | None:
+        """The job not yet finished, if any."""
+        with self._lock:
+            return self._current
+
+    def wait(self, timeout: float | None = None) -> None:
+        job = self.in_flight
+        if job is not None and not job.done.wait(timeout):
+            raise TimeoutError(f"checkpoint of step {job.step} still in flight after {timeout}s")
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    # -- worker side -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        if self.config.lower_priority:
+            lower_thread_priority()
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                job.manifest = self._save(job)
+            except _PhaseFailed as e:
+                job.error = SaveFailedError(
+                    job.step, message=f"checkpoint save of step {job.step} failed: {e.args[0]}"
+                )
+                job.error.__cause__ = e.__cause__
+            except BaseException as e:  # a bug of ours must not vanish in a thread
+                log.exception("checkpoint worker: unexpected error at step %d", job.step)
+                job.error = SaveFailedError(job.step, e)
+            job.seconds["total"] = time.monotonic() - job.submitted
+            with self._lock:
+                self._current = None
+            try:
+                self._on_done(job)
+            finally:
+                job.done.set()
+
+    def _agree(self, problem: str | None, what: str, exc: BaseException | None) -> None:
+        """Raise on every rank if ``problem`` is set on any rank (``exc``: this rank's)."""
+        problems = self.group.all_gather(problem)
+        bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+        if bad:
+            raise _PhaseFailed(f"{what} failed: " + "; ".join(bad)) from exc
+
+    def _save(self, job: SaveJob) -> Manifest:
+        step, g = job.step, self.group
+        name = step_dir(step)
+        local_dir = os.path.join(self.staging_dir, name)
+        t0 = time.monotonic()
+
+        problem, exc = None, None
+        try:
+            job.staged.wait()
+            os.makedirs(local_dir, exist_ok=True)
+            if g.is_coordinator and self.durable.exists(f"{name}/{MANIFEST}"):
+                problem = (
+                    f"step {step} is already committed at {self.durable.url_for(name)}; "
+                    "a committed checkpoint is never overwritten"
+                )
+        except Exception as e:
+            problem, exc = describe(e), e
+        self._agree(problem, f"staging step {step}", exc)
+        t1 = time.monotonic()
+        job.seconds["staging"] = t1 - t0
+
+        writer = TierWriter(local_dir)
+        try:
+            dcp.save(
+                job.staged.state_dict,
+                storage_writer=writer,
+                process_group=g.pg,
+                no_dist=g.pg is None,
+            )
+        except CheckpointException as e:
+            raise _PhaseFailed(
+                f"writing step {step} to the local staging tier {local_dir} failed: {describe(e)}"
+            ) from e
+        t2 = time.monotonic()
+        job.seconds["local"] = t2 - t1
+
+        problem, exc, records = None, None, []
+        try:
+            records = [*writer.records, self._write_rng(local_dir, job.rng)]
+            self._upload(local_dir, name, records)
+        except Exception as e:
+            problem, exc = f"uploading to {self.durable.url_for(name)}: {describe(e)}", e
+        gathered = g.all_gather((records, problem))
+        t3 = time.monotonic()
+        job.seconds["upload"] = t3 - t2
+
+        outcome: tuple[str, Any] | None = None
+        if g.is_coordinator:
+            outcome = self._commit(job, gathered)
+        outcome = g.broadcast(outcome)
+        job.seconds["commit"] = time.monotonic() - t3
+        if outcome[0] != "ok":
+            raise _PhaseFailed(outcome[1]) from exc
+        manifest = Manifest.from_json(outcome[1], where=self.durable.url_for(name))
+        self._after_commit(manifest, outcome[1])
+        return manifest
+
+    def _write_rng(self, local_dir: str, rng: dict[str, Any]) -> FileRecord:
+        name = rng_file(self.group.global_rank)
+        data = json.dumps(rng, sort_keys=True).encode()
+        self.local.write_bytes(f"{os.path.basename(local_dir)}/{name}", data)
+        return FileRecord(name=name, size=len(data), crc32c=crc32c_bytes(data))
+
+    def _upload(self, local_dir: str, name: str, records: list[FileRecord]) -> None:
+        def one(rec: FileRecord) -> None:
+            self.durable.upload(os.path.join(local_dir, rec.name), f"{name}/{rec.name}")
+
+        streams = max(1, min(self.config.upload_streams, len(records)))
+        with ThreadPoolExecutor(streams, thread_name_prefix="unbroken-upload") as pool:
+            for f in [pool.submit(one, r) for r in records]:
+                f.result()
+
+    def _commit(self, job: SaveJob, gathered: list[Any]) -> tuple[str, Any]:
+        """Coordinator: write the manifest if every rank's files are durable."""
+        bad = [f"rank {r}: {p}" for r, (_, p) in enumerate(gathered) if p]
+        if bad:
+            return ("error", f"step {job.step} not committed: " + "; ".join(bad))
+        files: dict[str, FileRecord] = {}
+        for rank, (records, _) in enumerate(gathered):
+            for rec in records:
+                if rec.name in files:
+                    return ("error", f"step {job.step}: rank {rank} wrote {rec.name} twice")
+                files[rec.name] = rec
+        manifest = Manifest(
+            step=job.step,
+            world_size=self.group.world_size,
+            files=files,
+            library_version=__version__,
+            torch_version=torch.__version__,
+            created=time.time(),
+            extra={"values": job.values, "rng_files": "rng/rank-{rank:05d}.json"},
+        )
+        try:
+            write_manifest(self.durable, manifest)
+        except Exception as e:
+            return ("error", f"step {job.step}: writing the commit record failed: {describe(e)}")
+        return ("ok", manifest.to_json())
+
+    def _after_commit(self, manifest: Manifest, data: bytes) -> None:
+        """Local copy of the commit record, then retention on both tiers (best effort)."""
+        name = step_dir(manifest.step)
+        try:
+            self.local.write_bytes(f"{name}/{MANIFEST}", data)
+        except Exception as e:
+            log.warning(
+                "step %d: could not copy the manifest to the staging tier: %s",
+                manifest.step,
+                describe(e),
+            )
+        self._prune_local(manifest.step)
+        if self.group.is_coordinator:
+            try:
+                self._prune_durable()
+            except Exception as e:
+                log.warning(
+                    "retention on %s failed (nothing committed was lost): %s",
+                    self.durable.url,
+                    describe(e),
+                )
+
+    def _prune_local(self, newest: int) -> None:
+        """The staging tier keeps only the newest committed checkpoint."""
+        try:
+            names = os.listdir(self.staging_dir)
+        except OSError:
+            return
+        for entry in names:
+            step = parse_step_dir(entry)
+            if step is not None and step < newest:
+                shutil.rmtree(os.path.join(self.staging_dir, entry), ignore_errors=True)
+
+    def _prune_durable(self) -> None:
+        doomed = plan_deletions(
+            list_checkpoints(self.durable),
+            keep_last=self.config.keep_last,
+            keep_every_steps=self.config.keep_every_steps,
+        )
+        for step in doomed:
+            name = step_dir(step)
+            self.durable.delete(f"{name}/{MANIFEST}")  # uncommit first, then the rest
+            self.durable.delete(name)
+            log.info("retention: deleted %s", self.durable.url_for(name))

@@ -1,0 +1,329 @@
+"""TierReader: a pickle-free DCP StorageReader over any Store (local, memory, S3).
+
+It reads ``metadata.json`` (never ``.metadata``), checked against the manifest's size and
+crc32c. Then, for each shard file this rank needs, it fetches only the byte windows that
+hold the requested payloads (nearby payloads merged into one ranged read, a few windows
+in flight), checks each payload's crc32c (recorded in the verified ``metadata.json``)
+before DCP sees a byte, and serves any sub-range DCP's planner asks for, which is how a
+checkpoint saved on N ranks loads on M. Non-tensor values are loaded with
+``torch.load(weights_only=True)`` and handed to the planner re-serialized, so the
+planner's own unrestricted ``torch.load`` only ever sees data we already proved safe.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future as PoolFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from unbroken.checkpoint.dcp_json import ItemLocation, dtype_from_name, metadata_from_json
+from unbroken.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+)
+from unbroken.checkpoint.manifest import Manifest, crc32c_bytes, step_dir
+from unbroken.checkpoint.tensor_record import tensor_from_raw
+from unbroken.checkpoint.writer import METADATA_JSON
+from unbroken.storage import ObjectNotFoundError, Store
+
+WINDOW_BYTES = 64 << 20
+"""Most bytes one ranged read fetches (a larger single payload is read alone)."""
+MERGE_GAP = 1 << 20
+"""Payloads closer than this are fetched in one ranged read (the gap is read and dropped)."""
+IN_FLIGHT = 4
+"""Windows fetched concurrently; memory is bounded by IN_FLIGHT * WINDOW_BYTES."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """One ranged read [start, end) of a shard file and the payloads it holds."""
+
+    file: str
+    start: int
+    end: int
+    locations: tuple[ItemLocation, ...]
+
+
+def plan_windows(
+    file: str,
+    locations: list[ItemLocation],
+    *,
+    window_bytes: int = WINDOW_BYTES,
+    merge_gap: int = MERGE_GAP,
+) -> list[Window]:
+    """Group one file's payloads into few ranged reads (pure; sorted by offset)."""
+    windows: list[Window] = []
+    group: list[ItemLocation] = []
+    start = end = 0
+    for loc in sorted(set(locations), key=lambda loc: loc.payload_offset):
+        lo, hi = loc.payload_offset, loc.payload_offset + loc.payload_length
+        if group and lo - end <= merge_gap and max(end, hi) - start <= window_bytes:
+            group.append(loc)
+            end = max(end, hi)
+            continue
+        if group:
+            windows.append(Window(file, start, end, tuple(group)))
+        group, start, end = [loc], lo, hi
+    if group:
+        windows.append(Window(file, start, end, tuple(group)))
+    return windows
+
+
+class TierReader(StorageReader):
+    """Serves DCP's read requests for checkpoint ``step`` from ``store``.
+
+    ``manifest`` is the step's commit record: it says which files exist and their sizes
+    and checksums. With ``verify`` (the default) every byte handed to DCP was checked.
+    """
+
+    def __init__(self, store: Store, step: int, manifest: Manifest, *, verify: bool = True) -> None:
+        super().__init__()
+        if manifest.step != step:
+            raise ValueError(f"manifest is for step {manifest.step}, not step {step}")
+        self.store = store
+        self.step = step
+        self.manifest = manifest
+        self.verify = verify
+        self.prefix = step_dir(step)
+        self.storage_data: dict[Any, ItemLocation] = {}
+        self.load_id = str(uuid.uuid4())
+
+    # -- StorageReader --------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.checkpoint_id:
+            raise ValueError(
+                f"TierReader serves {self.checkpoint_id}, not {checkpoint_id}; "
+                "make a new TierReader for another checkpoint"
+            )
+        self.storage_data = {}
+        self.load_id = str(uuid.uuid4())
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"step {self.step}: no per-rank metadata in {self.checkpoint_id}")
+        data = self._read_whole(METADATA_JSON)
+        metadata = metadata_from_json(data, where=self._url(METADATA_JSON))
+        self._check_locations(metadata.storage_data)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self._check_locations(metadata.storage_data)
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_location: dict[ItemLocation, list[ReadItem]] = {}
+        for req in plan.items:
+            loc = self.storage_data.get(req.storage_index)
+            if loc is None:
+                raise CheckpointMismatchError(
+                    f"step {self.step}: {self.checkpoint_id} has no item {req.storage_index}"
+                )
+            by_location.setdefault(loc, []).append(req)
+        for loc, payload in self._fetch(list(by_location)):
+            for req in by_location[loc]:
+                self._deliver(req, loc, payload, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.store.url_for(self.prefix)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False  # made explicitly from a Store and a manifest, never guessed from a path
+
+    # -- fetching and checking ------------------------------------------------------
+
+    def _url(self, name: str) -> str:
+        return self.store.url_for(f"{self.prefix}/{name}")
+
+    def _corrupt(self, name: str, why: str) -> CheckpointCorruptError:
+        url = self._url(name)
+        return CheckpointCorruptError(
+            f"checkpoint step {self.step}: {name} ({url}): {why}",
+            step=self.step,
+            file=name,
+            url=url,
+        )
+
+    def _read_range(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        try:
+            return self.store.read_bytes(f"{self.prefix}/{name}", start, end)
+        except ObjectNotFoundError as exc:
+            raise self._corrupt(name, "file is missing") from exc
+
+    def _read_whole(self, name: str) -> bytes:
+        record = self.manifest.files.get(name)
+        if record is None:
+            raise self._corrupt(name, "not listed in the manifest")
+        data = self._read_range(name)
+        if len(data) != record.size:
+            raise self._corrupt(name, f"{len(data)} bytes, manifest says {record.size}")
+        if self.verify and (crc := crc32c_bytes(data)) != record.crc32c:
+            raise self._corrupt(name, f"crc32c {crc:#010x}, manifest says {record.crc32c:#010x}")
+        return data
+
+    def _check_locations(self, storage_data: Any) -> None:
+        if not isinstance(storage_data, dict):
+            raise self._corrupt(METADATA_JSON, "no storage data")
+        for index, loc in storage_data.items():
+            if not isinstance(loc, ItemLocation):
+                raise self._corrupt(METADATA_JSON, f"item {index.fqn!r} has no location")
+            record = self.manifest.files.get(loc.relative_path)
+            if record is None:
+                raise self._corrupt(
+                    loc.relative_path, f"holds item {index.fqn!r} but is not in the manifest"
+                )
+            if loc.offset + loc.length > record.size:
+                raise self._corrupt(
+                    loc.relative_path,
+                    f"item {index.fqn!r} ends at byte {loc.offset + loc.length}, "
+                    f"past the file's {record.size} bytes",
+                )
+
+    def _fetch(self, locations: list[ItemLocation]) -> Iterator[tuple[ItemLocation, memoryview]]:
+        """Yield each location with its verified payload; IN_FLIGHT windows read ahead."""
+        per_file: dict[str, list[ItemLocation]] = {}
+        for loc in locations:
+            per_file.setdefault(loc.relative_path, []).append(loc)
+        windows = [w for name in sorted(per_file) for w in plan_windows(name, per_file[name])]
+        with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="unbroken-read") as pool:
+            pending: deque[tuple[Window, PoolFuture[bytes]]] = deque()
+            todo = iter(windows)
+            for w in todo:
+                pending.append((w, pool.submit(self._read_range, w.file, w.start, w.end)))
+                if len(pending) >= IN_FLIGHT:
+                    break
+            while pending:
+                window, fut = pending.popleft()
+                data = memoryview(fut.result())
+                nxt = next(todo, None)
+                if nxt is not None:
+                    pending.append(
+                        (nxt, pool.submit(self._read_range, nxt.file, nxt.start, nxt.end))
+                    )
+                if len(data) != window.end - window.start:
+                    raise self._corrupt(
+                        window.file,
+                        f"short file: bytes [{window.start}, {window.end}) gave {len(data)}",
+                    )
+                for loc in window.locations:
+                    lo = loc.payload_offset - window.start
+                    payload = data[lo : lo + loc.payload_length]
+                    self._verify_payload(loc, payload)
+                    yield loc, payload
+
+    def _verify_payload(self, loc: ItemLocation, payload: memoryview) -> None:
+        if self.verify and (crc := crc32c_bytes(payload)) != loc.crc32c:
+            end = loc.payload_offset + loc.payload_length
+            raise self._corrupt(
+                loc.relative_path,
+                f"crc32c mismatch in bytes [{loc.payload_offset}, {end}): "
+                f"{crc:#010x}, expected {loc.crc32c:#010x}",
+            )
+
+    # -- handing data to DCP -------------------------------------------------------
+
+    def _deliver(
+        self, req: ReadItem, loc: ItemLocation, payload: memoryview, planner: LoadPlanner
+    ) -> None:
+        fqn = req.storage_index.fqn
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, self._safe_bytes(fqn, loc, payload))
+            return
+        if loc.dtype is None or loc.shape is None:
+            raise self._corrupt(loc.relative_path, f"item {fqn!r} is not a tensor record")
+        saved = tensor_from_raw(payload, dtype_from_name(loc.dtype), loc.shape)
+        piece = narrow_tensor_by_index(saved, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != piece.size():
+            raise CheckpointMismatchError(
+                f"step {self.step}: item {fqn!r}: checkpoint has shape {list(piece.size())} "
+                f"where the target has {list(target.size())}"
+            )
+        target.copy_(piece)
+        planner.commit_tensor(req, target)
+
+    def _safe_bytes(self, fqn: str, loc: ItemLocation, payload: memoryview) -> io.BytesIO:
+        """Load a non-tensor value with weights_only=True; re-serialize what is proven safe."""
+        try:
+            value = torch.load(io.BytesIO(payload), weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
+            raise self._corrupt(
+                loc.relative_path,
+                f"value {fqn!r} is not loadable with weights_only=True, refused "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+            ) from exc
+        out = io.BytesIO()
+        torch.save(value, out)
+        out.seek(0)
+        return out
+
+
+def first_checkpoint_error(exc: BaseException) -> BaseException:
+    """The CheckpointError a rank raised inside DCP, else ``exc`` itself.
+
+    DCP wraps every rank's failure in a ``CheckpointException`` (a BaseException);
+    callers want the error that names the step and file.
+    """
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, CheckpointError):
+                return inner
+    return exc
+
+
+def load_state_dict(
+    state_dict: dict[str, Any],
+    reader: TierReader,
+    *,
+    planner: LoadPlanner | None = None,
+    process_group: Any = None,
+) -> None:
+    """``dcp.load`` through ``reader``; our CheckpointError surfaces unwrapped."""
+    try:
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=planner,
+            process_group=process_group,
+            no_dist=not (dist.is_available() and dist.is_initialized()),
+        )
+    except CheckpointException as exc:
+        inner = first_checkpoint_error(exc)
+        if inner is exc:
+            raise
+        raise inner from exc

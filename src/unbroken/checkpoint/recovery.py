@@ -1,0 +1,266 @@
+"""Restore: the newest committed checkpoint that loads whole, from the nearest intact tier.
+
+Candidates are the committed steps of the durable tier, newest first (the coordinator
+lists them and tells every rank). For each, the staging tier is tried first when every
+rank finds there a copy whose manifest equals the durable one with every file at its
+listed size; then the durable tier. Every decision is agreed over the manager's group,
+so all ranks walk the same (step, tier) sequence: a corrupt copy sends every rank on to
+the next candidate together, with a warning; a mismatch with the state (another model)
+raises at once, naming the keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from unbroken.checkpoint.catalog import list_checkpoints
+from unbroken.checkpoint.collectives import Group
+from unbroken.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    NoCheckpointError,
+)
+from unbroken.checkpoint.manifest import Manifest, crc32c_bytes, read_manifest, step_dir
+from unbroken.checkpoint.pipeline import MANIFEST, describe, rng_file
+from unbroken.checkpoint.planners import SafeLoadPlanner
+from unbroken.checkpoint.reader import TierReader
+from unbroken.checkpoint.state_dicts import FlatState, apply, collect
+from unbroken.state.rng import restore_rng_state
+from unbroken.storage import Store
+
+log = logging.getLogger(__name__)
+
+_SHOW = 12  # names listed in an error before "and N more"
+
+
+@dataclass
+class _Attempt:
+    """What one rank found when preparing to load (step, tier)."""
+
+    verdict: str  # ok | absent | corrupt | mismatch | error
+    message: str = ""
+
+
+def restore(
+    state: MutableMapping[str, Any],
+    *,
+    durable: Store,
+    staging: Store,
+    group: Group,
+    step: int | None = None,
+    strict: bool = True,
+) -> Manifest | None:
+    """Load the newest loadable committed checkpoint into ``state``; None if none exists."""
+    flat = collect(state)
+    steps = group.broadcast(_committed_steps(durable) if group.is_coordinator else None)
+    if step is not None:
+        if step not in steps:
+            raise NoCheckpointError(
+                f"no committed checkpoint of step {step} at {durable.url} "
+                f"(committed steps: {sorted(steps) or 'none'})"
+            )
+        steps = [step]
+    if not steps:
+        return None
+    problems: list[str] = []
+    for s in steps:
+        for tier, store in (("staging", staging), ("durable", durable)):
+            manifest = _try(state, flat, s, tier, store, durable, group, strict, problems)
+            if manifest is not None:
+                return manifest
+        if s != steps[-1]:
+            warnings.warn(
+                f"checkpoint step {s} at {durable.url} could not be loaded; falling back to "
+                f"the previous committed checkpoint ({'; '.join(problems[-2:])})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    raise CheckpointCorruptError(
+        f"no committed checkpoint at {durable.url} could be loaded: " + "; ".join(problems)
+    )
+
+
+def _committed_steps(store: Store) -> list[int]:
+    return sorted((c.step for c in list_checkpoints(store) if c.committed), reverse=True)
+
+
+def _try(
+    state: MutableMapping[str, Any],
+    flat: FlatState,
+    step: int,
+    tier: str,
+    store: Store,
+    durable: Store,
+    group: Group,
+    strict: bool,
+    problems: list[str],
+) -> Manifest | None:
+    where = store.url_for(step_dir(step))
+    prepared: tuple[Manifest, TierReader, dict | None] | None = None
+    try:
+        prepared = _prepare(flat, step, tier, store, durable, group, strict)
+        mine = _Attempt("ok")
+    except _Absent as e:
+        mine = _Attempt("absent", str(e))
+    except CheckpointMismatchError as e:
+        mine = _Attempt("mismatch", str(e))
+    except CheckpointCorruptError as e:
+        mine = _Attempt("corrupt", str(e))
+    except Exception as e:
+        mine = _Attempt("error", describe(e))
+    attempts = group.all_gather(mine)
+    verdicts = {a.verdict for a in attempts}
+    messages = "; ".join(sorted({a.message for a in attempts if a.message}))
+    if "mismatch" in verdicts:
+        raise CheckpointMismatchError(messages)
+    if verdicts == {"absent"} or ("absent" in verdicts and verdicts <= {"ok", "absent"}):
+        return None  # no whole local copy on every rank: read the durable tier
+    if verdicts != {"ok"}:
+        _fail(tier, where, messages, problems, "error" in verdicts)
+        return None
+    assert prepared is not None
+    manifest, reader, rng = prepared
+    try:
+        dcp.load(
+            flat.tensors,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(allow_partial_load=not strict),
+            process_group=group.pg,
+            no_dist=group.pg is None,
+        )
+    except CheckpointException as e:
+        corrupt = any(isinstance(f[0], CheckpointCorruptError) for f in e.failures.values())
+        _fail(tier, where, describe(e), problems, not corrupt)
+        return None
+    apply(state, flat, manifest.extra.get("values", {}))
+    if rng is not None:
+        restore_rng_state(rng)
+    elif group.rank >= manifest.world_size:
+        warnings.warn(
+            f"rank {group.rank}: checkpoint step {step} was saved on {manifest.world_size} "
+            "ranks and has no RNG state for this rank; its RNG streams are left as they are",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    log.info("restored step %d from the %s tier (%s)", step, tier, where)
+    return manifest
+
+
+def _fail(tier: str, where: str, message: str, problems: list[str], hard: bool) -> None:
+    """Record why (step, tier) did not load; a durable tier that errors (not corrupt) raises."""
+    problems.append(f"{where}: {message}")
+    if hard and tier == "durable":
+        raise CheckpointError(f"reading checkpoint {where} failed: {message}")
+    warnings.warn(f"checkpoint {where} is not usable: {message}", RuntimeWarning, stacklevel=4)
+
+
+class _Absent(Exception):
+    """No whole local copy here (not an error: the durable tier has one)."""
+
+
+def _prepare(
+    flat: FlatState,
+    step: int,
+    tier: str,
+    store: Store,
+    durable: Store,
+    group: Group,
+    strict: bool,
+) -> tuple[Manifest, TierReader, dict | None]:
+    name = step_dir(step)
+    manifest = read_manifest(durable, step)
+    if tier == "staging":
+        _check_local_copy(store, name, manifest)
+    reader = TierReader(store, step, manifest)
+    check_compatible(
+        flat, reader.read_metadata(), manifest, strict=strict, where=store.url_for(name)
+    )
+    rng = None
+    if group.global_rank < manifest.world_size:
+        rng = _read_rng(store, name, manifest, group.global_rank)
+    return manifest, reader, rng
+
+
+def _check_local_copy(store: Store, name: str, manifest: Manifest) -> None:
+    try:
+        local = Manifest.from_json(store.read_bytes(f"{name}/{MANIFEST}"), where=store.url)
+    except Exception as e:
+        raise _Absent(f"no local manifest ({type(e).__name__})") from None
+    if local != manifest:
+        raise _Absent("the local manifest differs from the durable one")
+    root = store.url
+    for rec in manifest.files.values():
+        path = os.path.join(root, name, rec.name)
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            raise _Absent(f"{rec.name} missing locally") from None
+        if size != rec.size:
+            raise _Absent(f"{rec.name} is {size} bytes locally, {rec.size} in the manifest")
+
+
+def _read_rng(store: Store, name: str, manifest: Manifest, rank: int) -> dict | None:
+    fname = rng_file(rank)
+    rec = manifest.files.get(fname)
+    if rec is None:
+        return None
+    data = store.read_bytes(f"{name}/{fname}")
+    if len(data) != rec.size or crc32c_bytes(data) != rec.crc32c:
+        raise CheckpointCorruptError(
+            f"{store.url_for(name + '/' + fname)}: RNG state file fails its checksum"
+        )
+    return json.loads(data)
+
+
+def check_compatible(
+    flat: FlatState, metadata: Metadata, manifest: Manifest, *, strict: bool, where: str
+) -> None:
+    """Raise CheckpointMismatchError naming every key or shape that differs."""
+    saved = metadata.state_dict_metadata
+    mine = flat.tensors
+    saved_values = set(manifest.extra.get("values", {}))
+    missing = sorted(set(mine) - set(saved)) + sorted(set(flat.values) - saved_values)
+    unexpected: list[str] = []
+    if strict:
+        entries = set(flat.kinds)
+        unexpected = sorted(k for k in saved if k.split(".", 1)[0] in entries and k not in mine)
+        unexpected += sorted(k for k in saved_values - set(flat.values) if k in entries)
+    shapes = []
+    for key in sorted(set(mine) & set(saved)):
+        md, value = saved[key], mine[key]
+        if isinstance(value, torch.Tensor) != isinstance(md, TensorStorageMetadata):
+            kind = "a tensor" if isinstance(md, TensorStorageMetadata) else "a plain value"
+            shapes.append(f"{key}: {kind} in the checkpoint, not in the state")
+        elif isinstance(value, torch.Tensor) and tuple(md.size) != tuple(value.shape):
+            shapes.append(
+                f"{key}: shape {tuple(md.size)} in the checkpoint, "
+                f"{tuple(value.shape)} in the state"
+            )
+    parts = []
+    for label, names in (
+        ("missing from the checkpoint", missing),
+        ("in the checkpoint but not in the state", unexpected),
+        ("mismatched", shapes),
+    ):
+        if names:
+            more = f" and {len(names) - _SHOW} more" if len(names) > _SHOW else ""
+            parts.append(f"{label}: {', '.join(names[:_SHOW])}{more}")
+    if missing and not strict:
+        parts = [p for p in parts if not p.startswith("missing")]
+    if parts:
+        raise CheckpointMismatchError(
+            f"checkpoint {where} does not match the state being restored "
+            f"(another model?): " + "; ".join(parts)
+        )

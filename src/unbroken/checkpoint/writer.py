@@ -1,0 +1,253 @@
+"""TierWriter: a DCP StorageWriter that puts one rank's shard into a local directory.
+
+Each rank writes one file, ``__<rank>_0.distcp``, of aligned records: a bytes value as
+it is, a tensor as its raw bytes (streamed from the tensor's own memory in bounded
+chunks, no copy for a contiguous CPU tensor) inside a torch.load-able envelope (see
+:mod:`unbroken.checkpoint.tensor_record`). crc32c is computed as bytes go out, for the
+whole file (the manifest's checksum) and for each payload (what the reader checks).
+Files appear by temp name + fsync + rename. The coordinator's ``finish`` writes
+``metadata.json`` (what our reader uses) and ``.metadata`` (pickle, for vanilla
+``dcp.load`` only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import uuid
+from typing import Any, BinaryIO
+
+import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from unbroken.checkpoint.dcp_json import (
+    ItemLocation,
+    dtype_name,
+    metadata_to_json,
+    vanilla_metadata,
+)
+from unbroken.checkpoint.errors import CheckpointError
+from unbroken.checkpoint.manifest import FileRecord, crc32c_bytes
+from unbroken.checkpoint.tensor_record import envelope, padding, raw_view
+from unbroken.storage.base import fsync_dir, temp_name
+
+SHARD_SUFFIX = ".distcp"
+METADATA_JSON = "metadata.json"
+METADATA_PICKLE = ".metadata"
+WRITE_CHUNK = 8 << 20
+"""Bytes handed to one write() and one crc32c() call: bounds the time the GIL is held."""
+
+
+def shard_name(prefix: str, index: int = 0) -> str:
+    return f"{prefix}{index}{SHARD_SUFFIX}"
+
+
+class TierWriter(StorageWriter):
+    """Writes this rank's part of a DCP checkpoint into ``directory`` (the staging tier).
+
+    After ``dcp.save(..., storage_writer=w)``, ``w.records`` lists the files this rank
+    wrote (name, size, crc32c); on the coordinator it includes the two metadata files.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, sync_files: bool = True) -> None:
+        super().__init__()
+        self.directory = os.fspath(directory)
+        self.sync_files = sync_files
+        """fsync every file before its rename (off only for throwaway benchmarks)."""
+        self.records: list[FileRecord] = []
+        self.save_id = str(uuid.uuid4())
+        self.is_coordinator = False
+        self.rank: int | None = None
+        self.use_collectives = True
+
+    # -- StorageWriter --------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.directory = os.fspath(checkpoint_id)
+        self.records = []
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        os.makedirs(self.directory, exist_ok=True)
+        if not self.use_collectives:
+            # No global step will name the files: each rank names its own.
+            plan = dataclasses.replace(plan, storage_data=f"__{self.rank or 0}_")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [
+            dataclasses.replace(p, storage_data=f"__{i}_") if p.storage_data is None else p
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data
+        if not isinstance(prefix, str):
+            raise CheckpointError(
+                f"TierWriter: plan has no file prefix ({prefix!r}); "
+                "was prepare_global_plan skipped?"
+            )
+        results = self._write_shard(shard_name(prefix), plan.items, planner)
+        if self.sync_files:
+            fsync_dir(self.directory)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        metadata.storage_meta = self.storage_meta()
+        prefix = "" if self.use_collectives else f"__{self.rank or 0}"
+        self._write_small(prefix + METADATA_JSON, metadata_to_json(metadata))
+        self._write_small(prefix + METADATA_PICKLE, pickle.dumps(vanilla_metadata(metadata)))
+        if self.sync_files:
+            fsync_dir(self.directory)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.directory, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.directory
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return "://" not in os.fspath(checkpoint_id)
+
+    # -- files ----------------------------------------------------------------------
+
+    def _write_shard(
+        self, name: str, items: list[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        results: list[WriteResult] = []
+
+        def fill(f: BinaryIO) -> tuple[int, int]:
+            out = _ChecksummedOutput(f)
+            for item in items:
+                out.pad(padding(out.pos))
+                results.append(self._write_item(out, name, item, planner))
+            return out.pos, out.crc
+
+        self._publish(name, fill)
+        return results
+
+    def _write_item(
+        self, out: _ChecksummedOutput, name: str, item: WriteItem, planner: SavePlanner
+    ) -> WriteResult:
+        data = planner.resolve_data(item)
+        fqn = item.index.fqn
+        start = out.pos
+        if item.type == WriteItemType.BYTE_IO:
+            if not isinstance(data, io.BytesIO):
+                raise CheckpointError(
+                    f"item {fqn!r}: planner gave {type(data).__name__} for a bytes item"
+                )
+            payload_crc = out.write(data.getbuffer(), payload=True)
+            loc = ItemLocation(name, start, out.pos - start, start, out.pos - start, payload_crc)
+        else:
+            if not isinstance(data, torch.Tensor):
+                raise CheckpointError(
+                    f"item {fqn!r}: planner gave {type(data).__name__} for a tensor item"
+                )
+            self._check_tensor(item, data)
+            raw = raw_view(data)
+            header, trailer = envelope(data.dtype, tuple(data.shape))
+            out.write(header)
+            payload_start = out.pos
+            payload_crc = out.write(raw, payload=True)
+            out.write(trailer)
+            loc = ItemLocation(
+                name,
+                start,
+                out.pos - start,
+                payload_start,
+                raw.nbytes,
+                payload_crc,
+                dtype_name(data.dtype),
+                tuple(data.shape),
+            )
+        return WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc)
+
+    @staticmethod
+    def _check_tensor(item: WriteItem, tensor: torch.Tensor) -> None:
+        td = item.tensor_data
+        fqn = item.index.fqn
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            raise CheckpointError(
+                f"item {fqn!r}: only dense tensors can be saved, got layout {tensor.layout}"
+            )
+        if td is not None and (
+            tuple(tensor.shape) != tuple(td.chunk.sizes) or tensor.dtype != td.properties.dtype
+        ):
+            raise CheckpointError(
+                f"item {fqn!r}: planner resolved a {tensor.dtype} {list(tensor.shape)} "
+                f"tensor for a {td.properties.dtype} {list(td.chunk.sizes)} chunk"
+            )
+
+    def _write_small(self, name: str, data: bytes) -> None:
+        def fill(f: BinaryIO) -> tuple[int, int]:
+            out = _ChecksummedOutput(f)
+            out.write(data)
+            return out.pos, out.crc
+
+        self._publish(name, fill)
+
+    def _publish(self, name: str, fill: Any) -> None:
+        """Run ``fill(file)`` on a temp file, fsync, rename to ``name``, record it."""
+        final = os.path.join(self.directory, name)
+        tmp = os.path.join(self.directory, temp_name(name))
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                size, crc = fill(f)
+                if self.sync_files:
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        self.records = [r for r in self.records if r.name != name]
+        self.records.append(FileRecord(name, size, crc))
+
+
+class _ChecksummedOutput:
+    """Writes buffers in bounded chunks, keeping the file's crc32c and its position."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.pos = 0
+        self.crc = 0
+
+    def write(self, data: Any, *, payload: bool = False) -> int:
+        """Write ``data`` (any buffer); return its own crc32c if ``payload`` else 0."""
+        view = memoryview(data).cast("B")
+        own = 0
+        for start in range(0, len(view), WRITE_CHUNK):
+            chunk = view[start : start + WRITE_CHUNK]
+            self.crc = crc32c_bytes(chunk, self.crc)
+            if payload:
+                own = crc32c_bytes(chunk, own)
+            while chunk:
+                n = self.f.write(chunk)
+                chunk = chunk[n:]
+        self.pos += len(view)
+        return own
+
+    def pad(self, n: int) -> None:
+        if n:
+            self.write(bytes(n))

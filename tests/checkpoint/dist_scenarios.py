@@ -1,0 +1,286 @@
+"""Rank programs for the multi-rank checkpoint tests (run by tests/checkpoint/distributed.py).
+
+``python -m torch.distributed.run ... dist_scenarios.py <scenario> [options]``; every
+scenario uses gloo on CPU and exits non-zero (with a message) if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import unbroken as ub
+from unbroken.checkpoint.errors import SaveFailedError
+
+
+def log(msg: str) -> None:
+    print(f"[rank {dist.get_rank() if dist.is_initialized() else '-'}] {msg}", flush=True)
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Linear(12, 6))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 6, generator=g)
+
+
+def train_step(model: nn.Module, optim, sched, step: int) -> None:
+    x, y = batch(step, dist.get_rank())
+    x = nn.functional.dropout(x, 0.1)  # consumes the torch RNG: resume must restore it
+    loss = nn.functional.mse_loss(model(x), y)
+    optim.zero_grad()
+    loss.backward()
+    optim.step()
+    sched.step()
+
+
+def full_state(model: nn.Module, optim) -> dict[str, torch.Tensor]:
+    """Whole (unsharded) model and optimizer tensors, keyed by name (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    out = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
+    for fqn, st in osd["state"].items():
+        for k, v in st.items():
+            out[f"optim.{fqn}.{k}"] = torch.as_tensor(v).detach().clone()
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    assert a.keys() == b.keys(), f"{what}: keys differ: {sorted(a.keys() ^ b.keys())}"
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+def rng_draws() -> list[float]:
+    return [random.random(), float(np.random.rand()), float(torch.rand(()))]
+
+
+def scenario_ddp(a: argparse.Namespace) -> None:
+    """DDP round trip on N ranks: model, optimizer, scheduler, values, RNG; both tiers."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(make_model(0))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(optim, 2, 0.5)
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=3, keep_last=2)
+    state = {"model": model, "optim": optim, "sched": sched, "epoch": 1}
+    assert mgr.restore(state) is None
+    for step in range(1, 7):
+        train_step(model, optim, sched, step)
+        state["epoch"] = step // 3
+        mgr.maybe_save(step, state)
+    mgr.wait()
+    expected, draws = full_state(model, optim), rng_draws()
+    lr = sched.get_last_lr()
+    for tier in ("staging", "durable"):
+        if tier == "durable":
+            dist.barrier()
+            if dist.get_rank() == 0:
+                import shutil
+
+                shutil.rmtree(mgr.staging_dir)
+            dist.barrier()
+        fresh = DDP(make_model(1))
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+        fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, 2, 0.5)
+        new_state = {"model": fresh, "optim": fresh_opt, "sched": fresh_sched, "epoch": -1}
+        assert mgr.restore(new_state) == 6
+        assert new_state["epoch"] == 2, new_state["epoch"]
+        assert fresh_sched.get_last_lr() == lr, (fresh_sched.get_last_lr(), lr)
+        assert_same(full_state(fresh, fresh_opt), expected, f"DDP restore from {tier}")
+        assert rng_draws() == draws, f"RNG not restored from {tier}"
+    steps = [c.step for c in mgr.checkpoints() if c.committed]
+    assert steps == [3, 6], steps
+    mgr.close()
+    log("ddp ok")
+
+
+def fsdp_model(seed: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 6))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def scenario_fsdp_save(a: argparse.Namespace) -> None:
+    """FSDP2 on N ranks: train, save; rank 0 keeps the whole expected state for later."""
+    model = fsdp_model(0)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=2)
+    state = {"model": model, "optim": optim, "sched": sched, "note": "fsdp"}
+    for step in range(1, 5):
+        train_step(model, optim, sched, step)
+        mgr.maybe_save(step, state)
+    mgr.close()
+    expected = full_state(model, optim)
+    if dist.get_rank() == 0:
+        torch.save(expected, a.expected)
+    log("fsdp save ok")
+
+
+def scenario_fsdp_load(a: argparse.Namespace) -> None:
+    """FSDP2 on M ranks: restore what N ranks saved, compare the whole state."""
+    model = fsdp_model(7)
+    optim = torch.optim.Adam(model.parameters(), lr=0.3)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=2)
+    state = {"model": model, "optim": optim, "sched": sched, "note": ""}
+    with __import__("warnings").catch_warnings(record=True) as caught:
+        __import__("warnings").simplefilter("always")
+        assert mgr.restore(state) == 4
+    assert state["note"] == "fsdp"
+    expected = torch.load(a.expected, weights_only=True)
+    assert_same(full_state(model, optim), expected, f"FSDP2 reshard to {dist.get_world_size()}")
+    saved_ws = mgr.checkpoints()[-1].world_size
+    if dist.get_rank() >= saved_ws:
+        assert any("no RNG state for this rank" in str(w.message) for w in caught), caught
+    # Training continues from the restored state on the new world size.
+    train_step(model, optim, sched, 5)
+    mgr.close()
+    log(f"fsdp load on {dist.get_world_size()} ok")
+
+
+def scenario_collectives(a: argparse.Namespace) -> None:
+    """Async saves to a slow remote while every step all_reduces on the default group."""
+    model = make_model(0)
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    mgr = ub.CheckpointManager(
+        a.url,
+        staging_dir=a.staging,
+        every_steps=2,
+        keep_last=2,
+        storage_options={"latency": 0.01, "bandwidth": "5MB", "link": a.link},
+    )
+    state = {"model": model, "optim": optim}
+    for step in range(1, 41):
+        x, y = batch(step, dist.get_rank())
+        loss = nn.functional.mse_loss(model(x), y)
+        optim.zero_grad()
+        loss.backward()
+        for p in model.parameters():  # DDP by hand: collectives on the default group
+            dist.all_reduce(p.grad)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == dist.get_world_size()
+        optim.step()
+        mgr.maybe_save(step, state)
+        time.sleep(0.01)
+    mgr.close()
+    s = mgr.stats
+    assert s.committed >= 2 and s.failed == 0, s
+    log(f"collectives ok: {s.committed} committed, {s.skipped_busy} skipped busy")
+
+
+def scenario_train(a: argparse.Namespace) -> None:
+    """Resumable training; rank 1 dies once at --crash-at (recovery under --max-restarts)."""
+    model = make_model(0)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(optim, 3, 0.7)
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=a.every, keep_last=2)
+    state = {"model": model, "optim": optim, "sched": sched}
+    start = mgr.restore(state) or 0
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    log(f"attempt {restart}: resuming after step {start}")
+    for step in range(start + 1, a.steps + 1):
+        if a.crash_at and step == a.crash_at and dist.get_rank() == 1 and restart == 0:
+            mgr.wait()
+            log(f"crashing at step {step}")
+            os._exit(17)
+        x, y = batch(step, 0)
+        x = nn.functional.dropout(x, 0.2)
+        loss = nn.functional.mse_loss(model(x), y)
+        optim.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        optim.step()
+        sched.step()
+        mgr.maybe_save(step, state)
+    mgr.close()
+    if dist.get_rank() == 0:
+        torch.save({k: v for k, v in model.state_dict().items()}, a.expected)
+        Path(a.expected + ".json").write_text(json.dumps({"resumed_from": start}))
+    log("train ok")
+
+
+def scenario_churn(a: argparse.Namespace) -> None:
+    """Save every step with tensors that all hold the step number (killed -9 from outside)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]))
+    extra = torch.zeros(300_000)
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=1, keep_last=3)
+    state = {"model": model, "extra": extra, "step": 0}
+    start = mgr.restore(state) or 0
+    step = start
+    while True:
+        step += 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(step))
+            extra.fill_(float(step))
+        state["step"] = step
+        mgr.maybe_save(step, state)
+        if step == start + 1:
+            log(f"churning from step {step}")
+        time.sleep(0.005)
+
+
+SCENARIOS = {
+    "ddp": scenario_ddp,
+    "fsdp_save": scenario_fsdp_save,
+    "fsdp_load": scenario_fsdp_load,
+    "collectives": scenario_collectives,
+    "train": scenario_train,
+    "churn": scenario_churn,
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    p.add_argument("--url", required=True)
+    p.add_argument("--staging", required=True)
+    p.add_argument("--expected", default="")
+    p.add_argument("--link", default="test")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--every", type=int, default=2)
+    p.add_argument("--crash-at", type=int, default=0)
+    a = p.parse_args()
+    if "{rank}" in a.staging:
+        a.staging = a.staging.format(rank=os.environ.get("RANK", "0"))
+    dist.init_process_group("gloo")
+    try:
+        SCENARIOS[a.scenario](a)
+    except SaveFailedError as e:
+        log(f"FAILED: {e}")
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

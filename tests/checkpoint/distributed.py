@@ -1,0 +1,86 @@
+"""Launch real ranks with real torchrun (gloo, CPU) for the multi-rank checkpoint tests.
+
+Every launch carries ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (DESIGN.md, "Known traps":
+without it a restarted gloo rank can read its peer's stale address and hang) and a hard
+timeout, and puts this worktree's ``src`` first on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIOS = Path(__file__).with_name("dist_scenarios.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    env.update(extra or {})
+    return env
+
+
+def torchrun(
+    nproc: int,
+    *args: str,
+    timeout: float = 120,
+    max_restarts: int = 0,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``dist_scenarios.py *args`` on ``nproc`` ranks; kill the whole tree on timeout."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.5",
+        str(SCENARIOS),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=rank_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(
+            f"torchrun {' '.join(args)} timed out after {timeout}s:\n{out}"
+        ) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def check(result: subprocess.CompletedProcess) -> str:
+    """The output of a run that must have succeeded."""
+    assert result.returncode == 0, f"ranks failed (rc={result.returncode}):\n{result.stdout}"
+    return result.stdout

@@ -1,0 +1,81 @@
+"""Small models and state helpers shared by the manager tests."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def make_state(seed: int = 0, *, lr: float = 0.05) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 10), nn.BatchNorm1d(10), nn.ReLU(), nn.Linear(10, 3))
+    optim = torch.optim.Adam(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    return {
+        "model": model,
+        "optim": optim,
+        "sched": sched,
+        "ema": torch.zeros(4),
+        "epoch": 0,
+        "meta": {"name": "run", "tags": [1, 2]},
+    }
+
+
+def train(state: dict, steps: range) -> None:
+    model, optim, sched = state["model"], state["optim"], state["sched"]
+    for step in steps:
+        x = torch.randn(8, 6)
+        loss = model(nn.functional.dropout(x, 0.1)).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        sched.step()
+        state["ema"].mul_(0.5).add_(step)
+        state["epoch"] = step // 3
+
+
+def snapshot(state: dict) -> dict:
+    """Every value of ``state`` as plain tensors/values, for exact comparison."""
+    out = {f"model.{k}": v.clone() for k, v in state["model"].state_dict().items()}
+    osd = state["optim"].state_dict()
+    for pid, st in osd["state"].items():
+        for k, v in st.items():
+            out[f"optim.{pid}.{k}"] = torch.as_tensor(v).clone()
+    out["optim.lr"] = [g["lr"] for g in osd["param_groups"]]
+    out["sched"] = state["sched"].state_dict()
+    out["ema"] = state["ema"].clone()
+    out["epoch"] = state["epoch"]
+    out["meta"] = state["meta"]
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], (k, a[k], b[k])
+
+
+def rng_draws() -> list[float]:
+    return [random.random(), float(np.random.rand()), float(torch.rand(()))]
+
+
+def flip_payload_byte(step_path, key: str = "model.0.weight") -> None:
+    """Flip one byte inside the saved bytes of ``key`` (not in padding or headers)."""
+    import json
+    from pathlib import Path
+
+    step_path = Path(step_path)
+    doc = json.loads((step_path / "metadata.json").read_text())
+    locs = [d for d in doc["storage_data"] if d["fqn"] == key]
+    assert locs, f"{key} not in {step_path}/metadata.json"
+    shard = step_path / locs[0]["file"]
+    start, length = locs[0]["payload"]
+    data = bytearray(shard.read_bytes())
+    data[start + length // 2] ^= 0x5A
+    shard.write_bytes(bytes(data))

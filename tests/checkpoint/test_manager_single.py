@@ -1,0 +1,258 @@
+"""CheckpointManager in one process (no process group): round trips, cadence, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import unbroken as ub
+from unbroken.checkpoint.errors import CheckpointMismatchError, SaveFailedError
+from unbroken.checkpoint.manifest import step_dir
+
+from .manager_util import assert_same, flip_payload_byte, make_state, rng_draws, snapshot, train
+
+FAST_RETRY = ub.RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.01)
+
+
+def manager(tmp_path: Path, url: str | None = None, **kw) -> ub.CheckpointManager:
+    kw.setdefault("every_steps", 2)
+    return ub.CheckpointManager(
+        url or str(tmp_path / "durable"), staging_dir=str(tmp_path / "staging"), **kw
+    )
+
+
+@pytest.mark.parametrize("tier", ["staging", "durable"])
+def test_round_trip_every_kind_of_value_and_rng(tmp_path, tier):
+    state = make_state(0)
+    with manager(tmp_path) as mgr:
+        assert mgr.restore(state) is None
+        train(state, range(1, 5))
+        state["meta"] = {"name": "run-7", "tags": [3]}
+        assert mgr.save(4, state)
+        mgr.wait()
+        expected, draws = snapshot(state), rng_draws()
+        train(state, range(5, 7))  # moves on after the save
+        if tier == "durable":
+            import shutil
+
+            shutil.rmtree(mgr.staging_dir)
+        fresh = make_state(1, lr=0.9)
+        assert mgr.restore(fresh) == 4
+        assert_same(snapshot(fresh), expected)
+        assert rng_draws() == draws
+        assert mgr.stats.committed == 1 and mgr.stats.failed == 0
+
+
+def test_maybe_save_cadence_and_retention(tmp_path):
+    state = make_state()
+    with manager(tmp_path, every_steps=2, keep_last=2, keep_every_steps=4, when_busy="wait") as mgr:
+        for step in range(0, 11):
+            train(state, [step])
+            mgr.maybe_save(step, state)
+        mgr.wait()
+        infos = mgr.checkpoints()
+    assert [c.step for c in infos if c.committed] == [4, 8, 10]
+    assert all(c.committed for c in infos)
+    staged = sorted(os.listdir(tmp_path / "staging"))
+    assert staged == [step_dir(10)], staged  # the local tier keeps the newest only
+
+
+def test_a_committed_step_is_never_saved_again(tmp_path):
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        assert mgr.save(2, state)
+        mgr.wait()
+        assert not mgr.save(2, state)
+        assert mgr.stats.skipped_committed == 1
+    # A new manager (a restarted job) that did not restore: the pipeline refuses.
+    before = (tmp_path / "durable" / step_dir(2) / "manifest.json").read_bytes()
+    with pytest.raises(SaveFailedError, match="already committed"), manager(tmp_path) as mgr2:
+        mgr2.save(2, state)
+    assert (tmp_path / "durable" / step_dir(2) / "manifest.json").read_bytes() == before
+
+
+def test_background_failure_surfaces_and_commits_nothing(tmp_path):
+    switch = tmp_path / "outage"
+    opts = {"latency": 0, "bandwidth": None, "outage_file": str(switch)}
+    url = "emulated::" + str(tmp_path / "durable")
+    state = make_state()
+    mgr = manager(tmp_path, url=url, storage_options=opts, retry=FAST_RETRY)
+    assert mgr.save(2, state)
+    mgr.wait()
+    switch.write_text("down")
+    assert mgr.save(4, state)  # fails in the background: the remote is down
+    with pytest.warns(RuntimeWarning, match="step 4 failed"):
+        mgr._pipeline.wait()  # let the failure happen, without reporting it
+        assert not mgr.maybe_save(5, state)  # reported here, training goes on
+    switch.unlink()
+    assert mgr.stats.failed == 1 and [e.step for e in mgr.failures] == [4]
+    assert [c.step for c in mgr.checkpoints() if c.committed] == [2]
+    assert not (tmp_path / "durable" / step_dir(4) / "manifest.json").exists()
+    switch.write_text("down")
+    mgr.save(6, state)
+    with pytest.raises(SaveFailedError, match="step 6") as info:
+        mgr.close()
+    assert "outage" in str(info.value)
+    fresh = make_state(3)
+    switch.unlink()
+    with manager(tmp_path, url=url, storage_options=opts) as again:
+        assert again.restore(fresh) == 2
+
+
+def test_raise_on_failure_stops_training(tmp_path):
+    switch = tmp_path / "outage"
+    switch.write_text("down")
+    opts = {"latency": 0, "bandwidth": None, "outage_file": str(switch)}
+    mgr = manager(
+        tmp_path,
+        url="emulated::" + str(tmp_path / "d"),
+        storage_options=opts,
+        raise_on_failure=True,
+        retry=FAST_RETRY,
+    )
+    state = make_state()
+    mgr.save(2, state)
+    mgr._pipeline.wait()
+    with pytest.raises(SaveFailedError, match="step 2"):
+        mgr.maybe_save(3, state)
+    mgr.close()
+
+
+def test_corrupt_newest_falls_back_to_previous(tmp_path):
+    state = make_state()
+    with manager(tmp_path, keep_last=3, when_busy="wait") as mgr:
+        train(state, range(1, 3))
+        mgr.save(2, state)
+        mgr.wait()
+        expected = snapshot(state)
+        train(state, range(3, 5))
+        mgr.save(4, state)
+        mgr.wait()
+    # Flip one byte in the newest checkpoint, in both tiers.
+    for tier in ("durable", "staging"):
+        flip_payload_byte(tmp_path / tier / step_dir(4))
+    fresh = make_state(5)
+    with manager(tmp_path) as mgr, pytest.warns(RuntimeWarning, match="falling back"):
+        assert mgr.restore(fresh) == 2
+    assert_same(snapshot(fresh), expected)
+
+
+def test_corrupt_local_copy_reads_durable_same_step(tmp_path):
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        train(state, range(1, 3))
+        mgr.save(2, state)
+        mgr.wait()
+        expected = snapshot(state)
+    flip_payload_byte(tmp_path / "staging" / step_dir(2), "optim.state.0.weight.exp_avg")
+    fresh = make_state(5)
+    with manager(tmp_path) as mgr, pytest.warns(RuntimeWarning, match="not usable"):
+        assert mgr.restore(fresh) == 2
+    assert_same(snapshot(fresh), expected)
+
+
+def test_every_copy_corrupt_raises(tmp_path):
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        mgr.save(2, state)
+        mgr.wait()
+    for tier in ("durable", "staging"):
+        flip_payload_byte(tmp_path / tier / step_dir(2), "model.3.bias")
+    with manager(tmp_path) as mgr, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ub.checkpoint.errors.CheckpointCorruptError, match="could be loaded"):
+            mgr.restore(make_state(1))
+
+
+class Evil:
+    """Pickles to a call that would create a marker file if anyone unpickled it."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class EvilStateful:
+    def __init__(self, marker: str) -> None:
+        self.value = {"evil": Evil(marker)}
+
+    def state_dict(self):
+        return self.value
+
+    def load_state_dict(self, sd):
+        self.value = sd
+
+
+def test_planted_pickle_is_never_executed(tmp_path):
+    """An attacker writes a consistent checkpoint whose plain value is a malicious pickle."""
+    from .format_util import publish, save_step
+
+    marker = tmp_path / "pwned"
+    model = nn.Linear(2, 2)
+    planted = {f"model.{k}": v for k, v in model.state_dict().items()}
+    planted["thing.evil"] = Evil(str(marker))
+    directory, manifest = save_step(tmp_path / "attacker", 2, planted)
+    publish(directory, ub.open_store(str(tmp_path / "durable")), manifest)
+    assert not marker.exists()
+    with manager(tmp_path) as mgr, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ub.checkpoint.errors.CheckpointError, match=r"thing\.evil"):
+            mgr.restore({"model": nn.Linear(2, 2), "thing": EvilStateful("x")})
+    assert not marker.exists()
+
+
+def test_another_model_is_a_mismatch_naming_keys(tmp_path):
+    with manager(tmp_path) as mgr:
+        mgr.save(2, {"model": nn.Linear(4, 3), "epoch": 1})
+        mgr.wait()
+    other = {"model": nn.Sequential(nn.Linear(4, 5)), "epoch": 0}
+    with manager(tmp_path) as mgr, pytest.raises(CheckpointMismatchError) as info:
+        mgr.restore(other)
+    msg = str(info.value)
+    assert "model.0.weight" in msg and "model.weight" in msg
+    wrong_shape = {"model": nn.Linear(4, 7), "epoch": 0}
+    with manager(tmp_path) as mgr, pytest.raises(CheckpointMismatchError, match=r"\(3, 4\)"):
+        mgr.restore(wrong_shape)
+    assert other["epoch"] == 0  # nothing was replaced
+
+
+def test_s3_durable_tier(tmp_path, s3_server):
+    url = f"s3://{s3_server.new_bucket()}/run/ckpt"
+    state = make_state()
+    with manager(tmp_path, url=url, storage_options=s3_server.storage_options) as mgr:
+        train(state, range(1, 3))
+        mgr.save(2, state)
+        mgr.wait()
+        expected = snapshot(state)
+        import shutil
+
+        shutil.rmtree(mgr.staging_dir)
+        fresh = make_state(9)
+        assert mgr.restore(fresh) == 2
+    assert_same(snapshot(fresh), expected)
+    store = ub.open_store(url, **s3_server.storage_options)
+    doc = json.loads(store.read_bytes(f"{step_dir(2)}/manifest.json"))
+    assert doc["step"] == 2 and doc["world_size"] == 1
+
+
+def test_bad_inputs_are_named(tmp_path):
+    with pytest.raises(ValueError, match="inside the durable"):
+        ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "d" / "s")
+    with pytest.raises(ValueError, match="every_steps"):
+        ub.CheckpointManager(tmp_path / "d", every_steps=0)
+    with manager(tmp_path) as mgr:
+        with pytest.raises(TypeError, match="'gen'"):
+            mgr.save(2, {"gen": object()})
+        opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1)
+        with pytest.raises(ValueError, match="no module in the state owns"):
+            mgr.save(2, {"optim": opt})
+        with pytest.raises(ValueError, match="non-negative"):
+            mgr.save(-1, {"x": 1})
