@@ -125,6 +125,8 @@ def format_table(rows: Sequence[dict]) -> str:
             notes.append(f"  {r['name']}: n/a: {r['error']}")
         else:
             body.append([r["name"], *(_cell(r, c) for c in COLUMNS)])
+            if r.get("skipped_saves"):
+                notes.append(f"  {r['name']}: skipped {r['skipped_saves']} due saves (busy)")
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def fmt(line: list[str]) -> str:

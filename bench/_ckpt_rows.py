@@ -119,6 +119,10 @@ class Row:
     def close(self) -> None:
         self.drain()
 
+    def notes(self) -> dict[str, Any]:
+        """Row-specific facts for the report (e.g. saves the library skipped)."""
+        return {}
+
     def _prune(self, keep: int = 2) -> None:
         """Keep the durable tier small: rank 0 drops all but the newest ``keep`` saves."""
         while len(self.saved_steps) > keep:
@@ -319,14 +323,26 @@ class Unbroken(Row):
         self.mgr = self._manager(self.staging_dir)
 
     def _manager(self, staging_dir: str) -> Any:
-        return self.ub.CheckpointManager(
-            self.ctx.store_url,
+        args = (self.ctx.store_url,)
+        kwargs = dict(
             staging_dir=staging_dir,
             every_steps=self.ctx.every,
             keep_last=2,
             async_save=True,
             storage_options=dict(self.ctx.remote_options),
         )
+        try:
+            # A due save waits for the one in flight, as every other row does, instead of
+            # being skipped (which would make the row look cheaper by saving less).
+            return self.ub.CheckpointManager(*args, when_busy="wait", **kwargs)
+        except TypeError:
+            return self.ub.CheckpointManager(*args, **kwargs)
+
+    def notes(self) -> dict[str, Any]:
+        stats = getattr(self.mgr, "stats", None)
+        if stats is None:
+            return {}
+        return {"skipped_saves": getattr(stats, "skipped_busy", 0)}
 
     def on_step(self, step: int) -> None:
         self.mgr.maybe_save(step, self.state)

@@ -229,6 +229,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         if key == "unbroken":
             local_tier_bps = _local_tier_bandwidth(row, rank)
         restore_durable_s = _restore_timed(row.restore_durable, model, optim, reference)
+        result.update(row.notes())
         row.close()
     stats = _max(
         [
@@ -293,15 +294,25 @@ def rank_main(rank: int, cfg: Config, keys: list[str], port: int) -> None:
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid>: where is a hung rank?
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
+    t0 = time.monotonic()
     dist.init_process_group(
         "gloo",
         rank=rank,
         world_size=cfg.ranks,
         timeout=datetime.timedelta(seconds=cfg.pg_timeout_s),
     )
+    if rank == 0:
+        print(f"[checkpoint bench] ranks up ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
     try:
         for key in keys:
+            t0 = time.monotonic()
             result = run_row(key, rank, cfg)
+            if rank == 0:
+                print(
+                    f"[checkpoint bench] {ROW_TITLES[key]}: {time.monotonic() - t0:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if key == "baseline" and cfg.every is None and "every" in result:
                 cfg.every = result["every"]
             if rank == 0:
