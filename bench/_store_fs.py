@@ -21,7 +21,7 @@ from typing import Any
 import fsspec
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
-from unbroken.storage import ObjectNotFoundError, Store, open_store
+from unbroken.storage import ObjectNotFoundError, Store, StoreError, open_store
 
 PROTOCOL = "ubstore"
 READ_BLOCK = 16 << 20
@@ -72,10 +72,21 @@ class _StoreWriteFile(io.RawIOBase):
 
     def discard(self) -> None:
         """Drop the spill without uploading (a failed write)."""
+        if self.closed:
+            return
         path = self._spill.name
-        self._spill.close()
-        os.unlink(path)
-        io.RawIOBase.close(self)
+        try:
+            self._spill.close()
+        finally:
+            os.unlink(path)
+            super().close()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """A write that raised uploads nothing: a half object must never appear."""
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
 
 
 class _StoreReadFile(AbstractBufferedFile):
@@ -115,8 +126,8 @@ class StoreFileSystem(AbstractFileSystem):
         try:
             entry = self.store.info(key)
             return {"name": key, "size": entry.size, "type": "file"}
-        except (ObjectNotFoundError, FileNotFoundError, IsADirectoryError):
-            pass
+        except (ObjectNotFoundError, FileNotFoundError, StoreError):
+            pass  # absent, or a "directory" (LocalStore.info raises a plain StoreError)
         if self.store.list(key):
             return {"name": key, "size": 0, "type": "directory"}
         raise FileNotFoundError(f"{PROTOCOL}://{key}: no such object in {self.store.url}")

@@ -468,7 +468,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         rows=tuple(keys),
         isolate=(not a.quick) if a.isolate is None else a.isolate,
         link=f"ckpt-bench-{os.getpid()}",
-        work_dir=a.work_dir or tempfile.mkdtemp(prefix="ckpt-bench-"),
+        work_dir=a.work_dir or "",
         pg_timeout_s=120.0 if a.quick else 1800.0,
         row_timeout_s=a.row_timeout or (120.0 if a.quick else 3600.0),
         keep=a.keep,
@@ -481,6 +481,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     started = time.time()
+    cfg.work_dir = cfg.work_dir or tempfile.mkdtemp(prefix="ckpt-bench-")
     os.makedirs(cfg.work_dir, exist_ok=True)
     try:
         results = run_all(cfg)
