@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -70,6 +72,48 @@ class MemorySampler:
         return self.peak
 
 
+def evict_from_page_cache(root: str) -> int:
+    """Drop every file under ``root`` from the page cache, so the next read hits the disk.
+
+    A restore after a node restart reads cold files; so does each timed restore here. Only
+    clean pages are dropped, and only of these files. Returns the bytes concerned.
+    """
+    total = 0
+    paths = (
+        [root]
+        if os.path.isfile(root)
+        else [os.path.join(d, n) for d, _, names in os.walk(root) for n in names]
+    )
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # deleted while we walked
+            continue
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
+def cold_read_bandwidth(paths: Sequence[str]) -> float | None:
+    """Bytes/second of one sequential reader over ``paths`` from a cold page cache."""
+    for path in paths:
+        evict_from_page_cache(path)
+    nbytes, buf = 0, bytearray(16 << 20)
+    t0 = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                nbytes += n
+    seconds = time.perf_counter() - t0
+    for path in paths:
+        evict_from_page_cache(path)
+    return nbytes / seconds if nbytes and seconds > 0 else None
+
+
 def excess_over_median(durations: Sequence[float], flagged: Sequence[bool]) -> float:
     """Sum of how much the flagged durations exceed the median of the unflagged ones.
 
@@ -127,6 +171,13 @@ def format_table(rows: Sequence[dict]) -> str:
             body.append([r["name"], *(_cell(r, c) for c in COLUMNS)])
             if r.get("skipped_saves"):
                 notes.append(f"  {r['name']}: skipped {r['skipped_saves']} due saves (busy)")
+            if r.get("own_blocked_s") is not None:
+                commit = r.get("own_last_commit_s")
+                notes.append(
+                    f"  {r['name']}: by its own count (wait() included): "
+                    f"blocked {r['own_blocked_s']:.3f} s/save, "
+                    f"last commit {'n/a' if commit is None else f'{commit:.3f}'} s"
+                )
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def fmt(line: list[str]) -> str:

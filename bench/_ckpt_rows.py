@@ -110,6 +110,9 @@ class Row:
     def drain(self) -> None:
         """Block until every save so far is committed."""
 
+    def prepare_restore(self) -> None:
+        """Untimed set-up before the restores (e.g. a fresh reader)."""
+
     def restore_local(self) -> bool | None:
         return None
 
@@ -321,6 +324,7 @@ class Unbroken(Row):
         self.state = {"model": ctx.model, "optim": ctx.optim}
         self.staging_dir = os.path.join(ctx.work_dir, "unbroken-staging")
         self.mgr = self._manager(self.staging_dir)
+        self.fresh_mgr: Any = None
 
     def _manager(self, staging_dir: str) -> Any:
         args = (self.ctx.store_url,)
@@ -342,7 +346,12 @@ class Unbroken(Row):
         stats = getattr(self.mgr, "stats", None)
         if stats is None:
             return {}
-        return {"skipped_saves": getattr(stats, "skipped_busy", 0)}
+        started = max(1, getattr(stats, "started", 0))
+        return {
+            "skipped_saves": getattr(stats, "skipped_busy", 0),
+            "own_blocked_s": getattr(stats, "seconds_blocked", 0.0) / started,
+            "own_last_commit_s": getattr(stats, "last_commit_seconds", None),
+        }
 
     def on_step(self, step: int) -> None:
         self.mgr.maybe_save(step, self.state)
@@ -365,13 +374,13 @@ class Unbroken(Row):
     def restore_local(self) -> bool:
         return self._restore(self.mgr)
 
-    def restore_durable(self) -> bool:
+    def prepare_restore(self) -> None:
+        """A second manager with an empty staging tier: its restore must use the remote."""
         fresh = os.path.join(self.ctx.work_dir, f"unbroken-empty-staging-{time.time_ns()}")
-        mgr = self._manager(fresh)
-        try:
-            return self._restore(mgr)
-        finally:
-            mgr.close()
+        self.fresh_mgr = self._manager(fresh)
+
+    def restore_durable(self) -> bool:
+        return self._restore(self.fresh_mgr)
 
     def local_tier_files(self) -> list[str]:
         """The newest checkpoint's files in the staging tier (to measure its bandwidth)."""
@@ -386,6 +395,8 @@ class Unbroken(Row):
 
     def close(self) -> None:
         self.mgr.close()
+        if self.fresh_mgr is not None:
+            self.fresh_mgr.close()
 
 
 ROWS: list[type[Row]] = [

@@ -39,7 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _ckpt_measure import (
     MemorySampler,
+    cold_read_bandwidth,
     evaluate,
+    evict_from_page_cache,
     excess_over_median,
     format_table,
     format_targets,
@@ -81,6 +83,8 @@ class Config:
     """Collective timeout: a hung rank fails its row instead of the whole run."""
     row_timeout_s: float = 3600.0
     """Wall-clock limit for one row (or one group of rows) before its ranks are killed."""
+    quick: bool = False
+    """The --quick smoke run: tiny state, few steps."""
     keep: bool = False
     """Keep the scratch directory afterwards (to look at what each row wrote)."""
 
@@ -225,9 +229,12 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
     if key != "baseline":
         commit_s, _ = _timed_max(lambda: (row.save(steps + 1), row.drain()))
         reference = checksum(local_tensors(model, optim))
-        restore_local_s = _restore_timed(row.restore_local, model, optim, reference)
+        row.prepare_restore()
         if key == "unbroken":
-            local_tier_bps = _local_tier_bandwidth(row, rank)
+            local_tier_bps = _local_tier_bandwidth(row, rank)  # leaves the files evicted
+        restore_local_s = _restore_timed(row.restore_local, model, optim, reference)
+        if rank == 0:  # the remote's files: from its disk, not from memory
+            evict_from_page_cache(row_dir)
         restore_durable_s = _restore_timed(row.restore_durable, model, optim, reference)
         result.update(row.notes())
         row.close()
@@ -275,19 +282,9 @@ def _restore_timed(restore: Any, model: Any, optim: Any, reference: list[float])
 
 
 def _local_tier_bandwidth(row: Any, rank: int) -> float:
-    """Plain sequential read speed of the newest checkpoint's files in the staging tier."""
-    if rank != 0:
-        return -1.0
-    files = row.local_tier_files()
-    if not files:
-        return -1.0
-    nbytes, t0 = 0, time.perf_counter()
-    buf = bytearray(16 << 20)
-    for path in files:
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                nbytes += n
-    return nbytes / (time.perf_counter() - t0)
+    """Cold sequential read speed of the newest checkpoint's files in the staging tier."""
+    bps = cold_read_bandwidth(row.local_tier_files()) if rank == 0 else None
+    return -1.0 if bps is None else bps
 
 
 def rank_main(rank: int, cfg: Config, keys: list[str], port: int) -> None:
@@ -414,7 +411,7 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
     ]
     error = (results.get("unbroken") or {}).get("error")
     extra = {
-        "quick": cfg.params_gb < 0.05,
+        "quick": cfg.quick,
         "state_gib": round(state_bytes / (1 << 30), 4),
         "saves": cfg.saves,
         "every": cfg.every,
@@ -472,6 +469,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         pg_timeout_s=120.0 if a.quick else 1800.0,
         row_timeout_s=a.row_timeout or (120.0 if a.quick else 3600.0),
         keep=a.keep,
+        quick=a.quick,
     )
     if cfg.ranks < 1:
         p.error(f"--ranks must be >= 1, got {cfg.ranks}")
