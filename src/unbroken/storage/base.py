@@ -87,7 +87,7 @@ class Store(ABC):
     def read_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The object's bytes, or the range [start, end) of them."""
         key = check_key(key)
-        if start is not None and start < 0 or end is not None and end < 0:
+        if (start is not None and start < 0) or (end is not None and end < 0):
             raise ValueError(f"read_bytes {key!r}: negative range [{start}, {end})")
         return self._run("read_bytes", key, lambda: self._read_bytes(key, start, end))
 

@@ -73,7 +73,11 @@ class EmulatedStore(Store):
     """``inner`` seen through a slow, shared, optionally faulty network."""
 
     def __init__(
-        self, inner: Store, profile: RemoteProfile | None = None, *, retry: RetryPolicy | None = None
+        self,
+        inner: Store,
+        profile: RemoteProfile | None = None,
+        *,
+        retry: RetryPolicy | None = None,
     ) -> None:
         super().__init__(EMULATED_PREFIX + inner.url, retry=retry)
         self.inner = inner

@@ -103,9 +103,7 @@ def is_transient(exc: BaseException) -> bool:
 def _classify_one(exc: BaseException) -> bool | None:
     if isinstance(exc, StoreError):
         return exc.transient
-    if isinstance(
-        exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-    ):
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
@@ -146,8 +144,9 @@ def final_error(op: str, url: str, exc: BaseException, *, attempts: int = 1) -> 
         return ObjectNotFoundError(f"{where}: not found ({cause})", op=op, url=safe_url)
     if isinstance(exc, PermissionError):
         return StorePermissionError(f"{where}: permission denied ({cause})", op=op, url=safe_url)
-    if attempts > 1:
+    if is_transient(exc):
+        plural = "attempt" if attempts == 1 else "attempts"
         return RetriesExhaustedError(
-            f"{where}: still failing after {attempts} attempts ({cause})", op=op, url=safe_url
+            f"{where}: still failing after {attempts} {plural} ({cause})", op=op, url=safe_url
         )
     return StoreError(f"{where}: {cause}", op=op, url=safe_url)

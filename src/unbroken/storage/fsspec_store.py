@@ -15,9 +15,10 @@ import fsspec
 from unbroken.storage.base import Entry, Store
 from unbroken.storage.retry import RetryPolicy
 
-RANGED_PART = 32 << 20
-"""Objects larger than this download as parallel byte ranges of this size."""
+RANGED_PART = 8 << 20
+"""Objects larger than this move as parallel parts (ranged GETs, multipart PUTs) of this size."""
 RANGED_STREAMS = 8
+"""Parallel streams for one large download or multipart upload (memory: streams x part)."""
 
 
 class FsspecStore(Store):
@@ -49,7 +50,16 @@ class FsspecStore(Store):
         return self.fs.cat_file(self.path_for(key), start=start, end=end)
 
     def _upload(self, local_path: str, key: str) -> None:
-        self.fs.put_file(local_path, self.path_for(key))
+        if self._object_store and "s3" in _protocols(self.fs):
+            # Bounded multipart: at most streams x part bytes of the file in memory.
+            self.fs.put_file(
+                local_path,
+                self.path_for(key),
+                chunksize=max(RANGED_PART, 5 << 20),  # S3's minimum part is 5 MiB
+                max_concurrency=RANGED_STREAMS,
+            )
+        else:
+            self.fs.put_file(local_path, self.path_for(key))
         self._forget(key)
 
     def _download(self, key: str, local_path: str) -> None:
@@ -105,11 +115,17 @@ class FsspecStore(Store):
 
 def _etag(info: dict[str, Any]) -> str | None:
     for field in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "created"):
-        if info.get(field) is not None:
-            return str(info[field]).strip('"')
+        value = info.get(field)
+        if value is not None:
+            if hasattr(value, "timestamp"):  # memory:// gives a datetime here, a float there
+                value = value.timestamp()
+            return str(value).strip('"')
     return None
 
 
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
 def _has_real_dirs(fs: fsspec.AbstractFileSystem) -> bool:
-    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return not any(p in ("s3", "s3a", "gs", "gcs", "az", "abfs", "memory") for p in protocols)
+    return not any(p in ("s3", "s3a", "gs", "gcs", "az", "abfs", "memory") for p in _protocols(fs))

@@ -15,6 +15,7 @@ from unbroken.storage.base import (
 )
 from unbroken.storage.retry import RetryPolicy
 
+
 class LocalStore(Store):
     """Objects are files under ``root``; a key's '/' parts are directories."""
 

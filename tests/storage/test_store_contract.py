@@ -1,0 +1,118 @@
+"""The Store contract, run against every backend: local path, memory:// and S3 on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from unbroken import open_store
+from unbroken.storage import Entry, ObjectNotFoundError, Store
+
+
+def test_round_trip_whole_and_ranges(store: Store):
+    data = os.urandom(100_000)
+    store.write_bytes("a/b/c.bin", data)
+    assert store.read_bytes("a/b/c.bin") == data
+    assert store.read_bytes("a/b/c.bin", 10, 20) == data[10:20]
+    assert store.read_bytes("a/b/c.bin", start=99_990) == data[99_990:]
+    assert store.read_bytes("a/b/c.bin", end=5) == data[:5]
+    assert store.read_bytes("a/b/c.bin", 7, 7) == b""
+    assert store.exists("a/b/c.bin")
+    assert not store.exists("a/b/missing")
+    info = store.info("a/b/c.bin")
+    assert (info.key, info.size) == ("a/b/c.bin", len(data))
+    assert info.etag
+
+
+def test_empty_object(store: Store):
+    store.write_bytes("empty", b"")
+    assert store.read_bytes("empty") == b""
+    assert store.list() == [Entry("empty", 0, store.info("empty").etag)]
+
+
+def test_overwrite_changes_content_and_etag(store: Store):
+    store.write_bytes("k", b"first version")
+    first = store.info("k")
+    store.write_bytes("k", b"second, longer version")
+    assert store.read_bytes("k") == b"second, longer version"
+    assert store.info("k").size != first.size
+
+
+def test_listing_is_complete_sorted_and_recursive(store: Store):
+    keys = [f"d{i % 3}/sub{i % 2}/f{i:03d}" for i in range(40)] + ["top"]
+    for i, key in enumerate(reversed(keys)):
+        store.write_bytes(key, b"x" * i)
+    listed = store.list()
+    assert [e.key for e in listed] == sorted(keys)
+    sizes = {e.key: e.size for e in listed}
+    assert sizes == {key: i for i, key in enumerate(reversed(keys))}
+    assert [e.key for e in store.list("d1")] == sorted(k for k in keys if k.startswith("d1/"))
+    assert store.list("nothing-here") == []
+
+
+def test_delete_key_and_prefix(store: Store):
+    for key in ["p/a", "p/b/c", "p/b/d", "q"]:
+        store.write_bytes(key, b"1")
+    store.delete("p/a")
+    assert [e.key for e in store.list()] == ["p/b/c", "p/b/d", "q"]
+    store.delete("p")
+    assert [e.key for e in store.list()] == ["q"]
+    store.delete("never-existed")  # absent keys are fine
+    assert [e.key for e in store.list()] == ["q"]
+
+
+def test_upload_and_download_stream_large_files(store: Store, tmp_path):
+    src = tmp_path / "src.bin"
+    block = os.urandom(1 << 20)
+    with open(src, "wb") as f:
+        for i in range(40):  # 40 MB: larger than one ranged part, so downloads go parallel
+            f.write(bytes([i]) + block[1:])
+    store.upload(src, "big/file.bin")
+    assert store.info("big/file.bin").size == src.stat().st_size
+    dst = tmp_path / "out" / "copy.bin"
+    store.download("big/file.bin", dst)
+    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    assert digest(dst) == digest(src)
+    assert [p.name for p in dst.parent.iterdir()] == ["copy.bin"]  # no temp left behind
+
+
+def test_missing_key_errors_name_operation_and_url(store: Store, tmp_path):
+    for call in (
+        lambda: store.read_bytes("no/such/key"),
+        lambda: store.info("no/such/key"),
+        lambda: store.download("no/such/key", tmp_path / "x"),
+    ):
+        with pytest.raises(ObjectNotFoundError) as err:
+            call()
+        assert "no/such/key" in str(err.value)
+        assert store.url.split("://")[-1] in str(err.value)
+        assert isinstance(err.value, FileNotFoundError)
+    assert store.stats.retries == 0
+    assert not (tmp_path / "x").exists()
+
+
+def test_upload_of_missing_local_file_is_clear(store: Store, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no local file"):
+        store.upload(tmp_path / "nope.bin", "k")
+    assert store.list() == []
+
+
+@pytest.mark.parametrize("bad", ["", "/", "a/../b", "../up", "a//b", "./a", "a\\b"])
+def test_bad_keys_are_rejected(store: Store, bad):
+    with pytest.raises(ValueError, match="key"):
+        store.write_bytes(bad, b"x")
+
+
+def test_temp_marker_is_reserved(store: Store):
+    with pytest.raises(ValueError, match="reserved"):
+        store.write_bytes("a/.x.unbroken-tmp-1-2", b"x")
+
+
+def test_open_store_rejects_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="empty URL"):
+        open_store("")
+    with pytest.raises(TypeError, match="takes no storage options"):
+        open_store(str(tmp_path), endpoint_url="http://x")
+    assert open_store(f"file://{tmp_path}").url == str(tmp_path)
