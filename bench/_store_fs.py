@@ -60,23 +60,20 @@ class _StoreWriteFile(io.RawIOBase):
             self._spill.flush()
 
     def close(self) -> None:
-        if self.closed:
-            return
-        path = self._spill.name
-        try:
-            self._spill.close()
-            self._store.upload(path, self._key)
-        finally:
-            os.unlink(path)
-            super().close()
+        self._finish(upload=True)
 
     def discard(self) -> None:
         """Drop the spill without uploading (a failed write)."""
+        self._finish(upload=False)
+
+    def _finish(self, *, upload: bool) -> None:
         if self.closed:
             return
         path = self._spill.name
         try:
             self._spill.close()
+            if upload:
+                self._store.upload(path, self._key)
         finally:
             os.unlink(path)
             super().close()
