@@ -151,6 +151,12 @@ class NoSaves(Row):
         pass
 
 
+class NoSavesAgain(NoSaves):
+    """The baseline once more, last: how far two runs without saves differ is the noise."""
+
+    key, title = "baseline_end", "no saves (again)"
+
+
 class MemcpyFloor(Row):
     """A copy of the state into preallocated buffers: the least any snapshot can cost."""
 
@@ -407,4 +413,6 @@ ROWS: list[type[Row]] = [
     DcpAsyncDefault,
     DcpAsyncBest,
     Unbroken,
+    NoSavesAgain,
 ]
+BASELINES = ("baseline", "baseline_end")

@@ -47,7 +47,7 @@ from _ckpt_measure import (
     format_targets,
     json_line,
 )
-from _ckpt_rows import ROWS, RowContext, local_tensors
+from _ckpt_rows import BASELINES, ROWS, RowContext, local_tensors
 
 ROW_CLASSES = {cls.key: cls for cls in ROWS}
 ROW_TITLES = {cls.key: cls.title for cls in ROWS}
@@ -68,7 +68,7 @@ class Config:
     batch: int = 8
     """Rows per training batch on each rank."""
     rows: tuple[str, ...] = tuple(ROW_CLASSES)
-    """Which rows to run, in order; the baseline is always first."""
+    """Which rows to run, in order; the baseline is always first (and by default also last)."""
     isolate: bool = True
     """Run every row in fresh rank processes (clean memory figures; slower)."""
     latency: float = 0.020
@@ -190,7 +190,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
     except (ImportError, AttributeError) as e:  # the library part is not there yet
         sampler.stop()
         return {"error": f"{type(e).__name__}: {e}"}
-    if key != "baseline":
+    if key not in BASELINES:
         row.save(0)  # warm-up: buffers, helper processes; not timed
         row.drain()
 
@@ -226,7 +226,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         "rank_bytes": max_rank_bytes,
     }
     commit_s = restore_local_s = restore_durable_s = local_tier_bps = -1.0
-    if key != "baseline":
+    if key not in BASELINES:
         commit_s, _ = _timed_max(lambda: (row.save(steps + 1), row.drain()))
         reference = checksum(local_tensors(model, optim))
         row.prepare_restore()
@@ -240,7 +240,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         row.close()
     stats = _max(
         [
-            blocked / max(1, cfg.saves) if key != "baseline" else -1.0,
+            blocked / max(1, cfg.saves) if key not in BASELINES else -1.0,
             loop_s,
             commit_s,
             float(peak),
@@ -374,17 +374,23 @@ def run_all(cfg: Config) -> dict[str, dict]:
     return results
 
 
+def baseline_loop(results: dict[str, dict]) -> tuple[float | None, float | None]:
+    """(loop seconds without saves, the spread between its two runs when there are two)."""
+    loops = [(results.get(k) or {}).get("loop_s") for k in BASELINES]
+    loops = [v for v in loops if v is not None]
+    if not loops:
+        return None, None
+    return sum(loops) / len(loops), (max(loops) - min(loops) if len(loops) > 1 else None)
+
+
 def report(cfg: Config, results: dict[str, dict], started: float) -> str:
-    base_loop = (results.get("baseline") or {}).get("loop_s")
+    base_loop, spread = baseline_loop(results)
     rows = []
     for key in cfg.rows:
         r = dict(results.get(key, {"error": "not run"}))
         r["name"] = ROW_TITLES[key]
-        if not r.get("error"):
-            if key == "baseline":
-                r["extra_s"] = 0.0
-            elif base_loop is not None and r.get("loop_s") is not None:
-                r["extra_s"] = (r["loop_s"] - base_loop) / cfg.saves
+        if not r.get("error") and base_loop is not None and r.get("loop_s") is not None:
+            r["extra_s"] = (r["loop_s"] - base_loop) / cfg.saves
         rows.append(r)
         results[key] = r
     any_row = next((r for r in rows if r.get("state_bytes")), {})
@@ -407,6 +413,8 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
         f"{state_bytes / cfg.bandwidth + cfg.latency:.3f} s",
         f"dcp.async_save best = DefaultStager(StagingOptions({opts})), "
         f"AsyncCheckpointerType.PROCESS",
+        "extra wall is against the mean of the no-saves runs"
+        + ("" if spread is None else f"; they differ by {spread / cfg.saves:.3f} s/save (noise)"),
         "",
     ]
     error = (results.get("unbroken") or {}).get("error")
@@ -443,6 +451,12 @@ def parse_args(argv: list[str] | None = None) -> Config:
         default=None,
         help="fresh rank processes per row (default: on, off with --quick)",
     )
+    p.add_argument(
+        "--baseline-twice",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the no-saves baseline first and last, to show the noise (default: on)",
+    )
     p.add_argument("--work-dir", default=None, help="scratch directory (a fresh temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--row-timeout", type=float, default=None, help="seconds per row")
@@ -451,7 +465,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     unknown = [k for k in keys if k not in ROW_CLASSES]
     if unknown:
         p.error(f"unknown rows {unknown}; choose from {list(ROW_CLASSES)}")
-    keys = ["baseline"] + [k for k in keys if k != "baseline"]
+    keys = ["baseline"] + [k for k in keys if k not in BASELINES]
+    if a.baseline_twice:
+        keys.append("baseline_end")
     for name in ("params_gb", "saves", "every", "row_timeout"):
         value = getattr(a, name)
         if value is not None and value <= 0:

@@ -15,7 +15,7 @@ from _ckpt_measure import (
     format_targets,
     json_line,
 )
-from checkpoint import model_shape, parse_args
+from checkpoint import baseline_loop, model_shape, parse_args
 
 ENV = {
     "state_bytes": 2e9,
@@ -103,7 +103,9 @@ def test_model_shape_sizes():
 
 def test_cli_defaults_and_bad_arguments(capsys):
     quick = parse_args(["--quick", "--rows", "floor,unbroken"])
-    assert quick.rows == ("baseline", "floor", "unbroken")
+    assert quick.rows == ("baseline", "floor", "unbroken", "baseline_end")
+    once = parse_args(["--quick", "--rows", "baseline,dcp_save", "--no-baseline-twice"])
+    assert once.rows == ("baseline", "dcp_save")
     assert quick.params_gb < 0.05 and not quick.isolate and quick.saves == 3
     full = parse_args(["--work-dir", "/tmp/x"])
     assert full.params_gb == 1.0 and full.saves == 20 and full.isolate
@@ -113,3 +115,15 @@ def test_cli_defaults_and_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--saves", "0"])
     assert "--saves must be positive" in capsys.readouterr().err
+
+
+def test_baseline_is_the_mean_of_both_runs_and_their_spread_is_the_noise():
+    assert baseline_loop({"baseline": {"loop_s": 10.0}, "baseline_end": {"loop_s": 12.0}}) == (
+        11.0,
+        2.0,
+    )
+    assert baseline_loop({"baseline": {"loop_s": 10.0}, "baseline_end": {"error": "x"}}) == (
+        10.0,
+        None,
+    )
+    assert baseline_loop({"baseline": {"error": "boom"}}) == (None, None)
