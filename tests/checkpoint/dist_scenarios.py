@@ -76,7 +76,14 @@ def scenario_ddp(a: argparse.Namespace) -> None:
     model = DDP(make_model(0))
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(optim, 2, 0.5)
-    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=3, keep_last=2)
+    mgr = ub.CheckpointManager(
+        a.url,
+        staging_dir=a.staging,
+        every_steps=3,
+        keep_last=2,
+        when_busy="wait",
+        storage_options=json.loads(a.options),
+    )
     state = {"model": model, "optim": optim, "sched": sched, "epoch": 1}
     assert mgr.restore(state) is None
     for step in range(1, 7):
@@ -85,6 +92,8 @@ def scenario_ddp(a: argparse.Namespace) -> None:
         mgr.maybe_save(step, state)
     mgr.wait()
     expected, draws = full_state(model, optim), rng_draws()
+    for t in expected.values():  # BN statistics differ per rank; rank 0's are saved
+        dist.broadcast(t, src=0)
     lr = sched.get_last_lr()
     for tier in ("staging", "durable"):
         if tier == "durable":
@@ -127,7 +136,7 @@ def scenario_fsdp_save(a: argparse.Namespace) -> None:
     model = fsdp_model(0)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
-    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=2)
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=2, when_busy="wait")
     state = {"model": model, "optim": optim, "sched": sched, "note": "fsdp"}
     for step in range(1, 5):
         train_step(model, optim, sched, step)
@@ -144,7 +153,7 @@ def scenario_fsdp_load(a: argparse.Namespace) -> None:
     model = fsdp_model(7)
     optim = torch.optim.Adam(model.parameters(), lr=0.3)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
-    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=2)
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=2, when_busy="wait")
     state = {"model": model, "optim": optim, "sched": sched, "note": ""}
     with __import__("warnings").catch_warnings(record=True) as caught:
         __import__("warnings").simplefilter("always")
@@ -197,7 +206,9 @@ def scenario_train(a: argparse.Namespace) -> None:
     model = make_model(0)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(optim, 3, 0.7)
-    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=a.every, keep_last=2)
+    mgr = ub.CheckpointManager(
+        a.url, staging_dir=a.staging, every_steps=a.every, keep_last=2, when_busy="wait"
+    )
     state = {"model": model, "optim": optim, "sched": sched}
     start = mgr.restore(state) or 0
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -266,6 +277,7 @@ def main() -> None:
     p.add_argument("--staging", required=True)
     p.add_argument("--expected", default="")
     p.add_argument("--link", default="test")
+    p.add_argument("--options", default="{}", help="storage options (JSON)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--crash-at", type=int, default=0)

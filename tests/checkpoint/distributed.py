@@ -24,6 +24,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it (torchrun starts each rank in its own
+    session, so killing the launcher's process group is not enough)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
 def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
@@ -72,7 +90,7 @@ def torchrun(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         raise AssertionError(
             f"torchrun {' '.join(args)} timed out after {timeout}s:\n{out}"

@@ -79,3 +79,30 @@ def flip_payload_byte(step_path, key: str = "model.0.weight") -> None:
     data = bytearray(shard.read_bytes())
     data[start + length // 2] ^= 0x5A
     shard.write_bytes(bytes(data))
+
+
+def plant_value(step_path, fqn: str, payload: bytes) -> None:
+    """An attacker with write access to a committed step: append ``payload`` to the shard
+    holding ``fqn``, point ``fqn`` at it, and fix metadata.json and manifest.json so that
+    every size and checksum agrees."""
+    import json
+    from pathlib import Path
+
+    from unbroken.checkpoint.manifest import crc32c_bytes, crc32c_file
+
+    step_path = Path(step_path)
+    doc = json.loads((step_path / "metadata.json").read_bytes())
+    entry = next(e for e in doc["storage_data"] if e["fqn"] == fqn)
+    shard = step_path / entry["file"]
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(payload)
+    span = [offset, len(payload)]
+    entry.update(record=span, payload=span, crc32c=crc32c_bytes(payload))
+    (step_path / "metadata.json").write_bytes(json.dumps(doc).encode())
+    manifest = json.loads((step_path / "manifest.json").read_bytes())
+    for rec in manifest["files"]:
+        if rec["name"] in (entry["file"], "metadata.json"):
+            path = step_path / rec["name"]
+            rec.update(size=path.stat().st_size, crc32c=crc32c_file(path))
+    (step_path / "manifest.json").write_bytes(json.dumps(manifest).encode())

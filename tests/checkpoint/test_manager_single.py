@@ -12,10 +12,19 @@ import torch
 from torch import nn
 
 import unbroken as ub
+from unbroken.checkpoint.catalog import verify_checkpoint
 from unbroken.checkpoint.errors import CheckpointMismatchError, SaveFailedError
 from unbroken.checkpoint.manifest import step_dir
 
-from .manager_util import assert_same, flip_payload_byte, make_state, rng_draws, snapshot, train
+from .manager_util import (
+    assert_same,
+    flip_payload_byte,
+    make_state,
+    plant_value,
+    rng_draws,
+    snapshot,
+    train,
+)
 
 FAST_RETRY = ub.RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.01)
 
@@ -44,6 +53,7 @@ def test_round_trip_every_kind_of_value_and_rng(tmp_path, tier):
             shutil.rmtree(mgr.staging_dir)
         fresh = make_state(1, lr=0.9)
         assert mgr.restore(fresh) == 4
+        assert mgr.last_restore.tier == tier
         assert_same(snapshot(fresh), expected)
         assert rng_draws() == draws
         assert mgr.stats.committed == 1 and mgr.stats.failed == 0
@@ -181,8 +191,8 @@ class Evil:
 
 
 class EvilStateful:
-    def __init__(self, marker: str) -> None:
-        self.value = {"evil": Evil(marker)}
+    def __init__(self, value) -> None:
+        self.value = {"evil": value}
 
     def state_dict(self):
         return self.value
@@ -192,20 +202,24 @@ class EvilStateful:
 
 
 def test_planted_pickle_is_never_executed(tmp_path):
-    """An attacker writes a consistent checkpoint whose plain value is a malicious pickle."""
-    from .format_util import publish, save_step
+    """An attacker rewrites a committed step: a plain value becomes a malicious pickle,
+    with every size and checksum fixed up to match."""
+    import io
+    import shutil
 
     marker = tmp_path / "pwned"
-    model = nn.Linear(2, 2)
-    planted = {f"model.{k}": v for k, v in model.state_dict().items()}
-    planted["thing.evil"] = Evil(str(marker))
-    directory, manifest = save_step(tmp_path / "attacker", 2, planted)
-    publish(directory, ub.open_store(str(tmp_path / "durable")), manifest)
-    assert not marker.exists()
+    with manager(tmp_path) as mgr:
+        mgr.save(2, {"model": nn.Linear(2, 2), "thing": EvilStateful(0)})
+        mgr.wait()
+    shutil.rmtree(tmp_path / "staging")
+    hostile = io.BytesIO()
+    torch.save(Evil(str(marker)), hostile)
+    plant_value(tmp_path / "durable" / step_dir(2), "thing.evil", hostile.getvalue())
+    assert verify_checkpoint(ub.open_store(str(tmp_path / "durable")), 2, deep=True) == []
     with manager(tmp_path) as mgr, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(ub.checkpoint.errors.CheckpointError, match=r"thing\.evil"):
-            mgr.restore({"model": nn.Linear(2, 2), "thing": EvilStateful("x")})
+            mgr.restore({"model": nn.Linear(2, 2), "thing": EvilStateful(0)})
     assert not marker.exists()
 
 
@@ -256,3 +270,107 @@ def test_bad_inputs_are_named(tmp_path):
             mgr.save(2, {"optim": opt})
         with pytest.raises(ValueError, match="non-negative"):
             mgr.save(-1, {"x": 1})
+
+
+def test_every_seconds_cadence(tmp_path):
+    state = make_state()
+    with manager(tmp_path, every_steps=None, every_seconds=0.2, when_busy="wait") as mgr:
+        assert not mgr.maybe_save(1, state)  # 0.2 s have not passed since the manager began
+        import time
+
+        time.sleep(0.25)
+        assert mgr.maybe_save(2, state)
+        assert not mgr.maybe_save(3, state)
+        mgr.wait()
+    assert [c.step for c in mgr.checkpoints()] == [2]
+
+
+def test_unreachable_durable_store_is_named(tmp_path):
+    from .distributed import free_port
+
+    opts = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"}}
+    state = make_state()
+    mgr = manager(tmp_path, url="s3://nowhere/ckpt", storage_options=opts, retry=FAST_RETRY)
+    with pytest.raises(ub.StoreError, match="s3://nowhere/ckpt"):
+        mgr.restore(state)
+    mgr.save(2, state)
+    with pytest.raises(SaveFailedError, match="step 2") as info:
+        mgr.close()
+    assert "s3://nowhere/ckpt" in str(info.value)
+
+
+DISK_FULL = """
+import resource, signal, sys, torch
+sys.path.insert(0, {root!r})
+import unbroken as ub
+from unbroken.checkpoint.errors import SaveFailedError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+mgr = ub.CheckpointManager({durable!r}, staging_dir={staging!r})
+state = {{"big": torch.ones(1_000_000)}}
+mgr.save(1, state)
+mgr.wait()  # staging buffers exist now (they are reused)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # a nearly full disk
+try:
+    mgr.save(2, state)
+    mgr.close()
+except SaveFailedError as e:
+    print("FAILED:", e)
+print("committed:", [c.step for c in mgr.checkpoints() if c.committed])
+"""
+
+
+def test_staging_disk_full_is_a_clear_failure(tmp_path):
+    import subprocess
+    import sys
+
+    from .distributed import ROOT, rank_env
+
+    script = DISK_FULL.format(
+        root=str(ROOT / "src"), durable=str(tmp_path / "d"), staging=str(tmp_path / "s")
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert "FAILED: checkpoint save of step 2 failed" in out, out
+    assert "local staging tier" in out and "File too large" in out, out
+    assert "committed: [1]" in out, out
+
+
+def test_reused_staging_dir_with_a_stale_local_copy(tmp_path):
+    state = {"w": torch.ones(10)}
+    with manager(tmp_path, url=str(tmp_path / "run1")) as mgr:
+        mgr.save(2, state)
+        mgr.wait()
+    state["w"].fill_(2.0)
+    with manager(tmp_path, url=str(tmp_path / "run2")) as mgr:  # same staging_dir
+        mgr.save(2, state)
+        mgr.wait()
+        fresh = {"w": torch.zeros(10)}
+        assert mgr.restore(fresh) == 2
+    assert torch.equal(fresh["w"], torch.full((10,), 2.0))
+
+
+def test_in_place_change_during_the_copy_never_commits_mixed_values(tmp_path):
+    """Either the save is abandoned (torn) and reported, or it holds the values at save()."""
+    big = torch.zeros(16_000_000)  # 64 MB: the background copy takes a while
+    state = {"big": big, "small": torch.zeros(3)}
+    mgr = manager(tmp_path)
+    mgr.save(2, state)
+    big.add_(1.0)  # not through an optimizer: nothing makes this wait for the copy
+    try:
+        mgr.close()
+        committed = True
+    except SaveFailedError as e:
+        assert "torn" in str(e).lower() or "changed" in str(e).lower(), e
+        committed = False
+    steps = [c.step for c in mgr.checkpoints() if c.committed]
+    assert steps == ([2] if committed else [])
+    if committed:
+        fresh = {"big": torch.full((16_000_000,), 7.0), "small": torch.ones(3)}
+        with manager(tmp_path) as again:
+            assert again.restore(fresh) == 2
+        assert torch.all(fresh["big"] == 0.0)

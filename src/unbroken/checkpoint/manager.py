@@ -105,8 +105,10 @@ class SaveStats:
     skipped_committed: int = 0
     """Saves of a step that is already committed (never overwritten)."""
     seconds_blocked: float = 0.0
-    """Training-loop time spent inside save/maybe_save (staging start, waits)."""
+    """Training-loop time spent inside save/maybe_save (staging start, busy waits)."""
     seconds_waited_busy: float = 0.0
+    seconds_in_wait: float = 0.0
+    """Time spent in wait() (the caller asked to block)."""
     last_commit_seconds: float | None = None
     """From save() to committed, for the newest committed save."""
     last_phase_seconds: dict[str, float] = field(default_factory=dict)
@@ -178,6 +180,8 @@ class CheckpointManager:
         self._last_start = time.monotonic()
         self._committed: set[int] = set()
         self._closed = False
+        self.last_restore: Any = None
+        """What the last restore() loaded (step, tier, url, seconds), or None."""
         self._pipeline = SavePipeline(
             self.store,
             self.staging_dir,
@@ -256,6 +260,7 @@ class CheckpointManager:
             staged=staged,
             values=json.loads(json.dumps(flat.values)),
             rng=capture_rng_state(),
+            pinned=frozenset(flat.first),
         )
         self._pipeline.submit(job)
         self._last_step, self._last_start = step, time.monotonic()
@@ -307,7 +312,7 @@ class CheckpointManager:
         """Block until the save in flight is committed; raise SaveFailedError if one failed."""
         t0 = time.monotonic()
         self._pipeline.wait(timeout)
-        self.stats.seconds_blocked += time.monotonic() - t0
+        self.stats.seconds_in_wait += time.monotonic() - t0
         self._report_failures(raising=True)
 
     def close(self) -> None:
@@ -342,7 +347,7 @@ class CheckpointManager:
 
         self._pipeline.wait()
         self._report_failures(raising=False)
-        manifest = restore(
+        restored = restore(
             state,
             durable=self.store,
             staging=self.staging,
@@ -350,11 +355,12 @@ class CheckpointManager:
             step=step,
             strict=strict,
         )
-        if manifest is None:
+        self.last_restore = restored
+        if restored is None:
             return None
-        self._committed.add(manifest.step)
-        self._last_step, self._last_start = manifest.step, time.monotonic()
-        return manifest.step
+        self._committed.add(restored.step)
+        self._last_step, self._last_start = restored.step, time.monotonic()
+        return restored.step
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint in the durable tier, committed or not, by step."""

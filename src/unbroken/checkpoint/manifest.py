@@ -10,15 +10,22 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import crc32c as _crc32c
 
+from unbroken._version import __version__
 from unbroken.checkpoint.errors import CheckpointCorruptError, NoCheckpointError
 from unbroken.storage import ObjectNotFoundError, Store
 
 MANIFEST_NAME = "manifest.json"
+METADATA_JSON = "metadata.json"
+"""DCP metadata as JSON: what our reader uses."""
+METADATA_PICKLE = ".metadata"
+"""DCP metadata pickled, for vanilla ``dcp.load`` only; never read by unbroken."""
 FORMAT_VERSION = 1
 """Bumped when the layout changes in a way an older reader cannot follow."""
 STEP_DIGITS = 12
@@ -104,6 +111,36 @@ class Manifest:
             raise CheckpointCorruptError(
                 f"{where}: malformed manifest ({type(exc).__name__}: {exc})", url=where
             ) from exc
+
+
+def new_manifest(
+    step: int,
+    world_size: int,
+    records: Iterable[FileRecord],
+    extra: dict[str, Any] | None = None,
+) -> Manifest:
+    """The manifest for files reported by all ranks, stamped with versions and time.
+
+    The same name reported twice with different size or checksum is an error (two ranks
+    wrote one file): committing would hide which copy is real.
+    """
+    files: dict[str, FileRecord] = {}
+    for rec in records:
+        _check_file_name(rec.name)
+        seen = files.setdefault(rec.name, rec)
+        if seen != rec:
+            raise ValueError(f"step {step}: file {rec.name!r} reported twice: {seen} vs {rec}")
+    import torch  # here, so that listing checkpoints does not import torch
+
+    return Manifest(
+        step=step,
+        world_size=world_size,
+        files=files,
+        library_version=__version__,
+        torch_version=torch.__version__,
+        created=time.time(),
+        extra=dict(extra or {}),
+    )
 
 
 def _nonneg(value: Any) -> int:

@@ -41,6 +41,7 @@ from unbroken.checkpoint.manifest import (
     step_dir,
     write_manifest,
 )
+from unbroken.checkpoint.planners import PinnedSavePlanner
 from unbroken.checkpoint.retention import plan_deletions
 from unbroken.checkpoint.writer import TierWriter
 from unbroken.storage import LocalStore, Store
@@ -69,6 +70,8 @@ class SaveJob:
     """JSON-able entries of the state; they go into the manifest."""
     rng: dict[str, Any]
     """This rank's RNG states at the moment of the save."""
+    pinned: frozenset[str] = frozenset()
+    """Keys saved from the lowest rank that holds them (module buffers)."""
     submitted: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     error: SaveFailedError | None = None
@@ -169,6 +172,8 @@ class SavePipeline:
             except BaseException as e:  # a bug of ours must not vanish in a thread
                 log.exception("checkpoint worker: unexpected error at step %d", job.step)
                 job.error = SaveFailedError(job.step, e)
+            finally:
+                job.staged.release()  # idempotent; covers a failure before the local write
             job.seconds["total"] = time.monotonic() - job.submitted
             with self._lock:
                 self._current = None
@@ -202,14 +207,22 @@ class SavePipeline:
         except Exception as e:
             problem, exc = describe(e), e
         self._agree(problem, f"staging step {step}", exc)
+        # The durable tier has no commit of this step, so a local manifest here is stale
+        # (a reused staging_dir): un-commit that copy before writing over it.
+        try:
+            os.unlink(os.path.join(local_dir, MANIFEST))
+        except FileNotFoundError:
+            pass
         t1 = time.monotonic()
         job.seconds["staging"] = t1 - t0
+        job.seconds["blocking"] = float(job.staged.stats.get("blocking_seconds", 0.0))
 
         writer = TierWriter(local_dir)
         try:
             dcp.save(
                 job.staged.state_dict,
                 storage_writer=writer,
+                planner=PinnedSavePlanner(job.pinned),
                 process_group=g.pg,
                 no_dist=g.pg is None,
             )
@@ -217,6 +230,8 @@ class SavePipeline:
             raise _PhaseFailed(
                 f"writing step {step} to the local staging tier {local_dir} failed: {describe(e)}"
             ) from e
+        finally:
+            job.staged.release()  # the host buffers are free for the next save
         t2 = time.monotonic()
         job.seconds["local"] = t2 - t1
 

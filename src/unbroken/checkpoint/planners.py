@@ -1,4 +1,4 @@
-"""A DCP load planner that never unpickles arbitrary objects.
+"""DCP planners: loading that never unpickles arbitrary objects, saving buffers from rank 0.
 
 DCP's ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(..., weights_only=False)`` on
 every non-tensor item it reads, which runs whatever a planted pickle asks for. This
@@ -8,12 +8,16 @@ only; anything else is refused with an error naming the key.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+from collections.abc import Collection
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan
 
 from unbroken.checkpoint.errors import CheckpointCorruptError
 
@@ -33,3 +37,38 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+class PinnedSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` that saves the ``pinned`` keys from the lowest rank holding them.
+
+    DCP writes each replicated item once, from whichever rank has written least so far,
+    which spreads the work. That is right when replicas are equal, but module buffers are
+    not: under DDP each rank's BatchNorm statistics drift until the next forward
+    broadcasts rank 0's. Saving those from rank 0 makes a resumed run see exactly what
+    the uninterrupted one would have; everything else stays load-balanced.
+    """
+
+    def __init__(self, pinned: Collection[str] = (), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pinned = frozenset(pinned)
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        if self.pinned and len(all_plans) > 1:
+            owner: dict[MetadataIndex, int] = {}
+            for rank, plan in enumerate(all_plans):
+                for item in plan.items:
+                    if item.index.fqn in self.pinned:
+                        owner.setdefault(item.index, rank)
+            all_plans = [
+                dataclasses.replace(
+                    plan,
+                    items=[
+                        i
+                        for i in plan.items
+                        if i.index.fqn not in self.pinned or owner[i.index] == rank
+                    ],
+                )
+                for rank, plan in enumerate(all_plans)
+            ]
+        return super()._dedup_save_plans(all_plans)

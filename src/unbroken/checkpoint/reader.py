@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import uuid
 from collections import deque
 from collections.abc import Iterator
@@ -39,9 +38,9 @@ from unbroken.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
 )
-from unbroken.checkpoint.manifest import Manifest, crc32c_bytes, step_dir
+from unbroken.checkpoint.manifest import METADATA_JSON, Manifest, crc32c_bytes, step_dir
 from unbroken.checkpoint.tensor_record import tensor_from_raw
-from unbroken.checkpoint.writer import METADATA_JSON
+from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
 from unbroken.storage import ObjectNotFoundError, Store
 
 WINDOW_BYTES = 64 << 20
@@ -49,12 +48,13 @@ WINDOW_BYTES = 64 << 20
 MERGE_GAP = 1 << 20
 """Payloads closer than this are fetched in one ranged read (the gap is read and dropped)."""
 IN_FLIGHT = 4
-"""Windows fetched concurrently; memory is bounded by IN_FLIGHT * WINDOW_BYTES."""
+"""Windows fetched concurrently. Memory: about (IN_FLIGHT + 1) * WINDOW_BYTES of windows,
+plus the one large payload being assembled."""
 
 
 @dataclass(frozen=True)
 class Window:
-    """One ranged read [start, end) of a shard file and the payloads it holds."""
+    """One ranged read [start, end) of a shard file and the payloads it (partly) holds."""
 
     file: str
     start: int
@@ -69,11 +69,15 @@ def plan_windows(
     window_bytes: int = WINDOW_BYTES,
     merge_gap: int = MERGE_GAP,
 ) -> list[Window]:
-    """Group one file's payloads into few ranged reads (pure; sorted by offset)."""
+    """Cover one file's payloads with few ranged reads of at most ``window_bytes`` (pure).
+
+    Nearby small payloads share a read; a payload larger than a window is split over
+    consecutive windows (fetched in parallel, assembled by the reader). Sorted by offset.
+    """
     windows: list[Window] = []
     group: list[ItemLocation] = []
     start = end = 0
-    for loc in sorted(set(locations), key=lambda loc: loc.payload_offset):
+    for loc in sorted(set(locations), key=lambda x: (x.payload_offset, x.payload_length)):
         lo, hi = loc.payload_offset, loc.payload_offset + loc.payload_length
         if group and lo - end <= merge_gap and max(end, hi) - start <= window_bytes:
             group.append(loc)
@@ -81,6 +85,13 @@ def plan_windows(
             continue
         if group:
             windows.append(Window(file, start, end, tuple(group)))
+        if hi - lo > window_bytes:
+            windows.extend(
+                Window(file, a, min(hi, a + window_bytes), (loc,))
+                for a in range(lo, hi, window_bytes)
+            )
+            group = []
+            continue
         group, start, end = [loc], lo, hi
     if group:
         windows.append(Window(file, start, end, tuple(group)))
@@ -105,6 +116,8 @@ class TierReader(StorageReader):
         self.prefix = step_dir(step)
         self.storage_data: dict[Any, ItemLocation] = {}
         self.load_id = str(uuid.uuid4())
+        self.failure: CheckpointError | None = None
+        """The last CheckpointError this reader raised (DCP may wrap or flatten it)."""
 
     # -- StorageReader --------------------------------------------------------------
 
@@ -116,13 +129,16 @@ class TierReader(StorageReader):
             )
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
+        self.failure = None
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise CheckpointError(f"step {self.step}: no per-rank metadata in {self.checkpoint_id}")
-        data = self._read_whole(METADATA_JSON)
-        metadata = metadata_from_json(data, where=self._url(METADATA_JSON))
-        self._check_locations(metadata.storage_data)
+    def read_metadata(self) -> Metadata:  # no **kwargs: there is no per-rank fallback
+        try:
+            data = self._read_whole(METADATA_JSON)
+            metadata = metadata_from_json(data, where=self._url(METADATA_JSON))
+            self._check_locations(metadata.storage_data)
+        except CheckpointError as exc:
+            self.failure = exc  # DCP flattens read_metadata errors into a message
+            raise
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -141,6 +157,16 @@ class TierReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            self._read_data(plan, planner)
+        except CheckpointError as exc:
+            self.failure = exc
+            raise
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         by_location: dict[ItemLocation, list[ReadItem]] = {}
         for req in plan.items:
             loc = self.storage_data.get(req.storage_index)
@@ -152,9 +178,6 @@ class TierReader(StorageReader):
         for loc, payload in self._fetch(list(by_location)):
             for req in by_location[loc]:
                 self._deliver(req, loc, payload, planner)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     @property
     def checkpoint_id(self) -> str:
@@ -219,31 +242,44 @@ class TierReader(StorageReader):
         for loc in locations:
             per_file.setdefault(loc.relative_path, []).append(loc)
         windows = [w for name in sorted(per_file) for w in plan_windows(name, per_file[name])]
+        assembling: dict[ItemLocation, tuple[bytearray, list[int]]] = {}
+        for window, data in self._read_ahead(windows):
+            for loc in window.locations:
+                lo, hi = loc.payload_offset, loc.payload_offset + loc.payload_length
+                if window.start <= lo and hi <= window.end:  # whole payload: no copy
+                    payload = data[lo - window.start : hi - window.start]
+                else:  # one part of a payload split over windows
+                    buf, left = assembling.setdefault(loc, (bytearray(hi - lo), [hi - lo]))
+                    a, b = max(lo, window.start), min(hi, window.end)
+                    buf[a - lo : b - lo] = data[a - window.start : b - window.start]
+                    left[0] -= b - a
+                    if left[0]:
+                        continue
+                    payload = memoryview(assembling.pop(loc)[0])
+                self._verify_payload(loc, payload)
+                yield loc, payload
+
+    def _read_ahead(self, windows: list[Window]) -> Iterator[tuple[Window, memoryview]]:
+        """Each window with its bytes, in order, with up to IN_FLIGHT reads running."""
         with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="unbroken-read") as pool:
             pending: deque[tuple[Window, PoolFuture[bytes]]] = deque()
-            todo = iter(windows)
-            for w in todo:
-                pending.append((w, pool.submit(self._read_range, w.file, w.start, w.end)))
-                if len(pending) >= IN_FLIGHT:
-                    break
+            for window in windows:
+                pending.append(
+                    (window, pool.submit(self._read_range, window.file, window.start, window.end))
+                )
+                if len(pending) > IN_FLIGHT:
+                    yield self._checked(*pending.popleft())
             while pending:
-                window, fut = pending.popleft()
-                data = memoryview(fut.result())
-                nxt = next(todo, None)
-                if nxt is not None:
-                    pending.append(
-                        (nxt, pool.submit(self._read_range, nxt.file, nxt.start, nxt.end))
-                    )
-                if len(data) != window.end - window.start:
-                    raise self._corrupt(
-                        window.file,
-                        f"short file: bytes [{window.start}, {window.end}) gave {len(data)}",
-                    )
-                for loc in window.locations:
-                    lo = loc.payload_offset - window.start
-                    payload = data[lo : lo + loc.payload_length]
-                    self._verify_payload(loc, payload)
-                    yield loc, payload
+                yield self._checked(*pending.popleft())
+
+    def _checked(self, window: Window, fut: PoolFuture[bytes]) -> tuple[Window, memoryview]:
+        data = memoryview(fut.result())
+        if len(data) != window.end - window.start:
+            raise self._corrupt(
+                window.file,
+                f"short file: bytes [{window.start}, {window.end}) gave {len(data)}",
+            )
+        return window, data
 
     def _verify_payload(self, loc: ItemLocation, payload: memoryview) -> None:
         if self.verify and (crc := crc32c_bytes(payload)) != loc.crc32c:
@@ -279,12 +315,11 @@ class TierReader(StorageReader):
     def _safe_bytes(self, fqn: str, loc: ItemLocation, payload: memoryview) -> io.BytesIO:
         """Load a non-tensor value with weights_only=True; re-serialize what is proven safe."""
         try:
-            value = torch.load(io.BytesIO(payload), weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
+            value = load_weights_only(payload)
+        except UnsafeValueError as exc:
             raise self._corrupt(
                 loc.relative_path,
-                f"value {fqn!r} is not loadable with weights_only=True, refused "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                f"value {fqn!r} is not loadable with weights_only=True, refused ({exc})",
             ) from exc
         out = io.BytesIO()
         torch.save(value, out)
@@ -292,17 +327,26 @@ class TierReader(StorageReader):
         return out
 
 
-def first_checkpoint_error(exc: BaseException) -> BaseException:
+_PLANNER_MISMATCH = ("Size mismatch between saved", "Missing key in checkpoint")
+"""How DCP's default load planner words a key or shape mismatch (ValueError/RuntimeError)."""
+
+
+def first_checkpoint_error(exc: BaseException, *, step: int | None = None) -> BaseException:
     """The CheckpointError a rank raised inside DCP, else ``exc`` itself.
 
     DCP wraps every rank's failure in a ``CheckpointException`` (a BaseException);
-    callers want the error that names the step and file.
+    callers want the error that names the step and file. The default planner's key and
+    shape mismatches become CheckpointMismatchError.
     """
     if isinstance(exc, CheckpointException):
-        for failure in exc.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
+        inners = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        for inner in inners:
             if isinstance(inner, CheckpointError):
                 return inner
+        for inner in inners:
+            if str(inner).startswith(_PLANNER_MISMATCH):
+                where = f"checkpoint step {step}" if step is not None else "checkpoint"
+                return CheckpointMismatchError(f"{where}: {inner}")
     return exc
 
 
@@ -323,7 +367,9 @@ def load_state_dict(
             no_dist=not (dist.is_available() and dist.is_initialized()),
         )
     except CheckpointException as exc:
-        inner = first_checkpoint_error(exc)
+        inner = first_checkpoint_error(exc, step=reader.step)
+        if inner is exc and reader.failure is not None:
+            inner = reader.failure
         if inner is exc:
             raise
         raise inner from exc

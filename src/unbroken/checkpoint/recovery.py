@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import warnings
 from collections.abc import MutableMapping
 from dataclasses import dataclass
@@ -45,6 +46,18 @@ log = logging.getLogger(__name__)
 _SHOW = 12  # names listed in an error before "and N more"
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What restore loaded: which committed step, from which tier, how long it took."""
+
+    step: int
+    tier: str
+    """"staging" (the local copy) or "durable"."""
+    url: str
+    seconds: float
+    manifest: Manifest
+
+
 @dataclass
 class _Attempt:
     """What one rank found when preparing to load (step, tier)."""
@@ -61,8 +74,9 @@ def restore(
     group: Group,
     step: int | None = None,
     strict: bool = True,
-) -> Manifest | None:
+) -> Restored | None:
     """Load the newest loadable committed checkpoint into ``state``; None if none exists."""
+    began = time.monotonic()
     flat = collect(state)
     steps = group.broadcast(_committed_steps(durable) if group.is_coordinator else None)
     if step is not None:
@@ -79,7 +93,8 @@ def restore(
         for tier, store in (("staging", staging), ("durable", durable)):
             manifest = _try(state, flat, s, tier, store, durable, group, strict, problems)
             if manifest is not None:
-                return manifest
+                where = store.url_for(step_dir(s))
+                return Restored(s, tier, where, time.monotonic() - began, manifest)
         if s != steps[-1]:
             warnings.warn(
                 f"checkpoint step {s} at {durable.url} could not be loaded; falling back to "

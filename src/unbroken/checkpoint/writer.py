@@ -5,9 +5,9 @@ it is, a tensor as its raw bytes (streamed from the tensor's own memory in bound
 chunks, no copy for a contiguous CPU tensor) inside a torch.load-able envelope (see
 :mod:`unbroken.checkpoint.tensor_record`). crc32c is computed as bytes go out, for the
 whole file (the manifest's checksum) and for each payload (what the reader checks).
-Files appear by temp name + fsync + rename. The coordinator's ``finish`` writes
-``metadata.json`` (what our reader uses) and ``.metadata`` (pickle, for vanilla
-``dcp.load`` only).
+Files appear by temp name + fsync + rename + directory fsync. The coordinator's
+``finish`` writes ``metadata.json`` (what our reader uses) and ``.metadata`` (pickle, for
+vanilla ``dcp.load`` only).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import io
 import os
 import pickle
 import uuid
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import torch
@@ -33,13 +34,18 @@ from unbroken.checkpoint.dcp_json import (
     vanilla_metadata,
 )
 from unbroken.checkpoint.errors import CheckpointError
-from unbroken.checkpoint.manifest import FileRecord, crc32c_bytes
+from unbroken.checkpoint.manifest import (
+    MANIFEST_NAME,
+    METADATA_JSON,
+    METADATA_PICKLE,
+    FileRecord,
+    crc32c_bytes,
+)
 from unbroken.checkpoint.tensor_record import envelope, padding, raw_view
-from unbroken.storage.base import fsync_dir, temp_name
+from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
+from unbroken.storage.base import atomic_local_write
 
 SHARD_SUFFIX = ".distcp"
-METADATA_JSON = "metadata.json"
-METADATA_PICKLE = ".metadata"
 WRITE_CHUNK = 8 << 20
 """Bytes handed to one write() and one crc32c() call: bounds the time the GIL is held."""
 
@@ -55,11 +61,9 @@ class TierWriter(StorageWriter):
     wrote (name, size, crc32c); on the coordinator it includes the two metadata files.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, sync_files: bool = True) -> None:
+    def __init__(self, directory: str | os.PathLike) -> None:
         super().__init__()
         self.directory = os.fspath(directory)
-        self.sync_files = sync_files
-        """fsync every file before its rename (off only for throwaway benchmarks)."""
         self.records: list[FileRecord] = []
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = False
@@ -81,6 +85,11 @@ class TierWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         os.makedirs(self.directory, exist_ok=True)
+        if os.path.exists(os.path.join(self.directory, MANIFEST_NAME)):
+            raise CheckpointError(
+                f"{self.directory} holds a committed checkpoint ({MANIFEST_NAME}); "
+                "refusing to write over it"
+            )
         if not self.use_collectives:
             # No global step will name the files: each rank names its own.
             plan = dataclasses.replace(plan, storage_data=f"__{self.rank or 0}_")
@@ -100,8 +109,6 @@ class TierWriter(StorageWriter):
                 "was prepare_global_plan skipped?"
             )
         results = self._write_shard(shard_name(prefix), plan.items, planner)
-        if self.sync_files:
-            fsync_dir(self.directory)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -110,11 +117,11 @@ class TierWriter(StorageWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
+        # Without collectives each rank is its own coordinator: per-rank names, as DCP's.
         prefix = "" if self.use_collectives else f"__{self.rank or 0}"
-        self._write_small(prefix + METADATA_JSON, metadata_to_json(metadata))
+        json_name = METADATA_JSON if self.use_collectives else f"{prefix}.{METADATA_JSON}"
+        self._write_small(json_name, metadata_to_json(metadata))
         self._write_small(prefix + METADATA_PICKLE, pickle.dumps(vanilla_metadata(metadata)))
-        if self.sync_files:
-            fsync_dir(self.directory)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.directory, save_id=self.save_id)
@@ -155,6 +162,13 @@ class TierWriter(StorageWriter):
                 raise CheckpointError(
                     f"item {fqn!r}: planner gave {type(data).__name__} for a bytes item"
                 )
+            try:
+                load_weights_only(data.getbuffer())
+            except UnsafeValueError as exc:
+                raise CheckpointError(
+                    f"item {fqn!r} could not be restored safely: {exc}. Save plain Python "
+                    "values (int, float, str, list, dict, ...) or tensors instead"
+                ) from exc
             payload_crc = out.write(data.getbuffer(), payload=True)
             loc = ItemLocation(name, start, out.pos - start, start, out.pos - start, payload_crc)
         else:
@@ -205,22 +219,16 @@ class TierWriter(StorageWriter):
 
         self._publish(name, fill)
 
-    def _publish(self, name: str, fill: Any) -> None:
-        """Run ``fill(file)`` on a temp file, fsync, rename to ``name``, record it."""
-        final = os.path.join(self.directory, name)
-        tmp = os.path.join(self.directory, temp_name(name))
-        try:
+    def _publish(self, name: str, fill: Callable[[BinaryIO], tuple[int, int]]) -> None:
+        """Run ``fill(file)`` into a temp file; fsync, rename to ``name``, record it."""
+        written: list[tuple[int, int]] = []
+
+        def fill_path(_key: str, tmp: str) -> None:
             with open(tmp, "wb", buffering=0) as f:
-                size, crc = fill(f)
-                if self.sync_files:
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+                written.append(fill(f))
+
+        atomic_local_write(os.path.join(self.directory, name), fill_path, name)
+        size, crc = written[0]
         self.records = [r for r in self.records if r.name != name]
         self.records.append(FileRecord(name, size, crc))
 

@@ -1,0 +1,133 @@
+"""The catalog of checkpoints under a store root: which exist, which are committed.
+
+A checkpoint is committed iff its manifest parses and every file it lists exists with
+the listed size. The catalog costs one ``store.list`` of the root plus one read per
+manifest, never a request per file; ``verify_checkpoint(deep=True)`` re-checksums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from unbroken.checkpoint.errors import CheckpointError
+from unbroken.checkpoint.manifest import (
+    MANIFEST_NAME,
+    METADATA_JSON,
+    Manifest,
+    crc32c_bytes,
+    parse_step_dir,
+    read_manifest,
+    step_dir,
+)
+from unbroken.storage import Store
+
+VERIFY_CHUNK = 64 << 20
+"""Bytes per ranged read while re-checksumming a file."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One ``step-*`` directory of a store and whether it is a committed checkpoint."""
+
+    step: int
+    committed: bool
+    nbytes: int
+    """Bytes the manifest lists if committed, else bytes present under the directory."""
+    created: float | None
+    """Commit time from the manifest; None if not committed."""
+    world_size: int | None
+    url: str
+    problem: str | None
+    """Why the checkpoint is not committed; None if it is."""
+
+
+def list_checkpoints(store: Store) -> list[CheckpointInfo]:
+    """Every ``step-*`` directory under the store root, sorted by step."""
+    by_step: dict[int, dict[str, int]] = {}
+    for entry in store.list(""):
+        top, _, rest = entry.key.partition("/")
+        step = parse_step_dir(top)
+        if step is not None and rest:
+            by_step.setdefault(step, {})[rest] = entry.size
+    return [_describe(store, step, sizes) for step, sizes in sorted(by_step.items())]
+
+
+def newest_committed(store: Store) -> CheckpointInfo | None:
+    """The committed checkpoint with the highest step, or None."""
+    committed = [c for c in list_checkpoints(store) if c.committed]
+    return committed[-1] if committed else None
+
+
+def verify_checkpoint(store: Store, step: int, *, deep: bool = False) -> list[str]:
+    """Problems of checkpoint ``step`` (empty if it is sound).
+
+    Shallow: the manifest parses and every listed file is present with its size. Deep:
+    also re-checksum every file against the manifest and decode ``metadata.json``.
+    """
+    try:
+        manifest = read_manifest(store, step)
+    except CheckpointError as exc:
+        return [str(exc)]
+    prefix = step_dir(step)
+    sizes = {
+        e.key[len(prefix) + 1 :]: e.size
+        for e in store.list(prefix)
+        if e.key.startswith(prefix + "/")
+    }
+    problems = missing_or_short(manifest, sizes)
+    if deep and not problems:
+        for record in manifest.files.values():
+            crc = _crc32c_of(store, f"{prefix}/{record.name}", record.size)
+            if crc != record.crc32c:
+                problems.append(
+                    f"{record.name}: crc32c {crc:#010x}, manifest says {record.crc32c:#010x}"
+                )
+        if not problems and METADATA_JSON in manifest.files:
+            from unbroken.checkpoint.dcp_json import metadata_from_json  # imports torch
+
+            key = f"{prefix}/{METADATA_JSON}"
+            try:
+                metadata_from_json(store.read_bytes(key), where=store.url_for(key))
+            except CheckpointError as exc:
+                problems.append(str(exc))
+    return problems
+
+
+def missing_or_short(manifest: Manifest, sizes: Mapping[str, int]) -> list[str]:
+    """Files the manifest lists that ``sizes`` (name -> bytes present) lacks or differs on."""
+    problems = []
+    for name, record in sorted(manifest.files.items()):
+        present = sizes.get(name)
+        if present is None:
+            problems.append(f"{name}: missing")
+        elif present != record.size:
+            problems.append(f"{name}: {present} bytes, manifest says {record.size}")
+    return problems
+
+
+def _describe(store: Store, step: int, sizes: dict[str, int]) -> CheckpointInfo:
+    url = store.url_for(step_dir(step))
+    present = sum(sizes.values())
+    if MANIFEST_NAME not in sizes:
+        return CheckpointInfo(step, False, present, None, None, url, "no manifest (not committed)")
+    try:
+        manifest = read_manifest(store, step)
+    except CheckpointError as exc:  # a store failure propagates: unknown is not partial
+        return CheckpointInfo(step, False, present, None, None, url, str(exc))
+    problems = missing_or_short(manifest, sizes)
+    if problems:
+        why = "incomplete: " + "; ".join(problems[:5])
+        if len(problems) > 5:
+            why += f"; and {len(problems) - 5} more"
+        return CheckpointInfo(step, False, present, None, manifest.world_size, url, why)
+    return CheckpointInfo(
+        step, True, manifest.nbytes, manifest.created, manifest.world_size, url, None
+    )
+
+
+def _crc32c_of(store: Store, key: str, size: int) -> int:
+    crc = 0
+    for start in range(0, size, VERIFY_CHUNK):
+        crc = crc32c_bytes(store.read_bytes(key, start, min(size, start + VERIFY_CHUNK)), crc)
+    return crc

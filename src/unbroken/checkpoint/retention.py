@@ -1,0 +1,52 @@
+"""Which checkpoints to delete: a pure function of the catalog, no I/O.
+
+Retention counts committed checkpoints only, and nothing at or above the newest committed
+step is ever returned: an async save above it may still be in flight, and the newest
+committed checkpoint is the one a restart needs. Partial checkpoints older than the newest
+committed one are debris of crashed saves and are returned for deletion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class _Checkpoint(Protocol):
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def committed(self) -> bool: ...
+
+
+def plan_deletions(
+    checkpoints: Sequence[_Checkpoint],
+    *,
+    keep_last: int | None,
+    keep_every_steps: int | None,
+) -> list[int]:
+    """Steps to delete, ascending.
+
+    ``keep_last``: keep the newest this many committed checkpoints (None: keep all).
+    ``keep_every_steps``: also keep every committed checkpoint whose step is a multiple
+    of it (e.g. 10_000 keeps a permanent trail). Both must be >= 1 when given.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    if keep_every_steps is not None and keep_every_steps < 1:
+        raise ValueError(f"keep_every_steps must be >= 1 or None, got {keep_every_steps}")
+    committed = sorted({c.step for c in checkpoints if c.committed})
+    if not committed:
+        return []
+    newest = committed[-1]
+    keep = {newest}
+    if keep_last is None:
+        keep.update(committed)
+    else:
+        keep.update(committed[-keep_last:])
+    if keep_every_steps is not None:
+        keep.update(s for s in committed if s % keep_every_steps == 0)
+    partial = {c.step for c in checkpoints if not c.committed} - set(committed)
+    doomed = {s for s in committed if s not in keep} | {s for s in partial if s < newest}
+    return sorted(doomed)

@@ -1,0 +1,288 @@
+"""Staging: copy a state dict into reused host buffers at the cost of as little as possible.
+
+The training loop pays for ``stage()``: it walks the state, copies the keys that forward
+mutates (``first``, e.g. BatchNorm statistics) and deep-copies non-tensor values, then
+returns. Every other tensor is copied on a background thread (CUDA: a side stream) while
+the loop runs the next forward/backward. Parameters and optimizer state only change in
+``optimizer.step()``, so an attached optimizer waits in a step pre-hook until the copy is
+done; usually it already is. A source changed in place by anything else before its copy
+finished makes ``StagedState.wait()`` raise ``TornSnapshotError``: the snapshot is
+abandoned, never kept with mixed values.
+
+Buffers come from a ``HostBufferPool`` and are reused save after save, so one snapshot is
+staged at a time: the consumer calls ``StagedState.release()`` once it has written the
+buffers, and the next ``stage()`` waits for that.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from unbroken.checkpoint.host_buffers import BufferSpec, HostBufferPool
+from unbroken.checkpoint.staging_copy import (
+    DEFAULT_CHUNK_BYTES,
+    CopyJob,
+    Leaf,
+    copy_now,
+    version_of,
+)
+from unbroken.checkpoint.staging_errors import (
+    CheckpointError,
+    StagingBudgetError,
+    StagingBusyError,
+    TornSnapshotError,
+)
+from unbroken.checkpoint.staging_tree import (
+    Found,
+    buffer_keys,
+    collect,
+    match_first,
+    rebuild,
+    wrap_like,
+)
+
+__all__ = [
+    "CheckpointError",
+    "HostBufferPool",
+    "StagedState",
+    "StagingBudgetError",
+    "StagingBusyError",
+    "StateStager",
+    "TornSnapshotError",
+    "buffer_keys",
+]
+
+
+class StagedState:
+    """One snapshot in host buffers. Valid until ``release()``; the stager then reuses them."""
+
+    def __init__(
+        self, state_dict: dict[str, Any], job: CopyJob, stats: dict[str, float], on_release
+    ) -> None:
+        self.state_dict = state_dict
+        """Same structure and keys as the staged state; tensors are host buffers."""
+        self._job = job
+        self._stats = stats
+        self._on_release = on_release
+        self._released = False
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        """Every copy has ended (successfully or not); ``wait()`` will not block."""
+        return self._job.finished.is_set()
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """bytes, bytes_first, tensors, allocated_bytes, stage_seconds, hook_wait_seconds,
+        blocking_seconds (what the training loop paid), background_seconds."""
+        out = dict(self._stats)
+        out["background_seconds"] = self._job.seconds
+        out["bytes_copied"] = self._stats["bytes_first"] + self._job.bytes_copied
+        out["blocking_seconds"] = out["stage_seconds"] + out["hook_wait_seconds"]
+        return out
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every copy is done; raise if the snapshot cannot be used.
+
+        ``TornSnapshotError`` names the keys changed in place before their copy finished;
+        ``TimeoutError`` if the copy is still running after ``timeout`` seconds.
+        """
+        if not self._job.join(timeout):
+            raise TimeoutError(
+                f"staging of {int(self._stats['bytes'])} bytes still copying after {timeout} s"
+            )
+        job = self._job
+        if job.error is not None:
+            raise CheckpointError(f"staging failed while copying: {job.error!r}") from job.error
+        if job.torn:
+            raise TornSnapshotError(job.torn)
+        if not job.complete:
+            raise CheckpointError("staging was aborted (released or closed) before it finished")
+        if self._released:
+            raise CheckpointError("staged state was already released; its buffers are reused")
+
+    def release(self) -> None:
+        """Hand the buffers back for the next ``stage()``; stops a copy still running."""
+        with self._lock:
+            if self._released:
+                return
+            if not self._job.finished.is_set():
+                self._job.abort()
+            self._job.join()
+            self._released = True
+        self._on_release(self)
+
+    def __enter__(self) -> StagedState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _hook_wait(self) -> None:
+        if not self._job.finished.is_set():
+            began = time.perf_counter()
+            self._job.join()
+            self._stats["hook_wait_seconds"] += time.perf_counter() - began
+
+
+class StateStager:
+    """Copies state dicts into reused, bounded host buffers, overlapping training.
+
+    ``max_bytes`` bounds the host buffers (None: whatever the state needs, never more);
+    ``pin_memory`` None pins the buffers of CUDA sources; ``shared_memory`` puts CPU
+    buffers in shared memory so another process can write them without a copy.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int | None = None,
+        pin_memory: bool | None = None,
+        shared_memory: bool = True,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.pool = HostBufferPool(
+            max_bytes=max_bytes, shared_memory=shared_memory, pin_memory=pin_memory
+        )
+        self.chunk_bytes = chunk_bytes
+        self._streams: dict[torch.device, object] = {}
+        self._current: StagedState | None = None
+        self._cond = threading.Condition()
+        self._stage_lock = threading.Lock()
+        self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._closed = False
+
+    @property
+    def busy(self) -> bool:
+        """A staged state still holds the buffers: ``stage()`` would wait."""
+        current = self._current
+        return current is not None and not current.released
+
+    def attach(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Make each optimizer's ``step()`` wait for an in-flight copy (once per optimizer)."""
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        me = weakref.ref(self)
+
+        def wait_for_copy(_optimizer, _args, _kwargs) -> None:
+            stager = me()
+            current = stager._current if stager is not None else None
+            if current is not None:
+                current._hook_wait()
+
+        for optimizer in optimizers:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"attach() takes torch optimizers, got {type(optimizer)!r}")
+            if optimizer not in self._hooks:
+                self._hooks[optimizer] = optimizer.register_step_pre_hook(wait_for_copy)
+
+    def stage(
+        self,
+        state_dict: Mapping[str, Any],
+        *,
+        first: Collection[str | torch.Tensor] = (),
+        timeout: float | None = None,
+    ) -> StagedState:
+        """Snapshot ``state_dict`` into host buffers; return before the bulk copy is done.
+
+        Keys in ``first`` (and any key under them) are copied before this returns; a
+        tensor in ``first`` selects the keys holding that memory (``model.buffers()``
+        works whatever wrapper renamed them; a tensor not in the state is skipped). Waits
+        up to ``timeout`` for the previous staged state to be released
+        (``StagingBusyError`` after that).
+        """
+        began = time.perf_counter()
+        if self._closed:
+            raise CheckpointError("stage() on a closed StateStager")
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"stage() takes a mapping, got {type(state_dict)!r}")
+        with self._stage_lock:
+            self._wait_released(timeout)
+            found = collect(state_dict)
+            first_names = match_first(first, found)
+            leaves, staged_values, allocated = self._plan(found, first_names)
+            sync = [leaf.name in first_names or _must_copy_now(leaf) for leaf in leaves]
+            now = [leaf for leaf, s in zip(leaves, sync) if s]
+            later = [leaf for leaf, s in zip(leaves, sync) if not s]
+            torn = copy_now(now, self._streams)
+            if torn:
+                raise TornSnapshotError(torn)
+            staged_dict = rebuild(state_dict, iter(staged_values))
+            job = CopyJob(later, self._streams, self.chunk_bytes)
+            stats = {
+                "bytes": float(sum(leaf.nbytes for leaf in leaves)),
+                "bytes_first": float(sum(leaf.nbytes for leaf in now)),
+                "tensors": float(len(leaves)),
+                "allocated_bytes": float(allocated),
+                "hook_wait_seconds": 0.0,
+                "stage_seconds": 0.0,
+            }
+            staged = StagedState(staged_dict, job, stats, self._released_one)
+            with self._cond:
+                self._current = staged
+            job.start()
+            stats["stage_seconds"] = time.perf_counter() - began
+            return staged
+
+    def close(self) -> None:
+        """Stop any copy, detach from the optimizers and drop the buffers."""
+        self._closed = True
+        current = self._current
+        if current is not None and not current.done:
+            current._job.abort()
+            current._job.join()
+        for handle in list(self._hooks.values()):
+            handle.remove()
+        self._hooks.clear()
+        self.pool.clear()
+
+    def _wait_released(self, timeout: float | None) -> None:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: not self.busy, timeout)
+        if not ok:
+            raise StagingBusyError(
+                f"the previous staged state still holds the buffers after {timeout} s; "
+                "call StagedState.release() once it is written"
+            )
+
+    def _released_one(self, staged: StagedState) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _plan(
+        self, found: list[Found], first: set[str]
+    ) -> tuple[list[Leaf], list[torch.Tensor], int]:
+        """One leaf per distinct memory; its host buffer; the staged value per found tensor."""
+        owner: dict[tuple, str] = {}  # memory -> key of the leaf that copies it
+        specs: dict[str, BufferSpec] = {}
+        sources: dict[str, torch.Tensor] = {}
+        for f in found:
+            if f.alias in owner:  # tied: shares the earlier key's buffer
+                if f.name in first:
+                    first.add(owner[f.alias])
+                continue
+            owner[f.alias] = f.name
+            sources[f.name] = f.local
+            specs[f.name] = BufferSpec(tuple(f.local.shape), f.local.dtype, f.local.is_cuda)
+        buffers, allocated = self.pool.reserve(specs)
+        leaves = [Leaf(name, src, buffers[name], version_of(src)) for name, src in sources.items()]
+        staged = [wrap_like(f.value, buffers[owner[f.alias]]) for f in found]
+        return leaves, staged, allocated
+
+
+def _must_copy_now(leaf: Leaf) -> bool:
+    """Sources whose tearing cannot be detected, or that no side stream serves."""
+    return leaf.version is None or leaf.src.device.type not in ("cpu", "cuda")

@@ -1,0 +1,189 @@
+"""The copy of one snapshot into host buffers: synchronous part, background part, tearing.
+
+A ``Leaf`` is one source tensor and its host buffer. ``copy_now`` copies leaves on the
+caller's thread (the keys mutated in forward); ``CopyJob`` copies the rest on a background
+thread while the training loop runs forward/backward. ``Tensor.copy_`` releases the GIL,
+and the copy goes in chunks so an abort (torn source, ``close()``) takes effect quickly.
+
+Tearing: every leaf records its source's ``_version`` when the snapshot is taken. If that
+counter moved before the leaf's copy finished, the source was written in place during the
+copy and the snapshot is abandoned (``TornSnapshotError``), never kept with mixed values.
+
+CUDA sources are copied with ``non_blocking=True`` on a side stream that first waits for
+the work already queued on the current stream; the background thread then waits on an
+event and checks versions. That path needs CUDA and cannot run on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_CHUNK_BYTES = 32 * 2**20
+
+
+@dataclass(eq=False)
+class Leaf:
+    """One tensor of the snapshot: where it comes from and where it goes."""
+
+    name: str
+    """Dotted state-dict key, e.g. ``model.fc.weight``."""
+    src: torch.Tensor
+    """The source tensor (the local shard for a DTensor)."""
+    dst: torch.Tensor
+    """Its host buffer, same shape and dtype."""
+    version: int | None
+    """``src._version`` at snapshot time; None for tensors without a version counter."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.numel() * self.src.element_size()
+
+    def changed(self) -> bool:
+        return self.version is not None and self.src._version != self.version
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter; None where torch does not track one."""
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def side_stream(device: torch.device, streams: dict[torch.device, object]) -> object:
+    """The stager's copy stream on a CUDA device, created once and reused."""
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device=device)
+    return streams[device]
+
+
+@torch.no_grad()
+def copy_now(leaves: Sequence[Leaf], streams: dict[torch.device, object]) -> list[str]:
+    """Copy leaves before returning to the caller; the names of torn ones.
+
+    For CUDA sources "before" means in stream order: the current stream waits for the copy
+    to be done, so a later in-place update (BatchNorm statistics in forward) runs after it.
+    """
+    cuda = [leaf for leaf in leaves if leaf.src.is_cuda]
+    if cuda:
+        _enqueue_cuda(cuda, streams, fence_current=True)
+    for leaf in leaves:
+        if not leaf.src.is_cuda:
+            leaf.dst.copy_(leaf.src)
+    return [leaf.name for leaf in leaves if leaf.changed()]
+
+
+def _enqueue_cuda(
+    leaves: Sequence[Leaf], streams: dict[torch.device, object], *, fence_current: bool
+) -> list[object]:
+    """Queue non-blocking device-to-host copies on each device's side stream; their events."""
+    events = []
+    by_device: dict[torch.device, list[Leaf]] = {}
+    for leaf in leaves:
+        by_device.setdefault(leaf.src.device, []).append(leaf)
+    for device, group in by_device.items():
+        stream = side_stream(device, streams)
+        current = torch.cuda.current_stream(device)
+        stream.wait_stream(current)  # sources as of now, after the queued work
+        with torch.cuda.stream(stream):
+            for leaf in group:
+                leaf.dst.copy_(leaf.src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        if fence_current:
+            current.wait_event(done)
+        events.append(done)
+    return events
+
+
+@dataclass
+class CopyJob:
+    """The background part of one snapshot; runs once on its own thread."""
+
+    leaves: list[Leaf]
+    streams: dict[torch.device, object]
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    finished: threading.Event = field(default_factory=threading.Event)
+    torn: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+    bytes_copied: int = 0
+    seconds: float = 0.0
+    complete: bool = False
+    """Every leaf was copied (no abort, no torn source cut the copy short)."""
+    _abort: threading.Event = field(default_factory=threading.Event)
+    _events: list[object] = field(default_factory=list)
+
+    def start(self) -> None:
+        """Queue the CUDA copies now, then copy the CPU leaves on a background thread.
+
+        CUDA copies are queued on the caller's thread so they read the sources as of
+        stage(): after the work queued before it, not behind the next forward pass.
+        """
+        cuda = [leaf for leaf in self.leaves if leaf.src.is_cuda]
+        if cuda:
+            with torch.no_grad():
+                self._events = _enqueue_cuda(cuda, self.streams, fence_current=False)
+        threading.Thread(target=self._run, name="unbroken-staging", daemon=True).start()
+
+    def abort(self) -> None:
+        """Stop copying as soon as possible; the job then ends as torn or aborted."""
+        self._abort.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self._abort.is_set()
+
+    def _run(self) -> None:
+        began = time.perf_counter()
+        try:
+            with torch.no_grad():
+                complete = True
+                for leaf in self.leaves:
+                    if not leaf.src.is_cuda and not self._copy_cpu(leaf):
+                        complete = False
+                        break
+                for event in self._events:
+                    event.synchronize()
+                self.bytes_copied += sum(leaf.nbytes for leaf in self.leaves if leaf.src.is_cuda)
+                # Report every source that moved, not only the first one found.
+                self.torn = [leaf.name for leaf in self.leaves if leaf.changed()]
+                self.complete = complete and not self.aborted
+        except BaseException as exc:  # surfaced by StagedState.wait()
+            self.error = exc
+        finally:
+            self._quiesce()
+            self.leaves, self._events = [], []  # do not keep the sources alive once copied
+            self.seconds = time.perf_counter() - began
+            self.finished.set()
+
+    def _quiesce(self) -> None:
+        """After a failure too: no queued device copy may still read a source we drop."""
+        for event in self._events:
+            try:
+                event.synchronize()
+            except RuntimeError:  # the CUDA error is already recorded in self.error
+                pass
+
+    def _copy_cpu(self, leaf: Leaf) -> bool:
+        """Copy one CPU leaf in chunks; False when the job must stop (torn or aborted)."""
+        src, dst = leaf.src, leaf.dst
+        if not (src.is_contiguous() and src.numel() * src.element_size() > self.chunk_bytes):
+            dst.copy_(src)
+            self.bytes_copied += leaf.nbytes
+            return not (leaf.changed() or self.aborted)
+        flat_src, flat_dst = src.reshape(-1), dst.view(-1)
+        step = max(1, self.chunk_bytes // src.element_size())
+        for begin in range(0, flat_src.numel(), step):
+            flat_dst[begin : begin + step].copy_(flat_src[begin : begin + step])
+            self.bytes_copied += flat_src[begin : begin + step].numel() * src.element_size()
+            if leaf.changed() or self.aborted:
+                return False
+        return True
+
+    def join(self, timeout: float | None = None) -> bool:
+        return self.finished.wait(timeout)

@@ -1,0 +1,138 @@
+"""The manifest (commit record) and step naming: round trips and every bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from unbroken import open_store
+from unbroken.checkpoint.errors import CheckpointCorruptError, NoCheckpointError
+from unbroken.checkpoint.manifest import (
+    FileRecord,
+    Manifest,
+    crc32c_bytes,
+    crc32c_file,
+    parse_step_dir,
+    read_manifest,
+    step_dir,
+    write_manifest,
+)
+
+
+def sample(step: int = 1200) -> Manifest:
+    files = {
+        "__0_0.distcp": FileRecord("__0_0.distcp", 1000, 123),
+        "rng/rank-00001.json": FileRecord("rng/rank-00001.json", 10, 2**32 - 1),
+    }
+    return Manifest(step, 2, files, "0.1.0", "2.13.0", 1700000000.5, {"loader": {"epoch": 2}})
+
+
+def test_round_trip_and_nbytes():
+    m = sample()
+    assert Manifest.from_json(m.to_json(), where="x") == m
+    assert m.nbytes == 1010
+
+
+def test_write_and_read_through_store(store):
+    m = sample(7)
+    write_manifest(store, m)
+    assert store.exists("step-000000000007/manifest.json")
+    assert read_manifest(store, 7) == m
+
+
+def test_missing_manifest_names_the_url(store):
+    with pytest.raises(NoCheckpointError, match="step 3") as info:
+        read_manifest(store, 3)
+    assert store.url_for("step-000000000003/manifest.json") in str(info.value)
+
+
+def test_manifest_for_another_step_is_refused(tmp_path):
+    store = open_store(tmp_path)
+    store.write_bytes("step-000000000005/manifest.json", sample(6).to_json())
+    with pytest.raises(CheckpointCorruptError, match=r"says step 6.*step 5"):
+        read_manifest(store, 5)
+
+
+def edit(mutate) -> bytes:
+    doc = json.loads(sample().to_json())
+    mutate(doc)
+    return json.dumps(doc).encode()
+
+
+def _set(doc, key, value):
+    doc[key] = value
+
+
+BAD = {
+    "not json": b"{oops",
+    "not an object": b"[1, 2]",
+    "no step": edit(lambda d: d.pop("step")),
+    "negative step": edit(lambda d: _set(d, "step", -1)),
+    "bool size": edit(lambda d: d["files"][0].update(size=True)),
+    "negative size": edit(lambda d: d["files"][0].update(size=-5)),
+    "string crc": edit(lambda d: d["files"][0].update(crc32c="abc")),
+    "dotdot name": edit(lambda d: d["files"][0].update(name="../evil")),
+    "absolute name": edit(lambda d: d["files"][0].update(name="/etc/passwd")),
+    "lists itself": edit(lambda d: d["files"][0].update(name="manifest.json")),
+    "duplicate": edit(lambda d: d["files"].append(dict(d["files"][0]))),
+    "future format": edit(lambda d: _set(d, "format", 99)),
+    "extra not object": edit(lambda d: _set(d, "extra", [1])),
+    "not utf8": b"\xff\xfe",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_manifest_is_a_clear_error(name):
+    with pytest.raises(CheckpointCorruptError, match=re.escape("s3://b/step-1/manifest.json")):
+        Manifest.from_json(BAD[name], where="s3://b/step-1/manifest.json")
+
+
+@given(st.integers(0, 10**15))
+def test_step_dir_round_trip(step):
+    assert parse_step_dir(step_dir(step)) == step
+
+
+@given(st.integers(0, 10**12 - 1), st.integers(0, 10**12 - 1))
+def test_lexical_order_is_step_order(a, b):
+    assert (step_dir(a) < step_dir(b)) == (a < b)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.0, "3", None])
+def test_step_dir_refuses_bad_steps(bad):
+    with pytest.raises(ValueError, match="step"):
+        step_dir(bad)
+
+
+@pytest.mark.parametrize("name", ["step-12", "step-", "stage-000000000001", "step-00000000001x"])
+def test_parse_step_dir_ignores_other_names(name):
+    assert parse_step_dir(name) is None
+
+
+def test_crc32c_known_vector_and_file(tmp_path):
+    assert crc32c_bytes(b"123456789") == 0xE3069283  # the standard CRC-32C check value
+    data = bytes(range(256)) * 50000
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    assert crc32c_file(path) == crc32c_bytes(data)
+    assert crc32c_bytes(data[1000:], crc32c_bytes(data[:1000])) == crc32c_bytes(data)
+
+
+def test_new_manifest_stamps_versions_and_refuses_conflicting_reports():
+    import torch
+
+    from unbroken import __version__
+    from unbroken.checkpoint.manifest import new_manifest
+
+    a = FileRecord("__0_0.distcp", 10, 1)
+    m = new_manifest(5, 2, [a, FileRecord("__1_0.distcp", 20, 2), a], extra={"x": 1})
+    assert m.nbytes == 30 and m.world_size == 2 and m.extra == {"x": 1}
+    assert m.library_version == __version__ and m.torch_version == torch.__version__
+    assert m.created > 0
+    with pytest.raises(ValueError, match=r"'__0_0.distcp' reported twice"):
+        new_manifest(5, 2, [a, FileRecord("__0_0.distcp", 11, 1)])
+    with pytest.raises(ValueError, match="must not list itself"):
+        new_manifest(5, 2, [FileRecord("manifest.json", 1, 1)])

@@ -1,0 +1,94 @@
+"""CheckpointManager across real ranks launched by torchrun (gloo on CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import unbroken as ub
+from unbroken.checkpoint.manifest import step_dir
+
+from .distributed import check, torchrun
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.s3
+def test_ddp_round_trip_on_two_ranks_both_tiers_s3(tmp_path, s3_server):
+    """Both ranks upload to the loopback S3 server; restore from staging, then from S3."""
+    url = f"s3://{s3_server.new_bucket()}/run/ckpt"
+    options = json.dumps(s3_server.storage_options)
+    out = check(
+        torchrun(2, "ddp", "--url", url, "--staging", str(tmp_path / "s"), "--options", options)
+    )
+    assert out.count("ddp ok") == 2
+    store = ub.open_store(url, **s3_server.storage_options)
+    names = {e.key.split("/", 1)[1] for e in store.list(step_dir(6))}
+    assert {"__0_0.distcp", "__1_0.distcp", "rng/rank-00001.json", "manifest.json"} <= names
+
+
+def test_fsdp2_reshards_two_to_one_and_three(tmp_path):
+    common = ["--url", str(tmp_path / "d"), "--expected", str(tmp_path / "expected.pt")]
+    check(torchrun(2, "fsdp_save", *common, "--staging", str(tmp_path / "s2")))
+    out1 = check(torchrun(1, "fsdp_load", *common, "--staging", str(tmp_path / "s1")))
+    assert "fsdp load on 1 ok" in out1
+    out3 = check(torchrun(3, "fsdp_load", *common, "--staging", str(tmp_path / "s3")))
+    assert out3.count("fsdp load on 3 ok") == 3
+
+
+def test_user_collectives_during_async_saves_do_not_deadlock(tmp_path):
+    out = check(
+        torchrun(
+            2,
+            "collectives",
+            "--url",
+            "emulated::" + str(tmp_path / "d"),
+            "--staging",
+            str(tmp_path / "s"),
+            "--link",
+            f"test-{tmp_path.name}",
+            timeout=150,
+        )
+    )
+    assert out.count("collectives ok") == 2
+
+
+def test_recovery_under_torchrun_max_restarts_is_exact(tmp_path):
+    ref = tmp_path / "ref.pt"
+    crashed = tmp_path / "crashed.pt"
+    check(
+        torchrun(
+            2,
+            "train",
+            "--url",
+            str(tmp_path / "d1"),
+            "--staging",
+            str(tmp_path / "s1"),
+            "--expected",
+            str(ref),
+        )
+    )
+    out = check(
+        torchrun(
+            2,
+            "train",
+            "--url",
+            str(tmp_path / "d2"),
+            "--staging",
+            str(tmp_path / "s2"),
+            "--expected",
+            str(crashed),
+            "--crash-at",
+            "7",
+            max_restarts=2,
+            timeout=180,
+        )
+    )
+    assert "crashing at step 7" in out and "attempt 1: resuming after step 6" in out
+    assert json.loads((tmp_path / "crashed.pt.json").read_text()) == {"resumed_from": 6}
+    a, b = torch.load(ref, weights_only=True), torch.load(crashed, weights_only=True)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after recovery"

@@ -1,0 +1,407 @@
+"""Staging into reused host buffers: exact copies, reuse, overlap with training, tearing."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from unbroken.checkpoint.staging import (
+    CheckpointError,
+    StagingBudgetError,
+    StagingBusyError,
+    StateStager,
+    TornSnapshotError,
+    buffer_keys,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
+
+
+def _model(width: int = 64) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width), torch.nn.Linear(width, 4)
+    )
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, width: int) -> None:
+    opt.zero_grad()
+    model(torch.randn(16, width)).sum().backward()
+    opt.step()
+
+
+def _snapshot(state):
+    """A plain deep copy of the state, to compare staged values with."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _snapshot(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_snapshot(v) for v in state)
+    return state
+
+
+def _assert_same(a, b, where="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.cpu(), b.cpu()), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}.{i}")
+    else:
+        assert a == b, where
+
+
+@pytest.fixture
+def stager():
+    s = StateStager(chunk_bytes=64 * 1024)
+    yield s
+    s.close()
+
+
+def test_values_copied_exactly_for_every_dtype_and_layout(stager):
+    base = torch.arange(60, dtype=torch.float64).reshape(6, 10)
+    state = {
+        "f32": torch.randn(300, 200),  # larger than a chunk: copied in pieces
+        "bf16": torch.randn(17, 3).to(torch.bfloat16),
+        "i64": torch.arange(-5, 5),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 7),
+        "strided": base.t(),  # not contiguous
+        "view": base[2:4],  # storage offset
+        "nested": {"list": [torch.ones(3), 2, "x"], "tuple": (torch.zeros(2), None)},
+        "step": 1200,
+        "meta": {"lr": [0.1, 0.01], "name": "adamw"},
+    }
+    expected = _snapshot(state)
+    with stager.stage(state) as staged:
+        staged.wait()
+        assert staged.done
+        _assert_same(expected, staged.state_dict)
+        for key in ("f32", "bf16", "strided", "view"):
+            assert staged.state_dict[key].data_ptr() != state[key].data_ptr(), key
+        assert staged.stats["bytes_copied"] == staged.stats["bytes"]
+
+
+def test_non_tensor_values_are_deep_copied_at_stage_time(stager):
+    groups = [{"lr": 0.1, "params": [0, 1]}]
+    state = {"w": torch.ones(4), "optim": {"param_groups": groups}}
+    with stager.stage(state) as staged:
+        groups[0]["lr"] = 0.5
+        groups[0]["params"].append(2)
+        staged.wait()
+        assert staged.state_dict["optim"]["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]
+
+
+def test_buffers_are_reused_across_saves(stager):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train_step(model, opt, 64)
+    ptrs = None
+    for _ in range(3):
+        _train_step(model, opt, 64)
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        with stager.stage(state) as staged:
+            staged.wait()
+            now = {k: v.data_ptr() for k, v in staged.state_dict["model"].items()}
+            _assert_same(_snapshot(state), staged.state_dict)
+            if ptrs is None:
+                ptrs, allocations = now, stager.pool.allocations
+                assert staged.stats["allocated_bytes"] == staged.stats["bytes"]
+            else:
+                assert now == ptrs
+                assert staged.stats["allocated_bytes"] == 0
+    assert stager.pool.allocations == allocations
+
+
+def test_only_a_changed_key_is_reallocated_and_dropped_keys_are_freed(stager):
+    state = {"a": torch.ones(100), "b": torch.ones(100), "c": torch.ones(5)}
+    with stager.stage(state) as staged:
+        ptr_a = staged.state_dict["a"].data_ptr()
+    state = {"a": torch.ones(100), "b": torch.ones(10, 20)}  # b changes shape, c goes away
+    with stager.stage(state) as staged:
+        staged.wait()
+        assert staged.state_dict["a"].data_ptr() == ptr_a
+        assert staged.stats["allocated_bytes"] == 200 * 4
+    assert "c" not in stager.pool
+    assert stager.pool.nbytes == (100 + 200) * 4
+
+
+def test_tied_tensors_share_one_buffer(stager):
+    weight = torch.randn(8, 8)
+    state = {"embed.weight": weight, "head.weight": weight}
+    with stager.stage(state) as staged:
+        staged.wait()
+        sd = staged.state_dict
+        assert sd["embed.weight"].data_ptr() == sd["head.weight"].data_ptr()
+        assert torch.equal(sd["head.weight"], weight)
+        assert staged.stats["bytes"] == weight.numel() * 4
+
+
+def test_cpu_buffers_are_shared_memory_unless_disabled():
+    for shared in (True, False):
+        stager = StateStager(shared_memory=shared)
+        with stager.stage({"w": torch.randn(64)}) as staged:
+            staged.wait()
+            assert staged.state_dict["w"].is_shared() is shared
+        stager.close()
+
+
+def test_rss_does_not_grow_over_20_stages(stager):
+    state = {
+        "model": {f"layer{i}.weight": torch.randn(256, 1024) for i in range(8)},  # 8 MB
+        "optim": {"state": {i: {"exp_avg": torch.randn(256, 1024)} for i in range(8)}},
+    }
+    nbytes = 16 * 2**20
+    proc = psutil.Process()
+    with stager.stage(state) as staged:
+        staged.wait()
+    gc.collect()
+    rss0 = proc.memory_info().rss
+    for i in range(20):
+        for t in state["model"].values():
+            t.add_(1.0)  # training moves on between saves
+        with stager.stage(state) as staged:
+            staged.wait()
+            assert staged.stats["allocated_bytes"] == 0
+        assert torch.equal(
+            staged.state_dict["model"]["layer0.weight"], state["model"]["layer0.weight"]
+        ), i
+    gc.collect()
+    growth = proc.memory_info().rss - rss0
+    # 20 fresh copies would add 20 * 16 MB; reuse keeps growth well under one copy.
+    assert growth < nbytes // 2, (growth, nbytes)
+    assert stager.pool.nbytes == nbytes
+
+
+def test_training_overlaps_the_copy_and_the_snapshot_is_the_state_at_stage_time():
+    width = 1024
+    model = _model(width)
+    opt = torch.optim.AdamW(model.parameters())
+    _train_step(model, opt, width)
+    stager = StateStager(chunk_bytes=256 * 1024)  # many chunks: the copy takes a while
+    stager.attach([opt])
+    stager.attach([opt])  # idempotent: one hook per optimizer
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}
+    expected = _snapshot(state)
+    staged = stager.stage(state, first=buffer_keys(model, "model"))
+    assert staged.stats["bytes_first"] < staged.stats["bytes"]
+    # Training continues at once: forward/backward overlap the copy, step waits for it.
+    _train_step(model, opt, width)
+    assert staged.done  # the step pre-hook waited for the copy
+    for _ in range(3):
+        _train_step(model, opt, width)
+    staged.wait()
+    _assert_same(expected, staged.state_dict)
+    changed = model.state_dict()["0.weight"]
+    assert not torch.equal(changed, staged.state_dict["model"]["0.weight"])
+    stats = staged.stats
+    assert stats["blocking_seconds"] == stats["stage_seconds"] + stats["hook_wait_seconds"]
+    staged.release()
+    stager.close()
+    assert len(opt._optimizer_step_pre_hooks) == 0
+
+
+def test_first_keys_are_copied_before_stage_returns(stager):
+    model = _model()
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stager.attach([opt])
+    _train_step(model, opt, 64)
+    big = {f"pad{i}": torch.randn(512, 512) for i in range(8)}  # keeps the copy busy
+    state = {**big, "model": model.state_dict()}
+    expected = _snapshot(state)
+    first = buffer_keys(model, "model")
+    assert "model.1.running_mean" in first
+    staged = stager.stage(state, first=first)
+    assert staged.stats["bytes_first"] == sum(b.numel() * b.element_size() for b in model.buffers())
+    model(torch.randn(16, 64))  # forward mutates running_mean/var while the copy runs
+    staged.wait()  # not torn: BatchNorm buffers were copied before stage() returned
+    _assert_same(expected, staged.state_dict)
+    assert not torch.equal(
+        model.state_dict()["1.running_mean"], expected["model"]["1.running_mean"]
+    )
+    staged.release()
+
+
+def test_first_accepts_a_prefix_and_rejects_unknown_keys(stager):
+    state = {"model": {"bn.running_mean": torch.ones(3), "fc.weight": torch.ones(2)}}
+    with stager.stage(state, first=["model.bn"]) as staged:
+        assert staged.stats["bytes_first"] == 12
+    with pytest.raises(ValueError, match=r"model\.bn\.running_var"):
+        stager.stage(state, first=["model.bn.running_var"])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_first_accepts_tensors_and_buffer_keys_sees_through_wrappers(stager):
+    model = _model()
+    model.register_buffer("scratch", torch.zeros(3), persistent=False)
+    expected = ["model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked"]
+    assert buffer_keys(model, "model") == expected
+    assert buffer_keys(torch.compile(model), "model") == expected
+    assert buffer_keys(model) == [k[len("model.") :] for k in expected]
+
+    state = {"model": torch.compile(model).state_dict(), "w": torch.ones(100)}
+    assert "_orig_mod.1.running_mean" in state["model"]  # renamed: names would not match
+    with stager.stage(state, first=list(model.buffers())) as staged:
+        # the non-persistent buffer matches no key and is skipped; the others are first
+        bn = model[1]
+        assert staged.stats["bytes_first"] == sum(
+            t.numel() * t.element_size()
+            for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+        )
+    with pytest.raises(TypeError, match="keys or tensors"):
+        stager.stage(state, first=[3])
+
+
+def _slow_copy_state() -> dict[str, torch.Tensor]:
+    """32 MB that a stager with 4 KB chunks copies in 8192 steps, each needing the GIL
+    back: a write issued right after stage() lands long before the copy ends, even when
+    the machine is loaded."""
+    return {f"pad{i:02d}": torch.randn(256, 1024) for i in range(32)}
+
+
+def test_in_place_change_during_the_copy_tears_and_is_reported():
+    stager = StateStager(chunk_bytes=4096)
+    big = _slow_copy_state()
+    big["z.last"] = torch.zeros(4)  # copied last
+    staged = stager.stage(big)
+    big["z.last"].add_(1.0)  # something else writes a source before its copy finished
+    with pytest.raises(TornSnapshotError) as info:
+        staged.wait()
+    assert info.value.keys == ["z.last"]
+    assert "'z.last'" in str(info.value) and "attach" in str(info.value)
+    staged.release()
+    # The stager is usable again; a clean snapshot follows.
+    with stager.stage(big) as again:
+        again.wait()
+        _assert_same(big, again.state_dict)
+    stager.close()
+
+
+def test_optimizer_step_without_attach_tears():
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 256)).sum().backward()
+    stager = StateStager(chunk_bytes=4096)
+    staged = stager.stage({**_slow_copy_state(), "model": model.state_dict()})  # model last
+    opt.step()  # not attached: nothing makes it wait
+    with pytest.raises(TornSnapshotError) as info:
+        staged.wait()
+    assert info.value.keys == ["model.weight", "model.bias"]
+    staged.release()
+    stager.close()
+
+
+def test_second_stage_waits_for_release(stager):
+    state = {"w": torch.ones(10)}
+    staged = stager.stage(state)
+    staged.wait()
+    assert stager.busy
+    with pytest.raises(StagingBusyError, match="release"):
+        stager.stage(state, timeout=0.01)
+    staged.release()
+    assert not stager.busy
+    with pytest.raises(CheckpointError, match="released"):
+        staged.wait()
+    stager.stage(state).release()
+
+
+def test_release_before_the_copy_finished_aborts_it(stager):
+    big = {f"t{i}": torch.randn(256, 1024) for i in range(16)}
+    staged = stager.stage(big)
+    staged.release()
+    assert staged.done and staged.released
+    with pytest.raises(CheckpointError):
+        staged.wait()
+
+
+def test_budget_is_enforced_and_nothing_is_lost():
+    stager = StateStager(max_bytes=1000)
+    with stager.stage({"small": torch.ones(100)}) as staged:
+        staged.wait()
+        ptr = staged.state_dict["small"].data_ptr()
+    with pytest.raises(StagingBudgetError, match=r"'big' \(4000 B\)") as info:
+        stager.stage({"small": torch.ones(100), "big": torch.ones(1000)})
+    assert info.value.needed == 4400 and info.value.max_bytes == 1000
+    assert stager.pool.nbytes == 400  # the earlier buffer is still held, unchanged
+    with stager.stage({"small": torch.full((100,), 2.0)}) as staged:
+        assert staged.state_dict["small"].data_ptr() == ptr
+    stager.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (torch.ones(3).to_sparse(), TypeError, r"'bad'.*sparse"),
+        (torch.empty(3, device="meta"), ValueError, r"'bad' is a meta tensor"),
+    ],
+)
+def test_bad_tensors_are_named(stager, value, error, match):
+    with pytest.raises(error, match=match):
+        stager.stage({"ok": torch.ones(2), "bad": value})
+    assert not stager.busy
+
+
+def test_bad_calls(stager):
+    with pytest.raises(TypeError, match="mapping"):
+        stager.stage([torch.ones(2)])
+    with pytest.raises(TypeError, match="optimizer"):
+        stager.attach([object()])
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        StateStager(chunk_bytes=0)
+    with pytest.raises(ValueError, match="max_bytes"):
+        StateStager(max_bytes=-1)
+    with pytest.raises(ValueError, match=r"'a\.b' appears twice"):
+        stager.stage({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}})
+    stager.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        stager.stage({"w": torch.ones(1)})
+
+
+def test_inference_tensors_are_copied_synchronously(stager):
+    with torch.inference_mode():
+        t = torch.randn(100)
+    with stager.stage({"t": t, "u": torch.randn(50)}) as staged:
+        assert staged.stats["bytes_first"] == 400
+        staged.wait()
+        assert torch.equal(staged.state_dict["t"], t)
+
+
+@pytest.mark.multiprocess
+def test_dtensor_state_of_fsdp2_stages_and_round_trips_through_dcp(tmp_path):
+    """Two real ranks (torchrun, gloo): staged DTensors keep mesh/placements; DCP saves them."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), str(ROOT)]),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(Path(__file__).with_name("_staging_dtensor_worker.py")),
+        str(tmp_path / "ckpt"),
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert (tmp_path / "ckpt" / ".metadata").exists()
