@@ -425,6 +425,7 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
         "every": cfg.every,
         "ranks": cfg.ranks,
         "seconds": round(time.time() - started, 1),
+        "noise_s_per_save": None if spread is None else round(spread / cfg.saves, 4),
         "unbroken_error": error,
     }
     return "\n".join(
