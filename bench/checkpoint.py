@@ -340,7 +340,7 @@ def _launch(cfg: Config, keys: list[str]) -> str | None:
     try:
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
-                return f"timed out after {cfg.row_timeout_s:.0f} s"
+                return f"timed out after {cfg.row_timeout_s:g} s"
         return None
     except ProcessException as e:
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]

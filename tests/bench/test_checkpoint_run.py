@@ -66,3 +66,24 @@ def test_quick_all_rows(tmp_path):
     assert "unbroken" in rows
     last = json.loads(stdout.strip().splitlines()[-1])
     assert last["targets_total"] == 6
+
+
+@pytest.mark.multiprocess
+def test_a_row_that_overruns_is_na_and_the_run_still_reports(tmp_path):
+    stdout, _ = run_bench(
+        "--quick",
+        "--isolate",
+        "--rows",
+        "floor",
+        "--row-timeout",
+        "0.5",
+        "--work-dir",
+        str(tmp_path / "w"),
+        timeout=240,
+    )
+    rows = table_rows(stdout)
+    assert set(rows) == {"no saves", "floor (memcpy)", "no saves (again)"}
+    assert all(cells == ["n/a"] * 7 for cells in rows.values()), stdout
+    assert stdout.count("timed out after") == 3
+    last = json.loads(stdout.strip().splitlines()[-1])
+    assert last["targets_met"] == 0 and last["unbroken_error"] is None
