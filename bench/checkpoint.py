@@ -30,6 +30,7 @@ import tempfile
 import time
 from typing import Any
 
+import crc32c
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -128,8 +129,9 @@ def train_step(model: torch.nn.Module, width: int, batch: int, gen: torch.Genera
     model(x).square().mean().backward()
 
 
-def checksum(tensors: list[torch.Tensor]) -> list[float]:
-    return [float(t.double().sum()) + float(t.double().square().sum()) for t in tensors]
+def checksum(tensors: list[torch.Tensor]) -> list[int]:
+    """crc32c of every tensor's bytes: a restore must bring back each byte in its place."""
+    return [crc32c.crc32c(t.contiguous().view(-1).view(torch.uint8).numpy()) for t in tensors]
 
 
 # -- one row on one rank ----------------------------------------------------------------
@@ -264,7 +266,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
     return result
 
 
-def _restore_timed(restore: Any, model: Any, optim: Any, reference: list[float]) -> float:
+def _restore_timed(restore: Any, model: Any, optim: Any, reference: list[int]) -> float:
     """Zero the live state, restore, check every tensor came back; -1 if no such tier."""
     for t in local_tensors(model, optim):
         t.zero_()

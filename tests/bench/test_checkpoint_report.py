@@ -15,7 +15,7 @@ from _ckpt_measure import (
     format_targets,
     json_line,
 )
-from checkpoint import baseline_loop, model_shape, parse_args
+from checkpoint import baseline_loop, checksum, model_shape, parse_args
 
 ENV = {
     "state_bytes": 2e9,
@@ -127,3 +127,12 @@ def test_baseline_is_the_mean_of_both_runs_and_their_spread_is_the_noise():
         None,
     )
     assert baseline_loop({"baseline": {"error": "boom"}}) == (None, None)
+
+
+def test_checksum_sees_every_byte_in_its_place():
+    import torch
+
+    a = torch.arange(12.0).reshape(3, 4)
+    assert checksum([a]) == checksum([a.clone()])
+    assert checksum([a]) != checksum([a.flip(0)])  # same values, other places
+    assert len(checksum([torch.tensor(3.0), a.t(), torch.zeros(2, dtype=torch.bfloat16)])) == 3
