@@ -374,3 +374,49 @@ def test_in_place_change_during_the_copy_never_commits_mixed_values(tmp_path):
         with manager(tmp_path) as again:
             assert again.restore(fresh) == 2
         assert torch.all(fresh["big"] == 0.0)
+
+
+@pytest.fixture
+def immutable(tmp_path):
+    """Make a directory refuse writes even to root (chattr +i); undone after the test."""
+    import shutil
+    import subprocess
+
+    made: list[Path] = []
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    if not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(probe)]).returncode:
+        pytest.skip("chattr +i is not available here")
+    subprocess.run(["chattr", "-i", str(probe)], check=True)
+
+    def make(path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["chattr", "+i", str(path)], check=True)
+        made.append(path)
+        return path
+
+    yield make
+    for path in made:
+        subprocess.run(["chattr", "-i", str(path)], check=False)
+
+
+def test_permission_denied_on_the_durable_tier_is_named(tmp_path, immutable):
+    durable = immutable(tmp_path / "durable")
+    with manager(tmp_path, url=str(durable)) as mgr:
+        assert mgr.restore(make_state()) is None  # reading an empty durable tier is fine
+        mgr.save(2, make_state())
+        with pytest.raises(SaveFailedError, match="step 2") as info:
+            mgr.wait()
+    assert "permission denied" in str(info.value) and str(durable) in str(info.value)
+    assert list(durable.iterdir()) == []
+
+
+def test_synchronous_saves_are_committed_on_return(tmp_path):
+    state = make_state()
+    with manager(tmp_path, async_save=False) as mgr:
+        for step in range(1, 7):
+            train(state, [step])
+            mgr.maybe_save(step, state)
+            due = [s for s in (2, 4, 6) if s <= step]
+            assert [c.step for c in mgr.checkpoints() if c.committed] == due[-3:]
+        assert mgr.stats.committed == 3 and mgr.stats.skipped_busy == 0
