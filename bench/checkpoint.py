@@ -79,7 +79,10 @@ class Config:
     link: str = "ckpt-bench"
     """Name of this run's emulated link (its own, so other users of the node don't share it)."""
     work_dir: str = ""
-    """Scratch directory: emulated remote, staging tiers, spill files, results."""
+    """Scratch directory: staging tiers, spill files, results (and the remote by default)."""
+    remote_dir: str = ""
+    """Local directory behind the emulated remote ("": <work_dir>/remote). Elsewhere than
+    the staging tier's disk, the remote's own writes do not compete with the local tier."""
     pg_timeout_s: float = 1800.0
     """Collective timeout: a hung rank fails its row instead of the whole run."""
     row_timeout_s: float = 3600.0
@@ -179,7 +182,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
     state_bytes, max_rank_bytes = int(sizes[0]), int(sizes[1])
     every = cfg.every or calibrate_every(cfg, model, optim, width, state_bytes)
 
-    row_dir = os.path.join(cfg.work_dir, "remote", key)
+    row_dir = os.path.join(cfg.remote_dir, key)
     os.makedirs(row_dir, exist_ok=True)
     ctx = RowContext(
         model, optim, rank, every, row_dir, os.path.join(cfg.work_dir, key), cfg.remote_options
@@ -411,7 +414,7 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
         f"state {state_bytes / (1 << 30):.3f} GiB in all "
         f"(params {cfg.params_gb:g} GiB + Adam), {cfg.saves} saves every {cfg.every} steps",
         f"remote: emulated, {cfg.latency * 1000:g} ms/request, {cfg.bandwidth / 1e6:g} MB/s "
-        f"node-wide link; link floor per save "
+        f"node-wide link (bytes kept in {cfg.remote_dir}); link floor per save "
         f"{state_bytes / cfg.bandwidth + cfg.latency:.3f} s",
         f"dcp.async_save best = DefaultStager(StagingOptions({opts})), "
         f"AsyncCheckpointerType.PROCESS",
@@ -461,6 +464,12 @@ def parse_args(argv: list[str] | None = None) -> Config:
         help="run the no-saves baseline first and last, to show the noise (default: on)",
     )
     p.add_argument("--work-dir", default=None, help="scratch directory (a fresh temp dir)")
+    p.add_argument(
+        "--remote-dir",
+        default=None,
+        help="where the emulated remote keeps its bytes (default: inside --work-dir); "
+        "e.g. /dev/shm, so the remote's writes do not share the staging tier's disk",
+    )
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--row-timeout", type=float, default=None, help="seconds per row")
     a = p.parse_args(argv)
@@ -485,6 +494,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         isolate=(not a.quick) if a.isolate is None else a.isolate,
         link=f"ckpt-bench-{os.getpid()}",
         work_dir=a.work_dir or "",
+        remote_dir=a.remote_dir or "",
         pg_timeout_s=120.0 if a.quick else 1800.0,
         row_timeout_s=a.row_timeout or (120.0 if a.quick else 3600.0),
         keep=a.keep,
@@ -500,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     cfg.work_dir = cfg.work_dir or tempfile.mkdtemp(prefix="ckpt-bench-")
     os.makedirs(cfg.work_dir, exist_ok=True)
+    parent = cfg.remote_dir or cfg.work_dir
+    os.makedirs(parent, exist_ok=True)
+    cfg.remote_dir = tempfile.mkdtemp(prefix="ckpt-bench-remote-", dir=parent)
     try:
         results = run_all(cfg)
         print(report(cfg, results, started), flush=True)
@@ -507,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"/dev/shm/unbroken-link-{cfg.link}.state")
         if not cfg.keep:
+            shutil.rmtree(cfg.remote_dir, ignore_errors=True)
             shutil.rmtree(cfg.work_dir, ignore_errors=True)
     return 0
 

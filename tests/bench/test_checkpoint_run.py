@@ -41,8 +41,18 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
 
 @pytest.mark.multiprocess
 def test_quick_floor_row(tmp_path):
+    (tmp_path / "r").mkdir()
     stdout, _ = run_bench(
-        "--quick", "--rows", "floor", "--saves", "2", "--work-dir", str(tmp_path / "w"), timeout=240
+        "--quick",
+        "--rows",
+        "floor",
+        "--saves",
+        "2",
+        "--work-dir",
+        str(tmp_path / "w"),
+        "--remote-dir",
+        str(tmp_path / "r"),
+        timeout=240,
     )
     rows = table_rows(stdout)
     assert set(rows) == {"no saves", "floor (memcpy)", "no saves (again)"}
@@ -53,6 +63,7 @@ def test_quick_floor_row(tmp_path):
     result = json.loads(stdout.strip().splitlines()[-1])
     assert result["quick"] is True and result["saves"] == 2 and result["targets_total"] == 6
     assert not (tmp_path / "w").exists()  # scratch removed without --keep
+    assert str(tmp_path / "r") in stdout and os.listdir(tmp_path / "r") == []
 
 
 @pytest.mark.slow
