@@ -12,7 +12,6 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -382,7 +381,8 @@ class Unbroken(Row):
 
     def prepare_restore(self) -> None:
         """A second manager with an empty staging tier: its restore must use the remote."""
-        fresh = os.path.join(self.ctx.work_dir, f"unbroken-empty-staging-{time.time_ns()}")
+        # The same name on every rank: one node, one staging tier.
+        fresh = os.path.join(self.ctx.work_dir, f"unbroken-empty-staging-{self.saved_steps[-1]}")
         self.fresh_mgr = self._manager(fresh)
 
     def restore_durable(self) -> bool:

@@ -266,6 +266,9 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         "local_tier_bps",
     ]
     result.update({n: (None if v < 0 and n != "rss_growth" else v) for n, v in zip(names, stats)})
+    if rank == 0 and not cfg.keep:  # one row's checkpoints at a time on the disk
+        shutil.rmtree(row_dir, ignore_errors=True)
+        shutil.rmtree(ctx.work_dir, ignore_errors=True)
     return result
 
 
