@@ -136,3 +136,34 @@ def test_checksum_sees_every_byte_in_its_place():
     assert checksum([a]) == checksum([a.clone()])
     assert checksum([a]) != checksum([a.flip(0)])  # same values, other places
     assert len(checksum([torch.tensor(3.0), a.t(), torch.zeros(2, dtype=torch.bfloat16)])) == 3
+
+
+def test_memory_sampler_sees_a_short_lived_allocation():
+    import time
+
+    import torch
+
+    from _ckpt_measure import MemorySampler
+
+    sampler = MemorySampler().start()
+    base = sampler.sample()
+    block = torch.ones(64 << 20)  # 256 MiB, touched
+    time.sleep(0.5)
+    del block
+    peak = sampler.stop()
+    assert peak - base >= 200 << 20
+    assert sampler.sample() - base < 100 << 20  # freed again
+
+
+def test_evicted_files_are_read_back_intact(tmp_path):
+    from _ckpt_measure import cold_read_bandwidth, evict_from_page_cache
+
+    data = bytes(range(256)) * 4096
+    (tmp_path / "d").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "d" / name).write_bytes(data)
+    assert evict_from_page_cache(str(tmp_path / "d")) == 2 * len(data)
+    bps = cold_read_bandwidth([str(tmp_path / "d" / "a"), str(tmp_path / "d" / "b")])
+    assert bps is not None and bps > 0
+    assert (tmp_path / "d" / "a").read_bytes() == data
+    assert cold_read_bandwidth([]) is None
