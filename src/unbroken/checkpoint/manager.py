@@ -345,7 +345,7 @@ class CheckpointManager:
         """
         from unbroken.checkpoint.recovery import restore
 
-        self._pipeline.wait()
+        self._pipeline.drain()
         self._report_failures(raising=False)
         restored = restore(
             state,

@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from unbroken._util.priority import lower_thread_priority
 from unbroken._version import __version__
-from unbroken.checkpoint.catalog import list_checkpoints
 from unbroken.checkpoint.collectives import Group
+from unbroken.checkpoint.durable_index import DurableIndex
 from unbroken.checkpoint.errors import SaveFailedError
 from unbroken.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -120,12 +120,16 @@ class SavePipeline:
         self.durable = durable
         self.staging_dir = staging_dir
         self.local = LocalStore(staging_dir)
+        self.index = DurableIndex(durable)
+        """The coordinator's view of the durable tier's committed steps."""
         self.group = group
         self.config = config
         self._on_done = on_done
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._current: SaveJob | None = None
         self._lock = threading.Lock()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._loop, name="unbroken-ckpt", daemon=True)
         self._thread.start()
 
@@ -136,6 +140,7 @@ class SavePipeline:
             if self._current is not None:
                 raise RuntimeError("a save is still in flight; wait for it first")
             self._current = job
+            self._pending += 1
         self._queue.put(job)
 
     @property
@@ -145,11 +150,18 @@ class SavePipeline:
             return self._current
 
     def wait(self, timeout: float | None = None) -> None:
+        """Until the job in flight is committed or failed (retention may still be running)."""
         job = self.in_flight
         if job is not None and not job.done.wait(timeout):
             raise TimeoutError(f"checkpoint of step {job.step} still in flight after {timeout}s")
 
+    def drain(self) -> None:
+        """Until every submitted job and its retention are finished."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
     def close(self) -> None:
+        """Finish every job and its retention, then stop the worker."""
         self._queue.put(None)
         self._thread.join()
 
@@ -181,6 +193,13 @@ class SavePipeline:
                 self._on_done(job)
             finally:
                 job.done.set()
+            try:
+                if job.manifest is not None:  # housekeeping, before the next job starts
+                    self._after_commit(job.manifest)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
 
     def _agree(self, problem: str | None, what: str, exc: BaseException | None) -> None:
         """Raise on every rank if ``problem`` is set on any rank (``exc``: this rank's)."""
@@ -199,7 +218,7 @@ class SavePipeline:
         try:
             job.staged.wait()
             os.makedirs(local_dir, exist_ok=True)
-            if g.is_coordinator and self.durable.exists(f"{name}/{MANIFEST}"):
+            if g.is_coordinator and step in self.index.committed_steps():
                 problem = (
                     f"step {step} is already committed at {self.durable.url_for(name)}; "
                     "a committed checkpoint is never overwritten"
@@ -253,7 +272,12 @@ class SavePipeline:
         if outcome[0] != "ok":
             raise _PhaseFailed(outcome[1]) from exc
         manifest = Manifest.from_json(outcome[1], where=self.durable.url_for(name))
-        self._after_commit(manifest, outcome[1])
+        try:  # the local copy counts as whole once its manifest copy is there
+            self.local.write_bytes(f"{name}/{MANIFEST}", outcome[1])
+        except Exception as e:
+            log.warning(
+                "step %d: could not copy the manifest to the staging tier: %s", step, describe(e)
+            )
         return manifest
 
     def _write_rng(self, local_dir: str, rng: dict[str, Any]) -> FileRecord:
@@ -295,19 +319,11 @@ class SavePipeline:
             write_manifest(self.durable, manifest)
         except Exception as e:
             return ("error", f"step {job.step}: writing the commit record failed: {describe(e)}")
+        self.index.add(manifest)
         return ("ok", manifest.to_json())
 
-    def _after_commit(self, manifest: Manifest, data: bytes) -> None:
-        """Local copy of the commit record, then retention on both tiers (best effort)."""
-        name = step_dir(manifest.step)
-        try:
-            self.local.write_bytes(f"{name}/{MANIFEST}", data)
-        except Exception as e:
-            log.warning(
-                "step %d: could not copy the manifest to the staging tier: %s",
-                manifest.step,
-                describe(e),
-            )
+    def _after_commit(self, manifest: Manifest) -> None:
+        """Retention on both tiers (best effort; a failure here never fails the save)."""
         self._prune_local(manifest.step)
         if self.group.is_coordinator:
             try:
@@ -332,7 +348,7 @@ class SavePipeline:
 
     def _prune_durable(self) -> None:
         doomed = plan_deletions(
-            list_checkpoints(self.durable),
+            self.index.checkpoints(),
             keep_last=self.config.keep_last,
             keep_every_steps=self.config.keep_every_steps,
         )
@@ -340,4 +356,5 @@ class SavePipeline:
             name = step_dir(step)
             self.durable.delete(f"{name}/{MANIFEST}")  # uncommit first, then the rest
             self.durable.delete(name)
+            self.index.forget(step)
             log.info("retention: deleted %s", self.durable.url_for(name))

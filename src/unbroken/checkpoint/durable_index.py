@@ -1,0 +1,85 @@
+"""What the coordinator knows about the durable tier, kept current at one listing per save.
+
+The catalog reads every manifest to decide what is committed: right for a cold look, but
+on a remote with 20 ms per request it would add a round trip per kept checkpoint to every
+save. The coordinator reads the catalog once, then trusts its own commits and deletions;
+each retention pass costs one listing (to see partial steps) plus the deletions. A
+manifest that appears without this process writing it sends it back to the catalog.
+"""
+
+from __future__ import annotations
+
+from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
+from unbroken.checkpoint.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
+from unbroken.storage import Store
+
+
+class DurableIndex:
+    """Committed checkpoints of one durable tier, as this (coordinator) process knows them."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._committed: dict[int, CheckpointInfo] | None = None
+
+    def committed_steps(self) -> set[int]:
+        """Steps committed in the durable tier (read from the catalog the first time)."""
+        if self._committed is None:
+            self._reload()
+        assert self._committed is not None
+        return set(self._committed)
+
+    def add(self, manifest: Manifest) -> None:
+        """Record a commit this process just made."""
+        if self._committed is None:
+            self._reload()
+        assert self._committed is not None
+        self._committed[manifest.step] = CheckpointInfo(
+            manifest.step,
+            True,
+            manifest.nbytes,
+            manifest.created,
+            manifest.world_size,
+            self.store.url_for(step_dir(manifest.step)),
+            None,
+        )
+
+    def forget(self, step: int) -> None:
+        if self._committed is not None:
+            self._committed.pop(step, None)
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Every step directory, committed or partial, by step: one listing of the root."""
+        if self._committed is None:
+            return self._reload()
+        by_step: dict[int, int] = {}
+        manifests: set[int] = set()
+        for entry in self.store.list(""):
+            head, _, rest = entry.key.partition("/")
+            step = parse_step_dir(head)
+            if step is None:
+                continue
+            by_step[step] = by_step.get(step, 0) + entry.size
+            if rest == MANIFEST_NAME:
+                manifests.add(step)
+        if manifests - set(self._committed):
+            return self._reload()  # someone else committed here: read it properly
+        for gone in set(self._committed) - manifests:
+            del self._committed[gone]
+        return [
+            self._committed.get(step)
+            or CheckpointInfo(
+                step,
+                False,
+                nbytes,
+                None,
+                None,
+                self.store.url_for(step_dir(step)),
+                "no manifest (not committed)",
+            )
+            for step, nbytes in sorted(by_step.items())
+        ]
+
+    def _reload(self) -> list[CheckpointInfo]:
+        infos = list_checkpoints(self.store)
+        self._committed = {c.step: c for c in infos if c.committed}
+        return infos
