@@ -7,8 +7,8 @@ dcp.async_save with its defaults, dcp.async_save with its best working options, 
 unbroken.CheckpointManager. Prints one table, the targets, and a final JSON line of
 ratios. See bench/README.md, section bench/checkpoint.py.
 
-    python bench/checkpoint.py --quick          # tiny state, < 1 minute
-    python bench/checkpoint.py --params-gb 1    # the full run (minutes to an hour)
+    python bench/checkpoint.py --quick   # tiny state, < 1 minute
+    python bench/checkpoint.py           # the full run: 1 GiB params, 1-2 hours on 2 cores
 """
 
 from __future__ import annotations
