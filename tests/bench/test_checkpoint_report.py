@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from _ckpt_job import checksum, model_shape
 from _ckpt_measure import (
     GiB,
     evaluate,
@@ -15,7 +16,7 @@ from _ckpt_measure import (
     format_targets,
     json_line,
 )
-from checkpoint import baseline_loop, checksum, model_shape, parse_args
+from checkpoint import baseline_loop, parse_args
 
 ENV = {
     "state_bytes": 2e9,
