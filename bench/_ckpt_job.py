@@ -81,10 +81,14 @@ class Config:
 # -- the model and its training step ----------------------------------------------------
 
 
-def model_shape(params_bytes: float) -> tuple[int, int]:
-    """(width, layers) of a square MLP with about ``params_bytes`` of fp32 weights."""
+def model_shape(params_bytes: float, min_layers: int = 8) -> tuple[int, int]:
+    """(width, layers) of a square MLP with about ``params_bytes`` of fp32 weights.
+
+    Between ``min_layers`` and twice that many layers of a power-of-two width: 1 GiB is
+    16 layers of 4096 x 4096.
+    """
     params = max(params_bytes / 4, 64 * 64 * 2)
-    width = int(2 ** math.floor(math.log2(math.sqrt(params / 8))))
+    width = int(2 ** math.floor(math.log2(math.sqrt(params / min_layers))))
     width = min(8192, max(64, width))
     return width, max(2, round(params / (width * width)))
 
@@ -93,7 +97,7 @@ def build(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    width, layers = model_shape(cfg.params_gb * (1 << 30))
+    width, layers = model_shape(cfg.params_gb * (1 << 30), 2 if cfg.quick else 8)
     blocks = []
     for _ in range(layers):
         linear = torch.nn.Linear(width, width, bias=False)

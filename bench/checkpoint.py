@@ -170,8 +170,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument(
         "--baseline-twice",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run the no-saves baseline first and last, to show the noise (default: on)",
+        default=None,
+        help="run the no-saves baseline first and last, to show the noise "
+        "(default: on, off with --quick)",
     )
     p.add_argument("--work-dir", default=None, help="scratch directory (a fresh temp dir)")
     p.add_argument(
@@ -188,7 +189,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     if unknown:
         p.error(f"unknown rows {unknown}; choose from {list(ROW_CLASSES)}")
     keys = ["baseline"] + [k for k in keys if k not in BASELINES]
-    if a.baseline_twice:
+    if a.baseline_twice or (a.baseline_twice is None and not a.quick):
         keys.append("baseline_end")
     for name in ("params_gb", "saves", "every", "row_timeout"):
         value = getattr(a, name)

@@ -98,18 +98,24 @@ def test_json_line_is_one_line_with_nulls_for_nan():
 def test_model_shape_sizes():
     width, layers = model_shape(1 << 30)
     assert abs(width * width * layers * 4 - (1 << 30)) / (1 << 30) < 0.1
+    assert model_shape(1 << 30) == (4096, 16)
     width, layers = model_shape(4e6)
     assert layers >= 2 and width >= 64
+    width, layers = model_shape(4 << 20, 2)
+    assert layers <= 4 and abs(width * width * layers * 4 - (4 << 20)) / (4 << 20) < 0.1
 
 
 def test_cli_defaults_and_bad_arguments(capsys):
     quick = parse_args(["--quick", "--rows", "floor,unbroken"])
-    assert quick.rows == ("baseline", "floor", "unbroken", "baseline_end")
-    once = parse_args(["--quick", "--rows", "baseline,dcp_save", "--no-baseline-twice"])
+    assert quick.rows == ("baseline", "floor", "unbroken")
+    twice = parse_args(["--quick", "--rows", "baseline,dcp_save", "--baseline-twice"])
+    assert twice.rows == ("baseline", "dcp_save", "baseline_end")
+    once = parse_args(["--rows", "dcp_save", "--no-baseline-twice"])
     assert once.rows == ("baseline", "dcp_save")
     assert quick.params_gb < 0.05 and not quick.isolate and quick.saves == 3
     full = parse_args(["--work-dir", "/tmp/x"])
     assert full.params_gb == 1.0 and full.saves == 20 and full.isolate
+    assert full.rows[0] == "baseline" and full.rows[-1] == "baseline_end"
     with pytest.raises(SystemExit):
         parse_args(["--rows", "floor,tensorstore"])
     assert "tensorstore" in capsys.readouterr().err

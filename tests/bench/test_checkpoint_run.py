@@ -44,6 +44,7 @@ def test_quick_floor_row(tmp_path):
     (tmp_path / "r").mkdir()
     stdout, _ = run_bench(
         "--quick",
+        "--baseline-twice",
         "--rows",
         "floor",
         "--saves",
@@ -83,6 +84,7 @@ def test_quick_all_rows(tmp_path):
 def test_a_row_that_overruns_is_na_and_the_run_still_reports(tmp_path):
     stdout, _ = run_bench(
         "--quick",
+        "--baseline-twice",
         "--isolate",
         "--rows",
         "floor",
