@@ -61,15 +61,20 @@ def test_round_trip_every_kind_of_value_and_rng(tmp_path, tier):
 
 def test_maybe_save_cadence_and_retention(tmp_path):
     state = make_state()
+    for step in (1, 99):  # abandoned partial saves of an earlier run, one older, one newer
+        partial = tmp_path / "durable" / step_dir(step)
+        partial.mkdir(parents=True)
+        (partial / "__0_0.distcp").write_bytes(b"half")
+        (tmp_path / "staging" / step_dir(step)).mkdir(parents=True)
     with manager(tmp_path, every_steps=2, keep_last=2, keep_every_steps=4, when_busy="wait") as mgr:
         for step in range(0, 11):
             train(state, [step])
             mgr.maybe_save(step, state)
     infos = mgr.checkpoints()  # after close(): retention has run
     assert [c.step for c in infos if c.committed] == [4, 8, 10]
-    assert all(c.committed for c in infos)
+    assert [c.step for c in infos if not c.committed] == [99]  # newer: maybe in flight
     staged = sorted(os.listdir(tmp_path / "staging"))
-    assert staged == [step_dir(10)], staged  # the local tier keeps the newest only
+    assert staged == [step_dir(10), step_dir(99)], staged  # the newest committed only
 
 
 def test_a_committed_step_is_never_saved_again(tmp_path):
@@ -419,3 +424,48 @@ def test_synchronous_saves_are_committed_on_return(tmp_path):
             due = [s for s in (2, 4, 6) if s <= step]
             assert [c.step for c in mgr.checkpoints() if c.committed] == due[-3:]
         assert mgr.stats.committed == 3 and mgr.stats.skipped_busy == 0
+
+
+def test_a_commit_record_without_its_files_is_skipped(tmp_path):
+    import shutil
+
+    state = make_state()
+    with manager(tmp_path, when_busy="wait") as mgr:
+        mgr.save(2, state)
+        mgr.wait()
+        expected = snapshot(state)
+        train(state, range(3, 5))
+        mgr.save(4, state)
+    shutil.rmtree(tmp_path / "staging")
+    (tmp_path / "durable" / step_dir(4) / "__0_0.distcp").unlink()
+    fresh = make_state(7)
+    with manager(tmp_path) as mgr, pytest.warns(RuntimeWarning, match="incomplete"):
+        assert mgr.restore(fresh) == 2
+    assert_same(snapshot(fresh), expected)
+
+
+def test_durable_copy_loads_with_vanilla_dcp(tmp_path):
+    """Interop: plain dcp.load with FileSystemReader finds the manager's keys."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    state = make_state()
+    train(state, range(1, 3))
+    with manager(tmp_path) as mgr:
+        mgr.save(2, state)
+    fresh = make_state(4)
+    model, optim = fresh["model"], fresh["optim"]
+    sd = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optim),
+        "ema": fresh["ema"],
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, checkpoint_id=str(tmp_path / "durable" / step_dir(2)))
+    for k, v in state["model"].state_dict().items():
+        assert torch.equal(sd["model"][k], v), k
+    assert torch.equal(sd["ema"], state["ema"])

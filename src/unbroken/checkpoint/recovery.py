@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from unbroken.checkpoint.catalog import list_checkpoints
+from unbroken.checkpoint.catalog import missing_or_short
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.errors import (
     CheckpointCorruptError,
@@ -33,7 +33,14 @@ from unbroken.checkpoint.errors import (
     CheckpointMismatchError,
     NoCheckpointError,
 )
-from unbroken.checkpoint.manifest import Manifest, crc32c_bytes, read_manifest, step_dir
+from unbroken.checkpoint.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    crc32c_bytes,
+    parse_step_dir,
+    read_manifest,
+    step_dir,
+)
 from unbroken.checkpoint.pipeline import MANIFEST, describe, rng_file
 from unbroken.checkpoint.planners import SafeLoadPlanner
 from unbroken.checkpoint.reader import TierReader
@@ -78,7 +85,10 @@ def restore(
     """Load the newest loadable committed checkpoint into ``state``; None if none exists."""
     began = time.monotonic()
     flat = collect(state)
-    steps = group.broadcast(_committed_steps(durable) if group.is_coordinator else None)
+    # Steps with a commit record, newest first, and the files present under each: one
+    # listing of the durable tier (each manifest is read only when its step is tried).
+    listed = _agreed_listing(durable, group)
+    steps = sorted(listed, reverse=True)
     if step is not None:
         if step not in steps:
             raise NoCheckpointError(
@@ -91,7 +101,9 @@ def restore(
     problems: list[str] = []
     for s in steps:
         for tier, store in (("staging", staging), ("durable", durable)):
-            manifest = _try(state, flat, s, tier, store, durable, group, strict, problems)
+            manifest = _try(
+                state, flat, s, tier, store, durable, group, strict, problems, listed[s]
+            )
             if manifest is not None:
                 where = store.url_for(step_dir(s))
                 return Restored(s, tier, where, time.monotonic() - began, manifest)
@@ -107,8 +119,32 @@ def restore(
     )
 
 
-def _committed_steps(store: Store) -> list[int]:
-    return sorted((c.step for c in list_checkpoints(store) if c.committed), reverse=True)
+def _agreed_listing(durable: Store, group: Group) -> dict[int, dict[str, int]]:
+    """The coordinator's listing on every rank; its failure raises on every rank."""
+    error: BaseException | None = None
+    payload: tuple[str, Any] | None = None
+    if group.is_coordinator:
+        try:
+            payload = ("ok", _listed_commits(durable))
+        except Exception as e:
+            error, payload = e, ("error", describe(e))
+    payload = group.broadcast(payload)
+    if error is not None:
+        raise error
+    if payload[0] != "ok":
+        raise CheckpointError(f"listing checkpoints at {durable.url} failed: {payload[1]}")
+    return payload[1]
+
+
+def _listed_commits(store: Store) -> dict[int, dict[str, int]]:
+    """{step: {file: size}} for every step directory that holds a manifest."""
+    by_step: dict[int, dict[str, int]] = {}
+    for entry in store.list(""):
+        head, _, rest = entry.key.partition("/")
+        step = parse_step_dir(head)
+        if step is not None and rest:
+            by_step.setdefault(step, {})[rest] = entry.size
+    return {s: files for s, files in by_step.items() if MANIFEST_NAME in files}
 
 
 def _try(
@@ -121,11 +157,12 @@ def _try(
     group: Group,
     strict: bool,
     problems: list[str],
+    durable_files: dict[str, int],
 ) -> Manifest | None:
     where = store.url_for(step_dir(step))
     prepared: tuple[Manifest, TierReader, dict | None] | None = None
     try:
-        prepared = _prepare(flat, step, tier, store, durable, group, strict)
+        prepared = _prepare(flat, step, tier, store, durable, group, strict, durable_files)
         mine = _Attempt("ok")
     except _Absent as e:
         mine = _Attempt("absent", str(e))
@@ -193,9 +230,16 @@ def _prepare(
     durable: Store,
     group: Group,
     strict: bool,
+    durable_files: dict[str, int],
 ) -> tuple[Manifest, TierReader, dict | None]:
     name = step_dir(step)
     manifest = read_manifest(durable, step)
+    missing = missing_or_short(manifest, durable_files)
+    if missing:  # a manifest without all its files: damaged, not a commit
+        raise CheckpointCorruptError(
+            f"{durable.url_for(name)} is incomplete: " + "; ".join(missing[:_SHOW]),
+            step=step,
+        )
     if tier == "staging":
         _check_local_copy(store, name, manifest)
     reader = TierReader(store, step, manifest)

@@ -103,10 +103,11 @@ class StagedState:
                 f"staging of {int(self._stats['bytes'])} bytes still copying after {timeout} s"
             )
         job = self._job
+        torn = job.seal()
         if job.error is not None:
             raise CheckpointError(f"staging failed while copying: {job.error!r}") from job.error
-        if job.torn:
-            raise TornSnapshotError(job.torn)
+        if torn:
+            raise TornSnapshotError(torn)
         if not job.complete:
             raise CheckpointError("staging was aborted (released or closed) before it finished")
         if self._released:
@@ -119,7 +120,7 @@ class StagedState:
                 return
             if not self._job.finished.is_set():
                 self._job.abort()
-            self._job.join()
+            self._job.seal()
             self._released = True
         self._on_release(self)
 
@@ -130,10 +131,12 @@ class StagedState:
         self.release()
 
     def _hook_wait(self) -> None:
-        if not self._job.finished.is_set():
-            began = time.perf_counter()
-            self._job.join()
-            self._stats["hook_wait_seconds"] += time.perf_counter() - began
+        """In the step pre-hook, on the training thread: wait for the copy and seal it."""
+        if self._job.sealed:
+            return
+        began = time.perf_counter()
+        self._job.seal()
+        self._stats["hook_wait_seconds"] += time.perf_counter() - began
 
 
 class StateStager:
@@ -141,7 +144,9 @@ class StateStager:
 
     ``max_bytes`` bounds the host buffers (None: whatever the state needs, never more);
     ``pin_memory`` None pins the buffers of CUDA sources; ``shared_memory`` puts CPU
-    buffers in shared memory so another process can write them without a copy.
+    buffers in shared memory so another process can write them without a copy;
+    ``chunk_bytes`` is the CPU copy's step between tearing/abort checks; ``copy_threads``
+    the intra-op threads of the background copy (kept apart from the training loop's).
     """
 
     def __init__(
@@ -151,9 +156,13 @@ class StateStager:
         pin_memory: bool | None = None,
         shared_memory: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        copy_threads: int = 1,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if copy_threads <= 0:
+            raise ValueError(f"copy_threads must be positive, got {copy_threads}")
+        self.copy_threads = copy_threads
         self.pool = HostBufferPool(
             max_bytes=max_bytes, shared_memory=shared_memory, pin_memory=pin_memory
         )
@@ -217,11 +226,14 @@ class StateStager:
             sync = [leaf.name in first_names or _must_copy_now(leaf) for leaf in leaves]
             now = [leaf for leaf, s in zip(leaves, sync) if s]
             later = [leaf for leaf, s in zip(leaves, sync) if not s]
-            torn = copy_now(now, self._streams)
+            torn, first_events = copy_now(now, self._streams)
             if torn:
                 raise TornSnapshotError(torn)
             staged_dict = rebuild(state_dict, iter(staged_values))
-            job = CopyJob(later, self._streams, self.chunk_bytes)
+            # The job also waits for the device copies of `first` before it is done.
+            job = CopyJob(
+                later, self._streams, self.chunk_bytes, self.copy_threads, events=first_events
+            )
             stats = {
                 "bytes": float(sum(leaf.nbytes for leaf in leaves)),
                 "bytes_first": float(sum(leaf.nbytes for leaf in now)),
@@ -241,9 +253,10 @@ class StateStager:
         """Stop any copy, detach from the optimizers and drop the buffers."""
         self._closed = True
         current = self._current
-        if current is not None and not current.done:
-            current._job.abort()
-            current._job.join()
+        if current is not None:
+            if not current.done:
+                current._job.abort()
+            current._job.seal()
         for handle in list(self._hooks.values()):
             handle.remove()
         self._hooks.clear()

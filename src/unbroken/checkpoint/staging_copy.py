@@ -8,6 +8,11 @@ and the copy goes in chunks so an abort (torn source, ``close()``) takes effect 
 Tearing: every leaf records its source's ``_version`` when the snapshot is taken. If that
 counter moved before the leaf's copy finished, the source was written in place during the
 copy and the snapshot is abandoned (``TornSnapshotError``), never kept with mixed values.
+torch bumps the counter only after an in-place op has written its data, so a copy running
+concurrently can read new data while the counter still shows the old version. The
+background thread's checks therefore only abort early; the verdict is sealed later, on
+the training thread (the optimizer step pre-hook) or in ``wait()``, once the ops issued
+before it have finished and bumped their counters (``CopyJob.seal``).
 
 CUDA sources are copied with ``non_blocking=True`` on a side stream that first waits for
 the work already queued on the current stream; the background thread then waits on an
@@ -63,19 +68,21 @@ def side_stream(device: torch.device, streams: dict[torch.device, object]) -> ob
 
 
 @torch.no_grad()
-def copy_now(leaves: Sequence[Leaf], streams: dict[torch.device, object]) -> list[str]:
-    """Copy leaves before returning to the caller; the names of torn ones.
+def copy_now(
+    leaves: Sequence[Leaf], streams: dict[torch.device, object]
+) -> tuple[list[str], list[object]]:
+    """Copy leaves before returning to the caller: the names of torn ones, and the CUDA
+    events that mark the end of their device copies (for ``CopyJob`` to wait on).
 
     For CUDA sources "before" means in stream order: the current stream waits for the copy
     to be done, so a later in-place update (BatchNorm statistics in forward) runs after it.
     """
     cuda = [leaf for leaf in leaves if leaf.src.is_cuda]
-    if cuda:
-        _enqueue_cuda(cuda, streams, fence_current=True)
+    events = _enqueue_cuda(cuda, streams, fence_current=True) if cuda else []
     for leaf in leaves:
         if not leaf.src.is_cuda:
             leaf.dst.copy_(leaf.src)
-    return [leaf.name for leaf in leaves if leaf.changed()]
+    return [leaf.name for leaf in leaves if leaf.changed()], events
 
 
 def _enqueue_cuda(
@@ -108,6 +115,8 @@ class CopyJob:
     leaves: list[Leaf]
     streams: dict[torch.device, object]
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    threads: int = 1
+    """Intra-op threads for the background copy (torch's setting is per thread)."""
     finished: threading.Event = field(default_factory=threading.Event)
     torn: list[str] = field(default_factory=list)
     error: BaseException | None = None
@@ -115,8 +124,12 @@ class CopyJob:
     seconds: float = 0.0
     complete: bool = False
     """Every leaf was copied (no abort, no torn source cut the copy short)."""
+    sealed: bool = False
+    """The verdict (``torn``) is final; later writes to the sources are legitimate."""
     _abort: threading.Event = field(default_factory=threading.Event)
-    _events: list[object] = field(default_factory=list)
+    events: list[object] = field(default_factory=list)
+    """CUDA events the job waits for: the copies queued by ``copy_now`` and its own."""
+    _seal_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
         """Queue the CUDA copies now, then copy the CPU leaves on a background thread.
@@ -127,7 +140,7 @@ class CopyJob:
         cuda = [leaf for leaf in self.leaves if leaf.src.is_cuda]
         if cuda:
             with torch.no_grad():
-                self._events = _enqueue_cuda(cuda, self.streams, fence_current=False)
+                self.events += _enqueue_cuda(cuda, self.streams, fence_current=False)
         threading.Thread(target=self._run, name="unbroken-staging", daemon=True).start()
 
     def abort(self) -> None:
@@ -140,6 +153,9 @@ class CopyJob:
 
     def _run(self) -> None:
         began = time.perf_counter()
+        # A second OpenMP team as wide as the training loop's oversubscribes the cores;
+        # one or two threads already copy at memory bandwidth.
+        torch.set_num_threads(self.threads)
         try:
             with torch.no_grad():
                 complete = True
@@ -147,23 +163,34 @@ class CopyJob:
                     if not leaf.src.is_cuda and not self._copy_cpu(leaf):
                         complete = False
                         break
-                for event in self._events:
+                for event in self.events:
                     event.synchronize()
                 self.bytes_copied += sum(leaf.nbytes for leaf in self.leaves if leaf.src.is_cuda)
-                # Report every source that moved, not only the first one found.
-                self.torn = [leaf.name for leaf in self.leaves if leaf.changed()]
                 self.complete = complete and not self.aborted
         except BaseException as exc:  # surfaced by StagedState.wait()
             self.error = exc
         finally:
             self._quiesce()
-            self.leaves, self._events = [], []  # do not keep the sources alive once copied
+            self.events = []
             self.seconds = time.perf_counter() - began
             self.finished.set()
 
+    def seal(self) -> list[str]:
+        """Wait for the copy, then fix the verdict: every source whose version moved since
+        the snapshot. Call it where the writes that could tear have finished (the training
+        thread, before ``optimizer.step``); after it, writes to the sources are fine."""
+        self.join()
+        with self._seal_lock:
+            if not self.sealed:
+                # Report every source that moved, not only the first one found.
+                self.torn = [leaf.name for leaf in self.leaves if leaf.changed()]
+                self.sealed = True
+                self.leaves = []  # do not keep the sources alive any longer
+        return self.torn
+
     def _quiesce(self) -> None:
         """After a failure too: no queued device copy may still read a source we drop."""
-        for event in self._events:
+        for event in self.events:
             try:
                 event.synchronize()
             except RuntimeError:  # the CUDA error is already recorded in self.error
