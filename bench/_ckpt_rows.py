@@ -16,10 +16,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fsspec.core import url_to_fs
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -186,7 +186,8 @@ class TorchSaveRank0(Row):
     def save(self, step: int) -> None:
         msd, osd = get_state_dict(self.ctx.model, self.ctx.optim, options=self.FULL)
         if self.ctx.rank == 0:
-            with fsspec.open(self._url(step, ".pt"), "wb", **self.ctx.fs_options()) as f:
+            fs, path = url_to_fs(self._url(step, ".pt"), **self.ctx.fs_options())
+            with fs.open(path, "wb") as f:  # a failed torch.save uploads nothing
                 torch.save({"model": msd, "optim": osd}, f)
         del msd, osd
         dist.barrier()
@@ -198,7 +199,8 @@ class TorchSaveRank0(Row):
         osd: dict = {}
         if self.ctx.rank == 0:
             url = self._url(self.saved_steps[-1], ".pt")
-            with fsspec.open(url, "rb", **self.ctx.fs_options()) as f:
+            fs, path = url_to_fs(url, **self.ctx.fs_options())
+            with fs.open(path, "rb") as f:
                 full = torch.load(f, map_location="cpu", weights_only=True)
             msd, osd = full["model"], full["optim"]
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
