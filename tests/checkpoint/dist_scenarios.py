@@ -171,13 +171,17 @@ def scenario_fsdp_load(a: argparse.Namespace) -> None:
 
 
 def scenario_collectives(a: argparse.Namespace) -> None:
-    """Async saves to a slow remote while every step all_reduces on the default group."""
+    """Async saves to a slow remote while every step all_reduces on the default group.
+
+    The cadence is by time (each rank's own clock), so "due" and "busy" must be agreed
+    between ranks on every maybe_save, or the ranks' workers would run different jobs."""
     model = make_model(0)
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     mgr = ub.CheckpointManager(
         a.url,
         staging_dir=a.staging,
-        every_steps=2,
+        every_steps=None,
+        every_seconds=0.05 * (1 + dist.get_rank()),  # a period per rank: clock skew
         keep_last=2,
         storage_options={"latency": 0.01, "bandwidth": "5MB", "link": a.link},
     )

@@ -210,7 +210,7 @@ class CheckpointManager:
         """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
         self._report_failures(raising=False)
         due = self._is_due(step)
-        busy = self._pipeline.in_flight is not None
+        busy = self._stager.busy  # a snapshot still waits for its local write
         if self._fg_group.world_size > 1 and (
             self.config.every_seconds is not None or (due and self.config.when_busy == "skip")
         ):
@@ -248,13 +248,14 @@ class CheckpointManager:
             self.stats.skipped_busy += 1
             log.info("checkpoint step %d skipped: the previous save is still in flight", step)
             return False
-        if self._pipeline.in_flight is not None:
-            self.stats.waited_busy += 1
-            self._pipeline.wait()
-            self.stats.seconds_waited_busy += time.monotonic() - t0
         flat = collect(state)
         self._attach([v for v in state.values() if isinstance(v, torch.optim.Optimizer)])
+        busy, began = self._stager.busy, time.monotonic()
+        # stage() first waits for the previous snapshot's local write, if still running.
         staged = self._stager.stage(flat.tensors, first=flat.first)
+        if busy:
+            self.stats.waited_busy += 1
+            self.stats.seconds_waited_busy += time.monotonic() - began
         job = SaveJob(
             step=step,
             staged=staged,

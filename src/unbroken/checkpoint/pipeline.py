@@ -126,7 +126,7 @@ class SavePipeline:
         self.config = config
         self._on_done = on_done
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
-        self._current: SaveJob | None = None
+        self._jobs: list[SaveJob] = []  # submitted, not yet committed or failed
         self._lock = threading.Lock()
         self._pending = 0
         self._idle = threading.Condition(self._lock)
@@ -136,24 +136,33 @@ class SavePipeline:
     # -- foreground side -------------------------------------------------------------
 
     def submit(self, job: SaveJob) -> None:
+        """Queue a job; the worker runs jobs one at a time, in order.
+
+        A job may be queued while the previous one still uploads: its staging has
+        finished by then (the stager lends its buffers to one snapshot at a time, and the
+        previous job returned them after its local write)."""
         with self._lock:
-            if self._current is not None:
-                raise RuntimeError("a save is still in flight; wait for it first")
-            self._current = job
+            self._jobs.append(job)
             self._pending += 1
         self._queue.put(job)
 
     @property
     def in_flight(self) -> SaveJob | None:
-        """The job not yet finished, if any."""
+        """The newest job not yet committed or failed, if any."""
         with self._lock:
-            return self._current
+            return self._jobs[-1] if self._jobs else None
 
     def wait(self, timeout: float | None = None) -> None:
-        """Until the job in flight is committed or failed (retention may still be running)."""
-        job = self.in_flight
-        if job is not None and not job.done.wait(timeout):
-            raise TimeoutError(f"checkpoint of step {job.step} still in flight after {timeout}s")
+        """Until every queued job is committed or failed (retention may still be running)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not job.done.wait(left):
+                raise TimeoutError(
+                    f"checkpoint of step {job.step} still in flight after {timeout}s"
+                )
 
     def drain(self) -> None:
         """Until every submitted job and its retention are finished."""
@@ -188,7 +197,7 @@ class SavePipeline:
                 job.staged.release()  # idempotent; covers a failure before the local write
             job.seconds["total"] = time.monotonic() - job.submitted
             with self._lock:
-                self._current = None
+                self._jobs.remove(job)
             try:
                 self._on_done(job)
             finally:

@@ -193,7 +193,11 @@ def _try(
             no_dist=group.pg is None,
         )
     except CheckpointException as e:
-        corrupt = any(isinstance(f[0], CheckpointCorruptError) for f in e.failures.values())
+        errors = [f[0] for f in e.failures.values()]
+        for err in errors:
+            if isinstance(err, CheckpointMismatchError):
+                raise CheckpointMismatchError(str(err)) from e
+        corrupt = any(isinstance(err, CheckpointCorruptError) for err in errors)
         _fail(tier, where, describe(e), problems, not corrupt)
         return None
     apply(state, flat, manifest.extra.get("values", {}))
