@@ -1,0 +1,240 @@
+"""Checkpoint benchmark: what each way of saving costs a 2-rank training job.
+
+Rows, measured side by side in one run on real gloo ranks (FSDP2, Adam), every remote
+byte through the same emulated remote (20 ms/request, 200 MB/s node-wide link):
+no saves (the baseline), a memcpy floor, torch.save on rank 0, dcp.save,
+dcp.async_save with its defaults, dcp.async_save with its best working options, and
+unbroken.CheckpointManager. Prints one table, the targets, and a final JSON line of
+ratios. See bench/README.md, section bench/checkpoint.py.
+
+    python bench/checkpoint.py --quick   # tiny state, < 1 minute
+    python bench/checkpoint.py           # the full run: 1 GiB params, 1-2 hours on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _ckpt_job import ROW_CLASSES, ROW_TITLES, Config, rank_main
+from _ckpt_measure import (
+    evaluate,
+    format_table,
+    format_targets,
+    json_line,
+)
+from _ckpt_rows import BASELINES
+
+# -- the parent: launch ranks, survive a failing row, report ----------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(cfg: Config, keys: list[str]) -> str | None:
+    """Run ``keys`` on fresh ranks; None if they all finished, else why they did not."""
+    ctx = mp.start_processes(
+        rank_main, args=(cfg, keys, free_port()), nprocs=cfg.ranks, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + cfg.row_timeout_s * (1 if cfg.isolate else len(keys))
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                return f"timed out after {cfg.row_timeout_s:g} s"
+        return None
+    except ProcessException as e:
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        return lines[-1] if lines else type(e).__name__
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def run_all(cfg: Config) -> dict[str, dict]:
+    results_dir = os.path.join(cfg.work_dir, "results")
+    os.makedirs(results_dir, exist_ok=True)
+    results: dict[str, dict] = {}
+    pending = list(cfg.rows)
+    while pending:
+        batch = list(pending[:1] if cfg.isolate else pending)
+        why = _launch(cfg, batch)
+        for key in batch:
+            path = os.path.join(results_dir, f"{key}.json")
+            pending.remove(key)
+            if not os.path.exists(path):  # the first row without a result is the one that failed
+                results[key] = {"error": why or "rank processes wrote no result"}
+                break  # later rows get a fresh launch
+            with open(path) as f:
+                results[key] = json.load(f)
+        base = results.get("baseline", {})
+        if cfg.every is None and base.get("every"):
+            cfg.every = base["every"]
+    return results
+
+
+def baseline_loop(results: dict[str, dict]) -> tuple[float | None, float | None]:
+    """(loop seconds without saves, the spread between its two runs when there are two)."""
+    loops = [(results.get(k) or {}).get("loop_s") for k in BASELINES]
+    loops = [v for v in loops if v is not None]
+    if not loops:
+        return None, None
+    return sum(loops) / len(loops), (max(loops) - min(loops) if len(loops) > 1 else None)
+
+
+def report(cfg: Config, results: dict[str, dict], started: float) -> str:
+    base_loop, spread = baseline_loop(results)
+    rows = []
+    for key in cfg.rows:
+        r = dict(results.get(key, {"error": "not run"}))
+        r["name"] = ROW_TITLES[key]
+        if not r.get("error") and base_loop is not None and r.get("loop_s") is not None:
+            r["extra_s"] = (r["loop_s"] - base_loop) / cfg.saves
+        rows.append(r)
+        results[key] = r
+    any_row = next((r for r in rows if r.get("state_bytes")), {})
+    state_bytes = any_row.get("state_bytes", 0)
+    env = {
+        "state_bytes": state_bytes,
+        "rank_bytes": any_row.get("rank_bytes", 0),
+        "bandwidth": cfg.bandwidth,
+        "latency": cfg.latency,
+        "local_tier_bps": (results.get("unbroken") or {}).get("local_tier_bps"),
+    }
+    targets, ratios = evaluate(results, env)
+    opts = ", ".join(f"{k}={v}" for k, v in ROW_CLASSES["dcp_async_best"].OPTIONS.items())
+    head = [
+        f"checkpoint benchmark: {cfg.ranks} ranks (gloo, FSDP2, Adam), "
+        f"state {state_bytes / (1 << 30):.3f} GiB in all "
+        f"(params {cfg.params_gb:g} GiB + Adam), {cfg.saves} saves every {cfg.every} steps",
+        f"remote: emulated, {cfg.latency * 1000:g} ms/request, {cfg.bandwidth / 1e6:g} MB/s "
+        f"node-wide link (bytes kept in {cfg.remote_dir}); link floor per save "
+        f"{state_bytes / cfg.bandwidth + cfg.latency:.3f} s",
+        f"dcp.async_save best = DefaultStager(StagingOptions({opts})), "
+        f"AsyncCheckpointerType.PROCESS",
+        "extra wall is against the mean of the no-saves runs"
+        + ("" if spread is None else f"; they differ by {spread / cfg.saves:.3f} s/save (noise)"),
+        "",
+    ]
+    error = (results.get("unbroken") or {}).get("error")
+    extra = {
+        "quick": cfg.quick,
+        "state_gib": round(state_bytes / (1 << 30), 4),
+        "saves": cfg.saves,
+        "every": cfg.every,
+        "ranks": cfg.ranks,
+        "seconds": round(time.time() - started, 1),
+        "noise_s_per_save": None if spread is None else round(spread / cfg.saves, 4),
+        "unbroken_error": error,
+    }
+    return "\n".join(
+        [*head, format_table(rows), "", format_targets(targets), json_line(ratios, extra)]
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny state, few steps: < 1 minute")
+    p.add_argument("--params-gb", type=float, default=None, help="GiB of parameters (1)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--saves", type=int, default=None, help="saves per row (20; quick 3)")
+    p.add_argument("--every", type=int, default=None, help="steps between saves (auto)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument(
+        "--rows",
+        default=",".join(ROW_CLASSES),
+        help=f"comma-separated subset of {','.join(ROW_CLASSES)}",
+    )
+    p.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fresh rank processes per row (default: on, off with --quick)",
+    )
+    p.add_argument(
+        "--baseline-twice",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the no-saves baseline first and last, to show the noise "
+        "(default: on, off with --quick)",
+    )
+    p.add_argument("--work-dir", default=None, help="scratch directory (a fresh temp dir)")
+    p.add_argument(
+        "--remote-dir",
+        default=None,
+        help="where the emulated remote keeps its bytes (default: inside --work-dir); "
+        "e.g. /dev/shm, so the remote's writes do not share the staging tier's disk",
+    )
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    p.add_argument("--row-timeout", type=float, default=None, help="seconds per row")
+    a = p.parse_args(argv)
+    keys = [k.strip() for k in a.rows.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in ROW_CLASSES]
+    if unknown:
+        p.error(f"unknown rows {unknown}; choose from {list(ROW_CLASSES)}")
+    keys = ["baseline"] + [k for k in keys if k not in BASELINES]
+    if a.baseline_twice or (a.baseline_twice is None and not a.quick):
+        keys.append("baseline_end")
+    for name in ("params_gb", "saves", "every", "row_timeout"):
+        value = getattr(a, name)
+        if value is not None and value <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    cfg = Config(
+        params_gb=a.params_gb or (0.004 if a.quick else 1.0),
+        ranks=a.ranks,
+        saves=a.saves or (3 if a.quick else 20),
+        every=a.every,
+        batch=a.batch,
+        rows=tuple(keys),
+        isolate=(not a.quick) if a.isolate is None else a.isolate,
+        link=f"ckpt-bench-{os.getpid()}",
+        work_dir=a.work_dir or "",
+        remote_dir=a.remote_dir or "",
+        pg_timeout_s=120.0 if a.quick else 1800.0,
+        row_timeout_s=a.row_timeout or (120.0 if a.quick else 3600.0),
+        keep=a.keep,
+        quick=a.quick,
+    )
+    if cfg.ranks < 1:
+        p.error(f"--ranks must be >= 1, got {cfg.ranks}")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    started = time.time()
+    cfg.work_dir = cfg.work_dir or tempfile.mkdtemp(prefix="ckpt-bench-")
+    os.makedirs(cfg.work_dir, exist_ok=True)
+    parent = cfg.remote_dir or cfg.work_dir
+    os.makedirs(parent, exist_ok=True)
+    cfg.remote_dir = tempfile.mkdtemp(prefix="ckpt-bench-remote-", dir=parent)
+    try:
+        results = run_all(cfg)
+        print(report(cfg, results, started), flush=True)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/unbroken-link-{cfg.link}.state")
+        if not cfg.keep:
+            shutil.rmtree(cfg.remote_dir, ignore_errors=True)
+            shutil.rmtree(cfg.work_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The pure parts of bench/checkpoint.py: arithmetic of the report, the table, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from _ckpt_job import checksum, model_shape
+from _ckpt_measure import (
+    GiB,
+    evaluate,
+    excess_over_median,
+    format_table,
+    format_targets,
+    json_line,
+)
+from checkpoint import baseline_loop, parse_args
+
+ENV = {
+    "state_bytes": 2e9,
+    "rank_bytes": 1 << 30,
+    "bandwidth": 200e6,
+    "latency": 0.02,
+    "local_tier_bps": 2e9,
+}
+
+
+def test_excess_counts_only_flagged_steps_above_the_median():
+    durations = [1.0, 1.2, 0.9, 3.0, 1.1, 1.0]
+    flagged = [False, False, False, True, False, True]
+    # median of unflagged (1.0, 1.2, 0.9, 1.1) is 1.05
+    assert excess_over_median(durations, flagged) == pytest.approx(3.0 - 1.05)
+    assert excess_over_median([2.0], [True]) == 0.0
+
+
+def test_targets_met_and_not_met():
+    rows = {
+        "torch_save": {"extra_s": 30.0},
+        "dcp_async_default": {"extra_s": 4.0},
+        "dcp_async_best": {"extra_s": 2.0},
+        "floor": {"blocked_s": 0.5},
+        "unbroken": {
+            "extra_s": 0.5,
+            "blocked_s": 0.6,
+            "commit_s": 11.0,
+            "rss_growth": (1 << 30) + (10 << 20),
+            "restore_local_s": 1.0,
+            "restore_durable_s": 20.0,
+        },
+    }
+    targets, ratios = evaluate(rows, ENV)
+    met = {t.name: t.met for t in targets}
+    assert met["extra wall s/save <= 0.5 x best dcp.async_save"] is True  # 0.5 <= 1.0
+    assert met["extra wall s/save <= torch.save / 50"] is True  # 0.5 <= 0.6
+    assert met["commit s <= 1.25 x (bytes/bandwidth + latency)"] is True  # 11 <= 12.525
+    assert met["RSS growth beyond one staging pool ~ 0"] is True  # 10 MiB <= 64 MiB
+    assert met["restore local >= 0.8 x local tier bandwidth"] is True  # 2e9/1 / 2e9 = 1
+    assert met["restore durable >= 0.8 x link bandwidth"] is False  # 1e8 / 2e8 = 0.5
+    assert ratios["extra_wall_unbroken_over_best_dcp_async"] == pytest.approx(0.25)
+    assert ratios["extra_wall_torch_save_over_unbroken"] == pytest.approx(60.0)
+    assert ratios["restore_durable_fraction_of_link_bw"] == pytest.approx(0.5)
+    assert ratios["blocked_unbroken_over_floor"] == pytest.approx(1.2)
+    assert ratios["targets_met"] == 5
+
+
+def test_a_missing_unbroken_row_reports_na_and_keeps_the_baselines():
+    rows = {
+        "dcp_async_best": {"extra_s": 2.0},
+        "unbroken": {"error": "ModuleNotFoundError: No module named 'x'"},
+    }
+    targets, ratios = evaluate(rows, ENV)
+    assert all(t.met is None for t in targets)
+    assert ratios["extra_wall_unbroken_over_best_dcp_async"] is None
+    text = format_targets(targets)
+    assert text.count(": n/a") == len(targets)
+    table = format_table(
+        [
+            {"name": "dcp.save", "blocked_s": 1.25, "peak_pss": 3 * GiB},
+            {"name": "unbroken", "error": "ModuleNotFoundError: x"},
+        ]
+    )
+    lines = table.splitlines()
+    assert lines[0].startswith("row") and set(lines[1]) <= {"-", " "}
+    assert len({len(line) for line in lines[:4]}) == 1  # aligned columns
+    assert "1.250" in lines[2] and "3.00" in lines[2]
+    assert lines[3].split()[1:] == ["n/a"] * 7
+    assert lines[-1].strip() == "unbroken: n/a: ModuleNotFoundError: x"
+
+
+def test_json_line_is_one_line_with_nulls_for_nan():
+    line = json_line({"a": math.nan, "b": 1.234567, "c": None}, {"quick": True})
+    assert "\n" not in line
+    assert json.loads(line) == {"a": None, "b": 1.2346, "c": None, "quick": True}
+
+
+def test_model_shape_sizes():
+    width, layers = model_shape(1 << 30)
+    assert abs(width * width * layers * 4 - (1 << 30)) / (1 << 30) < 0.1
+    assert model_shape(1 << 30) == (4096, 16)
+    width, layers = model_shape(4e6)
+    assert layers >= 2 and width >= 64
+    width, layers = model_shape(4 << 20, 2)
+    assert layers <= 4 and abs(width * width * layers * 4 - (4 << 20)) / (4 << 20) < 0.1
+
+
+def test_cli_defaults_and_bad_arguments(capsys):
+    quick = parse_args(["--quick", "--rows", "floor,unbroken"])
+    assert quick.rows == ("baseline", "floor", "unbroken")
+    twice = parse_args(["--quick", "--rows", "baseline,dcp_save", "--baseline-twice"])
+    assert twice.rows == ("baseline", "dcp_save", "baseline_end")
+    once = parse_args(["--rows", "dcp_save", "--no-baseline-twice"])
+    assert once.rows == ("baseline", "dcp_save")
+    assert quick.params_gb < 0.05 and not quick.isolate and quick.saves == 3
+    full = parse_args(["--work-dir", "/tmp/x"])
+    assert full.params_gb == 1.0 and full.saves == 20 and full.isolate
+    assert full.rows[0] == "baseline" and full.rows[-1] == "baseline_end"
+    with pytest.raises(SystemExit):
+        parse_args(["--rows", "floor,tensorstore"])
+    assert "tensorstore" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--saves", "0"])
+    assert "--saves must be positive" in capsys.readouterr().err
+
+
+def test_baseline_is_the_mean_of_both_runs_and_their_spread_is_the_noise():
+    assert baseline_loop({"baseline": {"loop_s": 10.0}, "baseline_end": {"loop_s": 12.0}}) == (
+        11.0,
+        2.0,
+    )
+    assert baseline_loop({"baseline": {"loop_s": 10.0}, "baseline_end": {"error": "x"}}) == (
+        10.0,
+        None,
+    )
+    assert baseline_loop({"baseline": {"error": "boom"}}) == (None, None)
+
+
+def test_checksum_sees_every_byte_in_its_place():
+    import torch
+
+    a = torch.arange(12.0).reshape(3, 4)
+    assert checksum([a]) == checksum([a.clone()])
+    assert checksum([a]) != checksum([a.flip(0)])  # same values, other places
+    assert len(checksum([torch.tensor(3.0), a.t(), torch.zeros(2, dtype=torch.bfloat16)])) == 3
+
+
+def test_memory_sampler_sees_a_short_lived_allocation():
+    import time
+
+    import torch
+
+    from _ckpt_measure import MemorySampler
+
+    sampler = MemorySampler().start()
+    base = sampler.sample()
+    block = torch.ones(64 << 20)  # 256 MiB, touched
+    time.sleep(0.5)
+    del block
+    peak = sampler.stop()
+    assert peak - base >= 200 << 20
+    assert sampler.sample() - base < 100 << 20  # freed again
+
+
+def test_evicted_files_are_read_back_intact(tmp_path):
+    from _ckpt_measure import cold_read_bandwidth, evict_from_page_cache
+
+    data = bytes(range(256)) * 4096
+    (tmp_path / "d").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "d" / name).write_bytes(data)
+    assert evict_from_page_cache(str(tmp_path / "d")) == 2 * len(data)
+    bps = cold_read_bandwidth([str(tmp_path / "d" / "a"), str(tmp_path / "d" / "b")])
+    assert bps is not None and bps > 0
+    assert (tmp_path / "d" / "a").read_bytes() == data
+    assert cold_read_bandwidth([]) is None

@@ -1,0 +1,102 @@
+"""bench/checkpoint.py end to end: real gloo ranks, real DCP, the emulated remote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPT = os.path.join(ROOT, "bench", "checkpoint.py")
+
+
+def run_bench(*args: str, timeout: float) -> tuple[str, str]:
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, proc.stderr
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("row "))
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.strip() or line.startswith("  "):
+            break
+        cells = line.split("  ")
+        rows[cells[0].strip()] = [c.strip() for c in cells[1:] if c.strip()]
+    return rows
+
+
+@pytest.mark.multiprocess
+def test_quick_floor_row(tmp_path):
+    (tmp_path / "r").mkdir()
+    stdout, _ = run_bench(
+        "--quick",
+        "--baseline-twice",
+        "--rows",
+        "floor",
+        "--saves",
+        "2",
+        "--work-dir",
+        str(tmp_path / "w"),
+        "--remote-dir",
+        str(tmp_path / "r"),
+        timeout=240,
+    )
+    rows = table_rows(stdout)
+    assert set(rows) == {"no saves", "floor (memcpy)", "no saves (again)"}
+    assert "they differ by" in stdout  # the noise between the two baselines
+    floor = rows["floor (memcpy)"]
+    assert len(floor) == 7 and floor[0] != "n/a" and floor[5] != "n/a"  # blocked, local restore
+    assert floor[6] == "n/a"  # a memcpy has no durable tier
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert result["quick"] is True and result["saves"] == 2 and result["targets_total"] == 6
+    assert not (tmp_path / "w").exists()  # scratch removed without --keep
+    assert str(tmp_path / "r") in stdout and os.listdir(tmp_path / "r") == []
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_quick_all_rows(tmp_path):
+    stdout, _ = run_bench("--quick", "--work-dir", str(tmp_path / "w"), timeout=600)
+    rows = table_rows(stdout)
+    for name in ("torch.save rank 0", "dcp.save", "dcp.async_save default", "dcp.async_save best"):
+        cells = rows[name]
+        assert cells[0] != "n/a" and cells[2] != "n/a" and cells[6] != "n/a", (name, stdout)
+    assert "unbroken" in rows
+    last = json.loads(stdout.strip().splitlines()[-1])
+    assert last["targets_total"] == 6
+
+
+@pytest.mark.multiprocess
+def test_a_row_that_overruns_is_na_and_the_run_still_reports(tmp_path):
+    stdout, _ = run_bench(
+        "--quick",
+        "--baseline-twice",
+        "--isolate",
+        "--rows",
+        "floor",
+        "--row-timeout",
+        "0.5",
+        "--work-dir",
+        str(tmp_path / "w"),
+        timeout=240,
+    )
+    rows = table_rows(stdout)
+    assert set(rows) == {"no saves", "floor (memcpy)", "no saves (again)"}
+    assert all(cells == ["n/a"] * 7 for cells in rows.values()), stdout
+    assert stdout.count("timed out after") == 3
+    last = json.loads(stdout.strip().splitlines()[-1])
+    assert last["targets_met"] == 0 and last["unbroken_error"] is None
