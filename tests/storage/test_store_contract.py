@@ -116,3 +116,10 @@ def test_open_store_rejects_bad_input(tmp_path):
     with pytest.raises(TypeError, match="takes no storage options"):
         open_store(str(tmp_path), endpoint_url="http://x")
     assert open_store(f"file://{tmp_path}").url == str(tmp_path)
+
+
+def test_a_prefix_is_not_an_object(store: Store):
+    store.write_bytes("dir/file", b"x")
+    assert not store.exists("dir")
+    with pytest.raises(ObjectNotFoundError):
+        store.info("dir")

@@ -147,7 +147,7 @@ class Store(ABC):
         try:
             self._info(key)
             return True
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):  # a prefix is not an object
             return False
 
     @abstractmethod

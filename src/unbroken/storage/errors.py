@@ -142,6 +142,8 @@ def final_error(op: str, url: str, exc: BaseException, *, attempts: int = 1) -> 
         return exc
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFoundError(f"{where}: not found ({cause})", op=op, url=safe_url)
+    if isinstance(exc, (IsADirectoryError, NotADirectoryError)):
+        return ObjectNotFoundError(f"{where}: not an object ({cause})", op=op, url=safe_url)
     if isinstance(exc, PermissionError):
         return StorePermissionError(f"{where}: permission denied ({cause})", op=op, url=safe_url)
     if is_transient(exc):
