@@ -245,7 +245,7 @@ class SavePipeline:
         job.seconds["staging"] = t1 - t0
         job.seconds["blocking"] = float(job.staged.stats.get("blocking_seconds", 0.0))
 
-        writer = TierWriter(local_dir)
+        writer = TierWriter(local_dir, sync=False)  # the durable tier is what must survive
         try:
             dcp.save(
                 job.staged.state_dict,

@@ -5,7 +5,7 @@ it is, a tensor as its raw bytes (streamed from the tensor's own memory in bound
 chunks, no copy for a contiguous CPU tensor) inside a torch.load-able envelope (see
 :mod:`unbroken.checkpoint.tensor_record`). crc32c is computed as bytes go out, for the
 whole file (the manifest's checksum) and for each payload (what the reader checks).
-Files appear by temp name + fsync + rename + directory fsync. The coordinator's
+Files appear by temp name + fsync + rename + directory fsync (fsync optional). The coordinator's
 ``finish`` writes ``metadata.json`` (what our reader uses) and ``.metadata`` (pickle, for
 vanilla ``dcp.load`` only).
 """
@@ -61,9 +61,13 @@ class TierWriter(StorageWriter):
     wrote (name, size, crc32c); on the coordinator it includes the two metadata files.
     """
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, *, sync: bool = True) -> None:
+        """``sync=False`` skips fsync: for the staging tier, whose copy is used only when
+        its manifest matches the durable one and every byte read is checksummed, and whose
+        files retention usually deletes before the kernel would have written them back."""
         super().__init__()
         self.directory = os.fspath(directory)
+        self.sync = sync
         self.records: list[FileRecord] = []
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = False
@@ -227,7 +231,7 @@ class TierWriter(StorageWriter):
             with open(tmp, "wb", buffering=0) as f:
                 written.append(fill(f))
 
-        atomic_local_write(os.path.join(self.directory, name), fill_path, name)
+        atomic_local_write(os.path.join(self.directory, name), fill_path, name, sync=self.sync)
         size, crc = written[0]
         self.records = [r for r in self.records if r.name != name]
         self.records.append(FileRecord(name, size, crc))

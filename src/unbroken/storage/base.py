@@ -173,15 +173,21 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_local_write(final_path: str, fill: Callable[[str, str], None], key: str) -> None:
-    """Run ``fill(key, tmp)`` into a sibling temp file, fsync it, rename into place."""
+def atomic_local_write(
+    final_path: str, fill: Callable[[str, str], None], key: str, *, sync: bool = True
+) -> None:
+    """Run ``fill(key, tmp)`` into a sibling temp file, fsync it, rename into place.
+
+    ``sync=False`` skips both fsyncs: still atomic for readers, but not durable across a
+    power loss; for copies that are checksummed and can be fetched again."""
     directory = os.path.dirname(os.path.abspath(final_path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, temp_name(os.path.basename(final_path)))
     try:
         fill(key, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        if sync:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, final_path)
     except BaseException:
         try:
@@ -189,4 +195,5 @@ def atomic_local_write(final_path: str, fill: Callable[[str, str], None], key: s
         except FileNotFoundError:
             pass
         raise
-    fsync_dir(directory)
+    if sync:
+        fsync_dir(directory)
