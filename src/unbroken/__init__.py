@@ -5,9 +5,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from unbroken._util.lazy import lazy_getattr
 from unbroken._version import __version__
 from unbroken.storage import (
     Entry,
@@ -41,8 +39,4 @@ __all__ = [
     "open_store",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'unbroken' has no attribute {name!r}")
+__getattr__ = lazy_getattr("unbroken", _LAZY)

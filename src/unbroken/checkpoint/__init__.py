@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from unbroken._util.lazy import lazy_getattr
 
 _LAZY = {
     "CheckpointManager": "unbroken.checkpoint.manager",
@@ -11,8 +10,4 @@ _LAZY = {
 }
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'unbroken.checkpoint' has no attribute {name!r}")
+__getattr__ = lazy_getattr("unbroken.checkpoint", _LAZY)

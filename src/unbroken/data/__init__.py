@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from unbroken._util.lazy import lazy_getattr
 
 _LAZY = {
     "VolumeDataset": "unbroken.data.dataset",
@@ -12,8 +11,4 @@ _LAZY = {
 }
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'unbroken.data' has no attribute {name!r}")
+__getattr__ = lazy_getattr("unbroken.data", _LAZY)
