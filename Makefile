@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) examples/quickstart.py
+	$(PY) examples/demo.py
 
 lint: install
 	$(VENV)/bin/ruff check src tests bench examples
@@ -28,5 +28,8 @@ test: install lint
 slow: install
 	$(PY) -m pytest -q -m slow
 
+# Quick versions of every benchmark (see bench/README.md for the full-size runs).
 bench: install
-	$(PY) bench/store.py
+	$(PY) bench/store.py --quick
+	$(PY) bench/checkpoint.py --quick
+	$(PY) bench/data.py --quick

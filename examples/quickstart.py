@@ -1,8 +1,8 @@
-"""A short end-to-end run of what has landed so far: the storage layer.
+"""The storage layer on its own: writes through a faulty emulated remote all land.
 
 Writes a few objects through the emulated standard remote profile (20 ms per request,
 200 MB/s shared link) with 10% of requests failing transiently, then reads them back
-and checks every byte. Later issues extend this into the full training demo.
+and checks every byte. The full training demo is examples/demo.py (`make demo`).
 """
 
 from __future__ import annotations
