@@ -101,20 +101,29 @@ class CacheLayout:
     def held_reservations(self) -> int:
         """Bytes reserved by fills in progress: the sum over lock files someone holds."""
         total = 0
+        for _path, fd, held in self._probe_locks():
+            if held:  # a live fill (or an evictor, reserving 0)
+                raw = os.pread(fd, _RESERVED.size, _RESERVED_AT)
+                total += _RESERVED.unpack(raw)[0] if len(raw) == _RESERVED.size else 0
+        return total
+
+    def _probe_locks(self) -> Iterator[tuple[str, int, bool]]:
+        """Each lock file, open, and whether a live process holds it (if not, we now do)."""
         for name in os.listdir(self.locks):
             path = os.path.join(self.locks, name)
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError:
                 continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # held: a live fill (or an evictor, reserving 0)
-                raw = os.pread(fd, _RESERVED.size, _RESERVED_AT)
-                total += _RESERVED.unpack(raw)[0] if len(raw) == _RESERVED.size else 0
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held = False
+                except BlockingIOError:
+                    held = True
+                yield path, fd, held
             finally:
                 os.close(fd)
-        return total
 
     def unlock(self, name: str, fd: int) -> None:
         """Release a fill lock taken by :meth:`try_lock` and remove its file."""
@@ -217,21 +226,10 @@ class CacheLayout:
     def sweep_locks(self) -> int:
         """Remove lock files nobody holds: each marks a filler that died mid-fill."""
         removed = 0
-        for name in os.listdir(self.locks):
-            path = os.path.join(self.locks, name)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if _same_file(fd, path):
-                    os.unlink(path)
-                    removed += 1
-            except BlockingIOError:
-                pass  # a live filler holds it
-            finally:
-                os.close(fd)
+        for path, fd, held in self._probe_locks():
+            if not held and _same_file(fd, path):
+                os.unlink(path)
+                removed += 1
         return removed
 
     def sweep_temps(self) -> int:
