@@ -274,6 +274,10 @@ def test_bad_inputs_are_named(tmp_path):
             mgr.save(2, {"optim": opt})
         with pytest.raises(ValueError, match="non-negative"):
             mgr.save(-1, {"x": 1})
+        for bad in ("4", 4.0, True, -2):
+            with pytest.raises(ValueError, match="non-negative int"):
+                mgr.maybe_save(bad, {"x": 1})
+        assert mgr.checkpoints() == []
 
 
 def test_every_seconds_cadence(tmp_path):

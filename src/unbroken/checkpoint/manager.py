@@ -208,6 +208,7 @@ class CheckpointManager:
 
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
+        _check_step(step)
         self._report_failures(raising=False)
         due = self._is_due(step)
         busy = self._stager.busy  # a snapshot still waits for its local write
@@ -221,6 +222,7 @@ class CheckpointManager:
 
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save now (waits for a save still in flight); False if ``step`` is already committed."""
+        _check_step(step)
         self._report_failures(raising=False)
         return self._save(step, state, skip_if_busy=False)
 
@@ -237,8 +239,6 @@ class CheckpointManager:
     def _save(self, step: int, state: Mapping[str, Any], *, skip_if_busy: bool) -> bool:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
         t0 = time.monotonic()
         self.stats.requested += 1
         if step == self._last_step or step in self._committed:
@@ -372,3 +372,8 @@ class CheckpointManager:
             f"CheckpointManager({redact(self.store.url)!r}, staging_dir={self.staging_dir!r}, "
             f"every_steps={self.config.every_steps}, keep_last={self.config.keep_last})"
         )
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
