@@ -59,8 +59,10 @@ def torchrun(
     timeout: float = 120,
     max_restarts: int = 0,
     env: dict[str, str] | None = None,
+    script: Path = SCENARIOS,
 ) -> subprocess.CompletedProcess:
-    """Run ``dist_scenarios.py *args`` on ``nproc`` ranks; kill the whole tree on timeout."""
+    """Run ``script *args`` (default dist_scenarios.py) on ``nproc`` ranks; kill the whole
+    tree on timeout."""
     cmd = [
         sys.executable,
         "-m",
@@ -75,7 +77,7 @@ def torchrun(
         str(max_restarts),
         "--monitor-interval",
         "0.5",
-        str(SCENARIOS),
+        str(script),
         *args,
     ]
     proc = subprocess.Popen(

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
@@ -21,8 +18,7 @@ from unbroken.checkpoint.staging import (
     buffer_keys,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-SRC = ROOT / "src"
+from .distributed import check, torchrun
 
 
 def _model(width: int = 64) -> torch.nn.Module:
@@ -404,23 +400,8 @@ def test_inference_tensors_are_copied_synchronously(stager):
 @pytest.mark.multiprocess
 def test_dtensor_state_of_fsdp2_stages_and_round_trips_through_dcp(tmp_path):
     """Two real ranks (torchrun, gloo): staged DTensors keep mesh/placements; DCP saves them."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(SRC), str(ROOT)]),
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(Path(__file__).with_name("_staging_dtensor_worker.py")),
-        str(tmp_path / "ckpt"),
-    ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    worker = Path(__file__).with_name("_staging_dtensor_worker.py")
+    check(torchrun(2, str(tmp_path / "ckpt"), script=worker, timeout=240))
     assert (tmp_path / "ckpt" / ".metadata").exists()
 
 
