@@ -17,7 +17,7 @@ from typing import Any
 from unbroken._util.sizes import parse_size
 from unbroken.storage.base import Entry, Store
 from unbroken.storage.errors import TransientStoreError
-from unbroken.storage.link import SharedLink
+from unbroken.storage.link import SharedLink, sleep_until
 from unbroken.storage.retry import RetryPolicy
 
 EMULATED_PREFIX = "emulated::"
@@ -92,34 +92,44 @@ class EmulatedStore(Store):
 
     # -- the network ------------------------------------------------------------------
 
-    def _request(self, op: str, key: str) -> None:
-        """One round trip: latency, then the outage and random-failure checks."""
-        if self.profile.latency:
-            time.sleep(self.profile.latency)
+    def _request(self, op: str, key: str) -> float:
+        """One round trip: the outage and random-failure checks, then the latency.
+
+        Returns the monotonic time the first byte can move. A refused request waits
+        out its latency before failing; an accepted one pays it together with its
+        payload in :meth:`_move`, one sleep per request.
+        """
+        ready = time.monotonic() + self.profile.latency
         p = self.profile
-        if (p.outage_at is not None and time.time() >= p.outage_at) or (
+        if (p.outage_at is not None and time.time() + p.latency >= p.outage_at) or (
             p.outage_file and os.path.exists(p.outage_file)
         ):
             self.faults_injected += 1
+            sleep_until(ready)
             raise TransientStoreError(f"emulated outage: {op} {key} refused (remote down)")
         if p.fail_rate and self._rng.random() < p.fail_rate:
             self.faults_injected += 1
+            sleep_until(ready)
             raise TransientStoreError(f"emulated fault: connection reset during {op} {key}")
+        return ready
 
-    def _move(self, nbytes: int) -> None:
+    def _move(self, nbytes: int, ready: float) -> None:
+        """Move ``nbytes`` over the link, starting at ``ready``; returns when all landed."""
         if self.link is not None and nbytes:
-            self.link.transfer(nbytes)
+            self.link.transfer(nbytes, not_before=ready)
+        else:
+            sleep_until(ready)
 
     def _send(self, op: str, key: str, nbytes: int) -> None:
         """Request plus payload upstream; may be cut off halfway."""
-        self._request(op, key)
+        ready = self._request(op, key)
         if self.profile.cut_rate and self._rng.random() < self.profile.cut_rate:
-            self._move(nbytes // 2)
+            self._move(nbytes // 2, ready)
             self.faults_injected += 1
             raise TransientStoreError(
                 f"emulated fault: {op} {key} cut off after {nbytes // 2} of {nbytes} bytes"
             )
-        self._move(nbytes)
+        self._move(nbytes, ready)
 
     # -- hooks --------------------------------------------------------------------------
 
@@ -132,28 +142,28 @@ class EmulatedStore(Store):
         self.inner._upload(local_path, key)
 
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
-        self._request("read_bytes", key)
+        ready = self._request("read_bytes", key)
         data = self.inner._read_bytes(key, start, end)
-        self._move(len(data))
+        self._move(len(data), ready)
         return data
 
     def _download(self, key: str, local_path: str) -> None:
-        self._request("download", key)
+        ready = self._request("download", key)
         self.inner._download(key, local_path)
-        self._move(os.path.getsize(local_path))
+        self._move(os.path.getsize(local_path), ready)
 
     def _info(self, key: str) -> Entry:
-        self._request("info", key)
+        sleep_until(self._request("info", key))
         return self.inner._info(key)
 
     def _exists(self, key: str) -> bool:
-        self._request("exists", key)
+        sleep_until(self._request("exists", key))
         return self.inner._exists(key)
 
     def _list(self, prefix: str) -> list[Entry]:
-        self._request("list", prefix)
+        sleep_until(self._request("list", prefix))
         return self.inner._list(prefix)
 
     def _delete(self, key: str) -> None:
-        self._request("delete", key)
+        sleep_until(self._request("delete", key))
         self.inner._delete(key)

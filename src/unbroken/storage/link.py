@@ -54,31 +54,48 @@ class SharedLink:
             self._fd_pid = os.getpid()
         return self._fd
 
-    def reserve(self, nbytes: int) -> float:
-        """Book ``nbytes`` on the link; returns the monotonic time its last byte lands."""
+    def reserve(self, nbytes: int, not_before: float = 0.0) -> float:
+        """Book ``nbytes`` on the link, starting no earlier than ``not_before`` (monotonic).
+
+        Returns the monotonic time its last byte lands.
+        """
         fd = self._file()
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             raw = os.pread(fd, _STATE.size, 0)
             free_at = _STATE.unpack(raw)[0] if len(raw) == _STATE.size else 0.0
-            start = max(time.monotonic(), free_at)
+            start = max(time.monotonic(), free_at, not_before)
             done = start + nbytes / self.bandwidth
             os.pwrite(fd, _STATE.pack(done), 0)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
         return done
 
-    def transfer(self, nbytes: int) -> None:
-        """Block for as long as moving ``nbytes`` takes on the shared link."""
+    def transfer(self, nbytes: int, not_before: float = 0.0) -> None:
+        """Block for as long as moving ``nbytes`` takes on the shared link.
+
+        The first byte moves no earlier than ``not_before``: a request's latency and its
+        payload then cost one sleep, not two.
+        """
         remaining = int(nbytes)
+        done = not_before
         while remaining > 0:
             chunk = min(CHUNK, remaining)
             remaining -= chunk
-            delay = self.reserve(chunk) - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+            done = self.reserve(chunk, not_before)
+            not_before = 0.0
+            if remaining:
+                sleep_until(done)
+        sleep_until(done)
 
     def close(self) -> None:
         if self._fd is not None and self._fd_pid == os.getpid():
             os.close(self._fd)
         self._fd = None
+
+
+def sleep_until(deadline: float) -> None:
+    """Sleep until the monotonic time ``deadline`` (not at all if it passed)."""
+    delay = deadline - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
