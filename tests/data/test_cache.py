@@ -113,17 +113,17 @@ def test_filler_killed_midway_leaves_nothing_served_and_its_temp_is_swept(
     proc.wait()
     assert not cache.contains(entry)
     assert _temp_files(cache_dir)
-    assert os.listdir(os.path.join(cache_dir, "locks"))  # the dead filler's lock file
+    assert survivor.layout.fillers.dead_reserved() == entry.size  # the dead filler's record
     assert survivor.used_bytes == entry.size  # its reservation is still counted
 
     if recovery == "takeover":  # the next filler of that file cleans up after the dead one
         assert survivor.read(entry) == store.read_bytes(entry.key)
-        assert not _temp_files(cache_dir) and not os.listdir(os.path.join(cache_dir, "locks"))
+        assert not _temp_files(cache_dir) and not _dead_records(cache_dir)
         assert survivor.used_bytes == entry.size == disk_bytes(cache_dir)
         return
     again = LocalCache(store, cache_dir)
-    assert again.swept >= 2  # its temp file and its lock file
-    assert not _temp_files(cache_dir) and not os.listdir(os.path.join(cache_dir, "locks"))
+    assert again.swept >= 2  # its temp file and its record
+    assert not _temp_files(cache_dir) and not _dead_records(cache_dir)
     assert again.used_bytes == 0  # its reservation died with it
     assert again.read(entry) == store.read_bytes(entry.key)
     assert again.used_bytes == entry.size == disk_bytes(cache_dir)
@@ -194,7 +194,7 @@ def test_missing_file_names_it_and_leaves_nothing_behind(store, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"train/missing\.jpg"):
         cache.fetch(Entry("train/missing.jpg", 10, "e"))
     assert cache.used_bytes == 0 == disk_bytes(cache.cache_dir)
-    assert not os.listdir(os.path.join(cache.cache_dir, "locks"))
+    assert cache.layout.fillers.reserved == 0 and not _temp_files(cache.cache_dir)
 
 
 def test_bad_inputs_are_refused(store, tmp_path):
@@ -435,3 +435,94 @@ def test_plans_are_published_only_with_a_limit_and_dead_ones_swept(tmp_path):
     assert len(os.listdir(plans)) == 2
     limited.close()
     assert not os.listdir(plans)
+
+
+def _dead_records(cache_dir: str) -> list[str]:
+    """Records of reserved bytes left by processes that died (crash evidence)."""
+    from unbroken.data.cache_files import FillerRecords
+
+    records = FillerRecords(os.path.join(cache_dir, "fillers"))
+    return [path for path, alive, _ in records.scan() if not alive]
+
+
+def test_fills_create_only_their_published_files_and_delete_nothing(store, tmp_path):
+    """No lock file per fill: on ext4 without a journal every unlinked inode makes the
+    next creates slower for a minute, so a create-and-delete per fill grows quadratic."""
+    entries = put_files(store, 20, size=500)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    before = _all_files(cache.cache_dir)
+    for e in entries:
+        cache.read(e)
+    after = _all_files(cache.cache_dir)
+    assert before <= after  # nothing deleted
+    new = after - before
+    published = {cache.layout.object_path(cache._name(e)) for e in entries}
+    records = {p for p in new if os.path.dirname(p) == cache.layout.fillers.directory}
+    assert new == published | records and len(records) == 1  # one record per process
+    cache.close()
+    assert not os.listdir(cache.layout.fillers.directory)  # idle: the record goes
+
+
+@pytest.mark.multiprocess
+def test_fill_lock_excludes_other_processes_and_dies_with_its_holder(tmp_path):
+    cache, name = _one_cached_name(tmp_path)
+    holder = spawn(
+        "import time\ncache, name = OBJ\nassert cache.layout.try_lock(name) is not None\n"
+        "print('held', flush=True)\ntime.sleep(120)\n",
+        (cache, name),
+        tmp_path,
+    )
+    assert holder.stdout.readline().strip() == b"held", holder.stderr.read().decode()
+    assert cache.layout.try_lock(name) is None  # another process fills it
+    other = cache.layout.try_lock(name + "x")  # other names are not blocked
+    assert other is not None
+    cache.layout.unlock(name + "x", other)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    fd = cache.layout.try_lock(name)  # the kernel dropped the dead holder's lock
+    assert fd is not None
+    cache.layout.unlock(name, fd)
+
+
+@pytest.mark.multiprocess
+def test_a_forked_child_does_not_keep_its_parents_fill_lock(tmp_path):
+    cache, name = _one_cached_name(tmp_path)
+    fd = cache.layout.try_lock(name)
+    r, w = os.pipe()
+    started_r, started_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child lives on while the parent releases the lock
+        os.write(started_w, b"s")  # the fork hooks ran before os.fork() returned here
+        os.read(r, 1)
+        os._exit(0)
+    try:
+        assert os.read(started_r, 1) == b"s"
+        cache.layout.unlock(name, fd)
+        probe = LocalCache(cache.store, cache.cache_dir).layout.try_lock(name)
+        assert probe is not None, "the forked child still holds the parent's fill lock"
+        os.close(probe)
+    finally:
+        os.write(w, b"x")
+        os.waitpid(pid, 0)
+        for end in (r, w, started_r, started_w):
+            os.close(end)
+
+
+def test_a_platform_without_ofd_locks_is_refused_clearly(store, tmp_path, monkeypatch):
+    from unbroken.data import cache_files
+
+    monkeypatch.setattr(cache_files, "_OFD_SETLK", None)
+    with pytest.raises(OSError, match="F_OFD_SETLK"):
+        LocalCache(store, str(tmp_path / "cache"))
+
+
+def _all_files(root: str) -> set[str]:
+    return {os.path.join(d, f) for d, _dirs, files in os.walk(root) for f in files}
+
+
+def _one_cached_name(tmp_path) -> tuple[LocalCache, str]:
+    """A cache over a local store of one file, and that file's cache name."""
+    store = open_store(str(tmp_path / "store"))
+    (entry,) = put_files(store, 1)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    return cache, cache._name(entry)

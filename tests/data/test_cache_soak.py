@@ -58,7 +58,7 @@ def test_random_kills_never_serve_wrong_bytes_and_the_ledger_recovers(tmp_path):
                     continue
                 assert digest == digests[key] and n == sizes[key]
                 served += 1
-        if not os.listdir(os.path.join(cache.cache_dir, "locks")):  # no crash evidence left:
+        if not cache.layout.fillers.dead_reserved():  # no crash evidence left:
             assert cache.used_bytes == disk_bytes(cache.cache_dir)  # exact with no recount
         recovered = LocalCache(store, cache.cache_dir, limit=limit)
         assert recovered.used_bytes == disk_bytes(cache.cache_dir)

@@ -92,3 +92,21 @@ def test_picklable_and_validated(store, tmp_path):
     pf.close()
     with pytest.raises(ValueError, match="depth"):
         Prefetcher(cache, depth=0)
+
+
+def test_cached_files_are_read_by_the_consumer_without_threads(store, tmp_path):
+    entries = put_files(store, 12, size=300)
+    cache = LocalCache(slow(store, latency=0.005), str(tmp_path / "c"))
+    with Prefetcher(cache, depth=4, threads=4) as pf:
+        assert [d for _, d in pf.iterate(entries)] == [store.read_bytes(e.key) for e in entries]
+    assert pf.max_in_flight > 0  # cold: fetched on the threads
+    with Prefetcher(cache, depth=4, threads=4) as warm:
+        it = warm.iterate(entries)
+        first = next(it)
+        # a file cached when the window was planned but gone by its turn is fetched then
+        assert cache.layout.remove_if_unpinned(cache._name(entries[2])) == 300
+        rest = list(it)
+    assert [e for e, _ in [first, *rest]] == entries
+    assert [d for _, d in [first, *rest]] == [store.read_bytes(e.key) for e in entries]
+    assert warm.max_in_flight == 0  # every read ran on the consumer
+    assert cache.stats.misses == 13  # 12 cold, then the one removed

@@ -3,7 +3,8 @@
 ``read(entry)`` serves a file from the cache directory, fetching it from the store on
 first access. A fill is atomic (temp file + rename) and deduplicated across processes
 by a fill lock, so no file is fetched twice at the same time; a crashed filler leaves
-its lock file and maybe a temp file, cleaned up by the next process that finds them.
+its record of reserved bytes and maybe a temp file, cleaned up by the next process that
+finds them.
 With a ``limit``, bytes are reserved before a fetch and files are evicted to make
 room, furthest-future use first (see ``eviction.py``). The on-disk protocol lives in
 ``cache_files.py``; this module decides what to do.
@@ -64,15 +65,17 @@ class LocalCache:
     def _sweep(self) -> int:
         """Clean up after crashed fillers; returns how many leftovers were removed.
 
-        A filler holds its lock file from before it reserves bytes until after it
-        publishes, so a stale lock file is the sign of a crash: only then (or for a new
-        cache) are temp files swept and the ledger recounted from the disk.
+        A filler's record holds bytes from before it creates its temp file until after
+        it publishes, so a dead process's record with bytes reserved is the sign of a
+        crash: only then (or for a new cache) are temp files swept and the ledger
+        recounted from the disk.
         """
         self._plans.sweep_dead()
-        stale = self.layout.sweep_locks()
-        if not stale and self.layout.has_ledger():
+        with self.layout.ledger():
+            crashed, _ = self.layout.fillers.sweep_dead()
+        if not crashed and self.layout.has_ledger():
             return 0
-        removed = stale + self.layout.sweep_temps()
+        removed = crashed + self.layout.sweep_temps()
         self._recount()
         return removed
 
@@ -84,6 +87,7 @@ class LocalCache:
         self._plans = PlanReader(self.layout.plans)
         self._local_fills: dict[str, threading.Event] = {}
         self._mutex = threading.Lock()
+        self._touch = self.limit is not None  # mtimes only order evictions
         _live.add(self)
 
     def __getstate__(self) -> dict:
@@ -114,7 +118,7 @@ class LocalCache:
     def read(self, entry: Entry) -> bytes:
         """The file's bytes: from disk on a hit; fetched (once per node) on a miss."""
         name = self._name(entry)
-        data = self.layout.read_pinned(name, entry.size)
+        data = self.layout.read_pinned(name, entry.size, touch=self._touch)
         if data is None:
             data = self._fill(entry, name, want=True)
         else:
@@ -145,10 +149,13 @@ class LocalCache:
         self._plan.publish([self._name(e) for e in upcoming])
 
     def close(self) -> None:
-        """Withdraw this process's plan. The cached files stay."""
+        """Withdraw this process's plan and record. The cached files stay."""
         if self._plan is not None and self._plan.pid == os.getpid():
             self._plan.close()
         self._plan = None
+        with self.layout.ledger():
+            self.layout.fillers.release()
+        self.layout.close()
 
     # -- fills ------------------------------------------------------------------------
 
@@ -194,14 +201,14 @@ class LocalCache:
                 served = self._serve_published(entry, name, want, waited)
                 if served is not _ABSENT:
                     return served
-                return self._fetch_and_publish(entry, name, fd, want)
+                return self._fetch_and_publish(entry, name, want)
             finally:
                 self.layout.unlock(name, fd)
 
     def _serve_published(self, entry: Entry, name: str, want: bool, waited: bool) -> object:
         """The published copy (its bytes, or None if not ``want``ed); _ABSENT if none."""
         if want:
-            data = self.layout.read_pinned(name, entry.size)
+            data = self.layout.read_pinned(name, entry.size, touch=self._touch)
             if data is None:
                 return _ABSENT
         elif self.layout.is_published(name, entry.size):
@@ -211,29 +218,32 @@ class LocalCache:
         self._stats.add(hits=int(want), waits=int(waited))
         return data
 
-    def _fetch_and_publish(self, entry: Entry, name: str, lock: int, want: bool) -> bytes | None:
-        """Download into a temp file, check its size, rename into place.
+    def _fetch_and_publish(self, entry: Entry, name: str, want: bool) -> bytes | None:
+        """Download into the temp file, check its size, rename into place.
 
-        Runs under the fill lock ``lock``, whose file records the bytes reserved for this
-        fill; every change of the ledger happens together with the change on disk, under
+        Runs under the fill lock of ``name``. Every change of the ledger happens together
+        with the change on disk and of this process's record of reserved bytes, under
         the ledger's lock, so a recount at any moment agrees with the ledger.
         """
         path = self.layout.object_path(name)
-        if self.layout.crash_seen:  # a filler died mid-fill: clean up after it first
-            self.layout.crash_seen = False
-            self.layout.sweep_temps()
-            self._recount()
-        self._reserve(entry.size, lock)
-        tmp = self.layout.temp_path(name)
+        self._reserve(entry.size)
         started = time.monotonic()
         pin = None
         published = False
+        tmp = None
         try:
-            if entry.size <= self.small_file:
-                data = self.store.read_bytes(entry.key)
-                self._check_size(entry, len(data))
-                _write_new(tmp, data)
-            else:
+            tmp, fd = self.layout.create_temp(name)
+            if self.layout.crash_seen:  # a filler died mid-fill: clean up after it
+                self.layout.crash_seen = False
+                self._recover()
+            try:
+                if entry.size <= self.small_file:
+                    data = self.store.read_bytes(entry.key)
+                    self._check_size(entry, len(data))
+                    _write_all(fd, data)
+            finally:
+                os.close(fd)
+            if entry.size > self.small_file:
                 self.store.download(entry.key, tmp)
                 self._check_size(entry, os.path.getsize(tmp))
                 data = None
@@ -242,17 +252,18 @@ class LocalCache:
             with self.layout.ledger() as ledger:
                 ledger.used -= self.layout.size_on_disk(path)  # a damaged copy it replaces
                 os.replace(tmp, path)
-                self.layout.set_reservation(lock, 0)
+                self.layout.fillers.add(-entry.size)
             published = True
             if pin is not None:
                 data = self.layout.read_fd(pin)
         except BaseException:
             if not published:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
                 with self.layout.ledger() as ledger:
+                    if tmp is not None:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(tmp)
                     ledger.used -= entry.size
-                    self.layout.set_reservation(lock, 0)
+                    self.layout.fillers.add(-entry.size)
             raise
         finally:
             if pin is not None:
@@ -272,7 +283,7 @@ class LocalCache:
 
     # -- byte accounting and eviction ---------------------------------------------------
 
-    def _reserve(self, nbytes: int, lock: int) -> None:
+    def _reserve(self, nbytes: int) -> None:
         """Count ``nbytes`` before they land, evicting first if the limit needs it.
 
         If every remaining file is pinned, the fill proceeds anyway: the overshoot is at
@@ -283,7 +294,7 @@ class LocalCache:
                 need = ledger.used + nbytes - self.limit + int(self.limit * EVICT_SLACK)
                 ledger.used -= self._evict(need)
             ledger.used += nbytes
-            self.layout.set_reservation(lock, nbytes)
+            self.layout.fillers.add(nbytes)
 
     def _evict(self, need: int) -> int:
         """Free at least ``need`` bytes if unpinned files allow; returns bytes freed."""
@@ -308,6 +319,13 @@ class LocalCache:
         self._stats.add(evictions=len(evicted), bytes_evicted=freed)
         return freed
 
+    def _recover(self) -> None:
+        """After a filler died mid-fill: drop its record and temp files, recount."""
+        with self.layout.ledger():
+            self.layout.fillers.sweep_dead()
+        self.layout.sweep_temps()
+        self._recount()
+
     def _recount(self) -> None:
         """Set the ledger from the disk: published files plus live fills' reservations.
 
@@ -316,20 +334,16 @@ class LocalCache:
         """
         with self.layout.ledger() as ledger:
             published = sum(c.size for c in self.layout.scan_objects())
-            ledger.used = published + self.layout.held_reservations()
+            ledger.used = published + self.layout.fillers.live_reserved()
             if self.limit is not None and ledger.used > self.limit:
                 ledger.used -= self._evict(ledger.used - self.limit)
 
 
-def _write_new(path: str, data: bytes) -> None:
-    """Create ``path`` with ``data``: raw syscalls, fewest GIL hand-offs in a busy worker."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
+def _write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` to ``fd``: raw syscalls, fewest GIL hand-offs in a busy worker."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def default_cache_dir(store: Store) -> str:
@@ -350,6 +364,7 @@ def _after_fork() -> None:
         cache._local_fills = {}
         cache._plan = None  # the parent's plan and cursor are not this process's
         cache._stats._lock = threading.Lock()
+        cache.layout.after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork)

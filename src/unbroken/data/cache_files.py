@@ -3,8 +3,9 @@
 Layout under ``root`` (nothing outside it is ever created, renamed or deleted)::
 
     objects/<2 hex>/<key hash>-<version hash>   published files, immutable
-    objects/<2 hex>/.<name>.unbroken-tmp-<pid>-<rand>   fills in progress (temp files)
-    locks/<name>.lock      exclusive flock held by the one process filling <name>
+    objects/<2 hex>/.<name>.unbroken-tmp-fill   the fill of <name> in progress
+    fill.locks             one byte-range lock per name, held by the one process filling it
+    fillers/<pid>-<token>  each filling process's reserved bytes, locked while it lives
     plans/<pid>-<token>.plan / .cursor   each process's future access order
     usage                  8-byte ledger of bytes on disk, updated under flock
 
@@ -12,30 +13,39 @@ The version hash covers the source's size and etag, so a changed source has a ne
 name: it is a miss and is fetched afresh. The stale version is in no plan, so it is
 among the first files evicted.
 
-Locks are ``flock`` locks, which the kernel releases when their holder dies: a crashed
-filler never blocks others, and its lock file is swept later. Readers hold a shared
-``flock`` on the file while they read it (the pin); eviction takes an exclusive one
-without waiting and skips the file when it cannot.
+A fill creates exactly one file (its temp file, renamed into place) and deletes none.
+Fill locks are open-file-description byte-range locks (Linux ``F_OFD_SETLK``) at a
+hash of the name in one shared file, not a lock file per fill: on ext4 without a
+journal every new inode is placed past all inodes freed in the last minute, so a
+create-and-unlink per fill makes each later create slower (quadratic over an epoch).
+The kernel drops a dead holder's locks, so a crash never blocks anyone; its temp file
+(fixed name) and its record under ``fillers/`` are the evidence that it died. Readers
+hold a shared ``flock`` on the file while they read it (the pin); eviction takes an
+exclusive one without waiting and skips the file when it cannot.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
 import stat
 import struct
+import threading
+import uuid
 from collections.abc import Iterator
 
 from unbroken.data.eviction import Candidate
-from unbroken.storage.base import is_temp_name, temp_name
-from unbroken.storage.local import LocalStore
+from unbroken.storage.base import TEMP_MARKER, is_temp_name
 
 _LEDGER = struct.Struct("<q")
-_LOCK_RECORD = struct.Struct("<16sq")  # holder pid (text, for people), bytes reserved
 _RESERVED = struct.Struct("<q")
-_RESERVED_AT = 16
+_FLOCK = struct.Struct("=hh4xqqi4x")  # struct flock: type, whence, start, len, pid
+_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", None)
+_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", None)
+_FILL_SUFFIX = TEMP_MARKER + "fill"
 
 
 def object_name(store_url: str, key: str, size: int, etag: str | None) -> str:
@@ -45,19 +55,70 @@ def object_name(store_url: str, key: str, size: int, etag: str | None) -> str:
     return f"{key_hash}-{version}"
 
 
+def require_range_locks() -> None:
+    """Refuse early, with the reason, where open-file-description locks are missing."""
+    if _OFD_SETLK is None:
+        raise OSError(
+            "unbroken's data cache needs Linux open-file-description locks (F_OFD_SETLK, "
+            "Linux >= 3.15) to share one cache between processes; this platform has none"
+        )
+
+
+def _range_lock(fd: int, offset: int, kind: int = fcntl.F_WRLCK) -> bool:
+    """Take (or with F_UNLCK drop) a one-byte OFD lock without waiting; False if held."""
+    try:
+        fcntl.fcntl(fd, _OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _range_held(fd: int, offset: int) -> bool:
+    """True if another open file description holds a lock on byte ``offset``."""
+    raw = fcntl.fcntl(fd, _OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
+    return _FLOCK.unpack(raw)[0] != fcntl.F_UNLCK
+
+
+def _lock_offset(name: str) -> int:
+    """Where the fill lock of ``name`` lives in ``fill.locks``: 62 bits of its hash."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 2
+
+
 class CacheLayout:
     """Paths and file-level operations inside one cache directory."""
 
     def __init__(self, root: str) -> None:
+        require_range_locks()
         self.root = os.path.abspath(os.path.expanduser(root))
         self.objects = os.path.join(self.root, "objects")
-        self.locks = os.path.join(self.root, "locks")
         self.plans = os.path.join(self.root, "plans")
-        for d in (self.objects, self.locks, self.plans):
+        for d in (self.objects, self.plans):
             os.makedirs(d, exist_ok=True)
+        self.fill_locks = os.path.join(self.root, "fill.locks")
+        os.close(os.open(self.fill_locks, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        self.fillers = FillerRecords(os.path.join(self.root, "fillers"))
         self._made: set[str] = set()
+        self._held: set[int] = set()
+        self._ledger_fd: int | None = None
+        self._ledger_pid = 0
+        self._ledger_mutex = threading.Lock()
         self.crash_seen = False
-        """Set when a fill lock left by a dead holder was taken over: the ledger may be off."""
+        """Set when a fill found the temp file of a dead filler: the ledger may be off."""
+
+    def after_fork(self) -> None:
+        """In a forked child: drop the parent's locks, ledger handle and record."""
+        for fd in self._held:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the parent's copy still holds the lock; ours must not
+        self._held = set()
+        if self._ledger_fd is not None and self._ledger_pid != os.getpid():
+            with contextlib.suppress(OSError):
+                os.close(self._ledger_fd)
+            self._ledger_fd = None
+        self._ledger_mutex = threading.Lock()
+        self.fillers.after_fork()
 
     def object_path(self, name: str) -> str:
         return os.path.join(self.objects, name[:2], name)
@@ -71,72 +132,51 @@ class CacheLayout:
         return directory
 
     def temp_path(self, name: str) -> str:
-        return os.path.join(self.shard_dir(name), temp_name(name))
+        """The one temp path of ``name``: only the holder of its fill lock writes it."""
+        return os.path.join(self.shard_dir(name), f".{name}{_FILL_SUFFIX}")
+
+    def create_temp(self, name: str) -> tuple[str, int]:
+        """Create the temp file of ``name`` (fill lock held): its path and an open fd.
+
+        Finding one already there means its last filler died mid-fill: the leftover is
+        replaced and :attr:`crash_seen` is set, so the caller recounts the ledger.
+        """
+        path = self.temp_path(name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            return path, os.open(path, flags, 0o644)
+        except FileExistsError:
+            self.crash_seen = True
+            os.unlink(path)
+            return path, os.open(path, flags, 0o644)
 
     # -- fill locks -------------------------------------------------------------------
 
     def try_lock(self, name: str) -> int | None:
-        """Take the fill lock of ``name`` without waiting: a held fd, or None if busy."""
-        path = os.path.join(self.locks, name + ".lock")
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                return None
-            if _same_file(fd, path):
-                if os.pread(fd, 1, 0):  # a holder wrote here and never removed it: it died
-                    self.crash_seen = True
-                # the holder's pid (for people) and its reservation, none yet. No truncate:
-                # on ext4 a truncate plus a write makes close() flush (auto_da_alloc)
-                os.pwrite(fd, _LOCK_RECORD.pack(f"{os.getpid():<15}\n".encode(), 0), 0)
-                return fd
-            os.close(fd)  # the holder removed that lock file as we opened it: retry
+        """Take the fill lock of ``name`` without waiting: a held fd, or None if busy.
 
-    def set_reservation(self, fd: int, nbytes: int) -> None:
-        """Record in a held fill lock the bytes the ledger counts for that fill."""
-        os.pwrite(fd, _RESERVED.pack(nbytes), _RESERVED_AT)
-
-    def held_reservations(self) -> int:
-        """Bytes reserved by fills in progress: the sum over lock files someone holds."""
-        total = 0
-        for _path, fd, held in self._probe_locks():
-            if held:  # a live fill (or an evictor, reserving 0)
-                raw = os.pread(fd, _RESERVED.size, _RESERVED_AT)
-                total += _RESERVED.unpack(raw)[0] if len(raw) == _RESERVED.size else 0
-        return total
-
-    def _probe_locks(self) -> Iterator[tuple[str, int, bool]]:
-        """Each lock file, open, and whether a live process holds it (if not, we now do)."""
-        for name in os.listdir(self.locks):
-            path = os.path.join(self.locks, name)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    held = False
-                except BlockingIOError:
-                    held = True
-                yield path, fd, held
-            finally:
-                os.close(fd)
+        Each call opens its own file description, so the lock also excludes the other
+        threads of this process.
+        """
+        fd = os.open(self.fill_locks, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if not _range_lock(fd, _lock_offset(name)):
+            os.close(fd)
+            return None
+        self._held.add(fd)
+        return fd
 
     def unlock(self, name: str, fd: int) -> None:
-        """Release a fill lock taken by :meth:`try_lock` and remove its file."""
-        try:
-            os.unlink(os.path.join(self.locks, name + ".lock"))
-        except FileNotFoundError:
-            pass
+        """Release a fill lock taken by :meth:`try_lock` (closing its description does)."""
+        self._held.discard(fd)
         os.close(fd)
 
     # -- pinned reads and eviction -------------------------------------------------------
 
-    def read_pinned(self, name: str, size: int) -> bytes | None:
-        """The published file's bytes, read under a shared pin; None if absent or torn."""
+    def read_pinned(self, name: str, size: int, touch: bool = True) -> bytes | None:
+        """The published file's bytes, read under a shared pin; None if absent or torn.
+
+        ``touch`` refreshes its mtime, the LRU tie-breaker of eviction.
+        """
         path = self.object_path(name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -146,10 +186,10 @@ class CacheLayout:
             fcntl.flock(fd, fcntl.LOCK_SH)
             if os.fstat(fd).st_size != size:  # damaged on disk: the fill replaces it
                 return None
-            with open(fd, "rb", closefd=False) as f:
-                data = f.read()
-            with contextlib.suppress(OSError):
-                os.utime(fd)  # last use, for the LRU tie-breaker
+            data = _read_exactly(fd, size)
+            if touch:
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
             return data
         finally:
             os.close(fd)
@@ -162,9 +202,7 @@ class CacheLayout:
 
     @staticmethod
     def read_fd(fd: int) -> bytes:
-        with open(fd, "rb", closefd=False) as f:
-            f.seek(0)
-            return f.read()
+        return _read_exactly(fd, os.fstat(fd).st_size)
 
     def size_on_disk(self, path: str) -> int:
         """Size of the regular file at ``path``; 0 if there is none."""
@@ -223,18 +261,33 @@ class CacheLayout:
 
     # -- crash leftovers ------------------------------------------------------------------
 
-    def sweep_locks(self) -> int:
-        """Remove lock files nobody holds: each marks a filler that died mid-fill."""
-        removed = 0
-        for path, fd, held in self._probe_locks():
-            if not held and _same_file(fd, path):
-                os.unlink(path)
-                removed += 1
-        return removed
-
     def sweep_temps(self) -> int:
-        """Remove temp files whose filler process is dead (a walk of objects/)."""
-        return LocalStore(self.objects).sweep_temp()
+        """Remove temp files nobody is filling (a walk of objects/, only after a crash).
+
+        A temp file is live exactly while its name's fill lock is held; an older
+        temp name with a pid in it is judged the same way.
+        """
+        removed = 0
+        for shard in _subdirs(self.objects):
+            directory = os.path.join(self.objects, shard)
+            try:
+                names = os.listdir(directory)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for temp in names:
+                if not is_temp_name(temp):
+                    continue
+                fd = self.try_lock(temp[1:].split(TEMP_MARKER, 1)[0])
+                if fd is None:
+                    continue  # its filler is alive
+                try:
+                    os.unlink(os.path.join(directory, temp))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+                finally:
+                    self.unlock(temp, fd)
+        return removed
 
     def has_ledger(self) -> bool:
         return os.path.exists(os.path.join(self.root, "usage"))
@@ -243,15 +296,33 @@ class CacheLayout:
 
     @contextlib.contextmanager
     def ledger(self) -> Iterator[Ledger]:
-        """The node-wide count of bytes on disk, locked for read-modify-write."""
-        fd = os.open(os.path.join(self.root, "usage"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
-        try:
+        """The node-wide count of bytes on disk, locked for read-modify-write.
+
+        One descriptor per process, locked with ``flock`` against other processes and
+        with a mutex against this process's other threads (they share the descriptor).
+        """
+        with self._ledger_mutex:
+            fd = self._ledger_file()
             fcntl.flock(fd, fcntl.LOCK_EX)
-            ledger = Ledger(fd)
-            yield ledger
-            ledger.flush()
-        finally:
-            os.close(fd)
+            try:
+                ledger = Ledger(fd)
+                yield ledger
+                ledger.flush()
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _ledger_file(self) -> int:
+        if self._ledger_fd is None or self._ledger_pid != os.getpid():
+            path = os.path.join(self.root, "usage")
+            self._ledger_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._ledger_pid = os.getpid()
+        return self._ledger_fd
+
+    def close(self) -> None:
+        """Close this process's ledger descriptor (reopened on next use)."""
+        if self._ledger_fd is not None and self._ledger_pid == os.getpid():
+            os.close(self._ledger_fd)
+        self._ledger_fd = None
 
 
 class Ledger:
@@ -266,6 +337,112 @@ class Ledger:
     def flush(self) -> None:
         if self.used != self._original:
             os.pwrite(self._fd, _LEDGER.pack(max(self.used, 0)), 0)
+
+
+class FillerRecords:
+    """Bytes reserved by each process's fills in progress: one small file per process.
+
+    A process creates its record at its first reservation and keeps byte 0 of it
+    locked (an OFD lock) while it lives; the kernel drops the lock when it dies. A
+    recount adds the reservations of live records; an unlocked record with bytes
+    reserved is the mark of a filler that died mid-fill. Every change happens under
+    the ledger's lock, so records, ledger and disk always agree.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+        self.reserved = 0
+        """Bytes this process's fills hold right now (what its record says)."""
+        self._fd: int | None = None
+        self._pid = 0
+        self._path = ""
+
+    def add(self, nbytes: int) -> None:
+        """Change this process's reservation by ``nbytes``. Call under the ledger lock."""
+        if self._fd is None or self._pid != os.getpid():
+            self._create()
+        self.reserved += nbytes
+        os.pwrite(self._fd, _RESERVED.pack(self.reserved), 0)
+
+    def _create(self) -> None:
+        path = os.path.join(self.directory, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        if not _range_lock(fd, 0):
+            os.close(fd)
+            raise OSError(f"cannot lock the new filler record {path}")
+        self._fd, self._pid, self._path, self.reserved = fd, os.getpid(), path, 0
+
+    def release(self) -> None:
+        """Remove this process's record if no fill holds bytes. Call under the ledger lock."""
+        if self._fd is not None and self._pid == os.getpid() and self.reserved == 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
+            os.close(self._fd)
+            self._fd = None
+
+    def after_fork(self) -> None:
+        if self._fd is not None and self._pid != os.getpid():
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # the parent's lock lives on in the parent's copy
+            self._fd = None
+            self.reserved = 0
+
+    def scan(self) -> Iterator[tuple[str, bool, int]]:
+        """(path, alive, bytes reserved) of every record."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for name in names:
+            path = os.path.join(self.directory, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                raw = os.pread(fd, _RESERVED.size, 0)
+                reserved = _RESERVED.unpack(raw)[0] if len(raw) == _RESERVED.size else 0
+                yield path, _range_held(fd, 0), reserved
+            finally:
+                os.close(fd)
+
+    def live_reserved(self) -> int:
+        """Bytes reserved by the fills of live processes."""
+        return sum(reserved for _, alive, reserved in self.scan() if alive)
+
+    def dead_reserved(self) -> int:
+        """Bytes still reserved in the records of dead processes: > 0 after a crash."""
+        return sum(reserved for _, alive, reserved in self.scan() if not alive)
+
+    def sweep_dead(self) -> tuple[int, int]:
+        """Remove dead processes' records: (records that held bytes, bytes they held)."""
+        crashed = held = 0
+        for path, alive, reserved in list(self.scan()):
+            if alive:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            if reserved:
+                crashed += 1
+                held += reserved
+        return crashed, held
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    """``size`` bytes from the start of ``fd`` (one read for a whole small file)."""
+    data = os.pread(fd, size, 0)
+    if len(data) == size:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < size:
+        chunk = os.pread(fd, size - got, got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
 
 
 def _same_file(fd: int, path: str) -> bool:

@@ -1,9 +1,11 @@
 """Read ahead: fetch the next files of a worker's slice on a bounded pool of threads.
 
-``iterate`` yields (entry, bytes) in input order while up to ``depth`` reads are in
+``iterate`` yields (entry, bytes) in input order while up to ``depth`` fetches are in
 flight, so the remote's per-request latency overlaps with the consumer's decode. The
-threads call ``LocalCache.read``: a hit costs a local read, a miss a fetch shared with
-every other process on the node. Memory is bounded by ``depth`` files.
+threads call ``LocalCache.read``: a miss is a fetch shared with every other process on
+the node. A file already cached is read by the consumer itself at its turn: a local
+read costs less than handing it to a thread and back. Memory is bounded by ``depth``
+files.
 """
 
 from __future__ import annotations
@@ -55,18 +57,21 @@ class Prefetcher:
         """
         pool = self._ensure_pool()
         source = iter(entries)
-        window: deque[tuple[Entry, Future[bytes]]] = deque()
+        window: deque[tuple[Entry, Future[bytes] | None]] = deque()
         try:
             while True:
                 while len(window) < self.depth:
                     entry = next(source, None)
                     if entry is None:
                         break
-                    window.append((entry, pool.submit(self._read, entry)))
+                    cached = self.cache.contains(entry)
+                    window.append((entry, None if cached else pool.submit(self._read, entry)))
                 if not window:
                     return
                 entry, future = window.popleft()
-                if not future.done():
+                if future is None:  # cached when planned (or, if evicted since, fetched now)
+                    data = self.cache.read(entry)
+                elif not future.done():
                     started = time.monotonic()
                     data = future.result()
                     self.wait_seconds += time.monotonic() - started
@@ -75,7 +80,8 @@ class Prefetcher:
                 yield entry, data
         finally:
             for _, future in window:
-                future.cancel()
+                if future is not None:
+                    future.cancel()
 
     def _read(self, entry: Entry) -> bytes:
         with self._lock:
