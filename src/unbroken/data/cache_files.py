@@ -37,6 +37,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 
+from unbroken._util.fileio import pread_exactly
 from unbroken.data.eviction import Candidate
 from unbroken.storage.base import TEMP_MARKER, is_temp_name
 
@@ -186,7 +187,7 @@ class CacheLayout:
             fcntl.flock(fd, fcntl.LOCK_SH)
             if os.fstat(fd).st_size != size:  # damaged on disk: the fill replaces it
                 return None
-            data = _read_exactly(fd, size)
+            data = pread_exactly(fd, size)
             if touch:
                 with contextlib.suppress(OSError):
                     os.utime(fd)
@@ -202,7 +203,7 @@ class CacheLayout:
 
     @staticmethod
     def read_fd(fd: int) -> bytes:
-        return _read_exactly(fd, os.fstat(fd).st_size)
+        return pread_exactly(fd, os.fstat(fd).st_size)
 
     def size_on_disk(self, path: str) -> int:
         """Size of the regular file at ``path``; 0 if there is none."""
@@ -427,22 +428,6 @@ class FillerRecords:
                 crashed += 1
                 held += reserved
         return crashed, held
-
-
-def _read_exactly(fd: int, size: int) -> bytes:
-    """``size`` bytes from the start of ``fd`` (one read for a whole small file)."""
-    data = os.pread(fd, size, 0)
-    if len(data) == size:
-        return data
-    parts = [data]
-    got = len(data)
-    while got < size:
-        chunk = os.pread(fd, size - got, got)
-        if not chunk:
-            break
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
 
 
 def _same_file(fd: int, path: str) -> bool:

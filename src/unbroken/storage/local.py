@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 import time
 
+from unbroken._util.fileio import pread_exactly
 from unbroken._util.procs import pid_alive
 from unbroken.storage.base import (
     TEMP_MARKER,
@@ -35,12 +38,16 @@ class LocalStore(Store):
         atomic_local_write(self.path_for(key), fill, key)
 
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
-        with open(self.path_for(key), "rb") as f:
-            if start:
-                f.seek(start)
-            if end is None:
-                return f.read()
-            return f.read(max(0, end - (start or 0)))
+        fd = os.open(self.path_for(key), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", self.path_for(key))
+            start = start or 0
+            stop = st.st_size if end is None else min(end, st.st_size)
+            return pread_exactly(fd, max(0, stop - start), start)
+        finally:
+            os.close(fd)
 
     def _upload(self, local_path: str, key: str) -> None:
         atomic_local_write(self.path_for(key), lambda _k, tmp: copy_file(local_path, tmp), key)
