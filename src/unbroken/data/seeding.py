@@ -32,7 +32,9 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 def seed_rngs(value: int) -> None:
     """Seed the global random / numpy / torch-CPU RNGs from one 64-bit value."""
     random.seed(value)
-    np.random.seed([value & 0xFFFFFFFF, value >> 32])
+    # numpy's legacy seed from an int is a 32-bit init (~2 us); from an array it runs the
+    # slower init_by_array (~30 us per sample between decodes, measured): fold the halves
+    np.random.seed((value ^ (value >> 32)) & 0xFFFFFFFF)
     torch.default_generator.manual_seed(value & 0x7FFFFFFFFFFFFFFF)
 
 
