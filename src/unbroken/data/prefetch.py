@@ -5,7 +5,9 @@ flight, so the remote's per-request latency overlaps with the consumer's decode.
 threads call ``LocalCache.read``: a miss is a fetch shared with every other process on
 the node. A file already cached is read by the consumer itself at its turn: a local
 read costs less than handing it to a thread and back. Memory is bounded by ``depth``
-files.
+files. Threads and results meet on two C-level ``SimpleQueue``s, not futures: on a
+busy worker every lock and condition of a ``ThreadPoolExecutor`` hand-off is CPU taken
+from decode.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from queue import SimpleQueue
 
 from unbroken.data.cache import LocalCache
 from unbroken.storage import Entry
@@ -29,10 +31,12 @@ class Prefetcher:
         self.cache = cache
         self.depth = depth
         self.threads = min(threads, depth)
-        self._pool: ThreadPoolExecutor | None = None
-        self._setup_counters()
+        self._setup()
 
-    def _setup_counters(self) -> None:
+    def _setup(self) -> None:
+        self._tasks: SimpleQueue = SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._idle = 0
         self._lock = threading.Lock()
         self.in_flight = 0
         """Reads running right now."""
@@ -46,66 +50,111 @@ class Prefetcher:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._pool = None
-        self._setup_counters()
+        self._setup()
 
     def iterate(self, entries: Iterable[Entry]) -> Iterator[tuple[Entry, bytes]]:
         """Yield ``(entry, data)`` in the order given, reading ahead by ``depth``.
 
         An error reading a file (missing, unreadable, changed) is raised at that file's
-        turn, after the files before it were yielded; the reads behind it are cancelled.
+        turn, after the files before it were yielded; the reads behind it are dropped.
         """
-        pool = self._ensure_pool()
+        run = _Run()
         source = iter(entries)
-        window: deque[tuple[Entry, Future[bytes] | None]] = deque()
+        window: deque[tuple[int, Entry, bool]] = deque()  # (key, entry, fetched remotely)
+        key = 0
         try:
             while True:
                 while len(window) < self.depth:
                     entry = next(source, None)
                     if entry is None:
                         break
-                    cached = self.cache.contains(entry)
-                    window.append((entry, None if cached else pool.submit(self._read, entry)))
+                    remote = not self.cache.contains(entry)
+                    if remote:
+                        self._submit(run, key, entry)
+                    window.append((key, entry, remote))
+                    key += 1
                 if not window:
                     return
-                entry, future = window.popleft()
-                if future is None:  # cached when planned (or, if evicted since, fetched now)
-                    data = self.cache.read(entry)
-                elif not future.done():
-                    started = time.monotonic()
-                    data = future.result()
-                    self.wait_seconds += time.monotonic() - started
-                else:
-                    data = future.result()
-                yield entry, data
+                k, entry, remote = window.popleft()
+                # cached when planned (or, if evicted since, fetched now)
+                yield entry, (self._take(run, k) if remote else self.cache.read(entry))
         finally:
-            for _, future in window:
-                if future is not None:
-                    future.cancel()
+            run.cancelled = True
 
-    def _read(self, entry: Entry) -> bytes:
+    def _submit(self, run: _Run, key: int, entry: Entry) -> None:
+        with self._lock:  # a thread waiting for work takes it; else start one, up to the cap
+            if self._idle:
+                self._idle -= 1
+                start = False
+            else:
+                start = len(self._workers) < self.threads
+        if start:
+            worker = threading.Thread(target=self._work, name="unbroken-prefetch", daemon=True)
+            self._workers.append(worker)
+            worker.start()
+        self._tasks.put((run, key, entry))
+
+    def _take(self, run: _Run, want: int) -> bytes:
+        """The result of entry ``want``, waiting for it if it has not landed yet."""
+        ready, results = run.ready, run.results
+        while want not in ready and not results.empty():  # landed already: no waiting
+            key, data, error = results.get()
+            ready[key] = (data, error)
+        if want not in ready:
+            started = time.monotonic()
+            while want not in ready:
+                key, data, error = results.get()
+                ready[key] = (data, error)
+            self.wait_seconds += time.monotonic() - started
+        data, error = ready.pop(want)
+        if error is not None:
+            raise error
+        return data
+
+    def _work(self) -> None:
+        tasks = self._tasks
+        while True:
+            task = tasks.get()
+            if task is None:
+                return
+            run, key, entry = task
+            if not run.cancelled:
+                self._read_into(run, key, entry)
+            with self._lock:
+                self._idle += 1
+
+    def _read_into(self, run: _Run, key: int, entry: Entry) -> None:
         with self._lock:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            return self.cache.read(entry)
+            run.results.put((key, self.cache.read(entry), None))
+        except BaseException as exc:  # delivered at this entry's turn
+            run.results.put((key, None, exc))
         finally:
             with self._lock:
                 self.in_flight -= 1
 
-    def _ensure_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="unbroken-prefetch")
-        return self._pool
-
     def close(self) -> None:
         """Stop the I/O threads (waits for the reads already running)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        workers, self._workers = self._workers, []
+        for _ in workers:
+            self._tasks.put(None)
+        for worker in workers:
+            worker.join()
+        self._idle = 0
 
     def __enter__(self) -> Prefetcher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Run:
+    """One ``iterate`` call: its results, and whether its consumer went away."""
+
+    def __init__(self) -> None:
+        self.results: SimpleQueue = SimpleQueue()
+        self.ready: dict[int, tuple[bytes | None, BaseException | None]] = {}
+        self.cancelled = False
