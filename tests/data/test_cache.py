@@ -526,3 +526,34 @@ def _one_cached_name(tmp_path) -> tuple[LocalCache, str]:
     (entry,) = put_files(store, 1)
     cache = LocalCache(store, str(tmp_path / "cache"))
     return cache, cache._name(entry)
+
+
+FULL_DISK = """
+import os, resource, signal
+from unbroken.data.cache import CacheWriteError
+cache, entries = OBJ
+cache.read(entries[0])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # a nearly full disk
+try:
+    cache.read(entries[1])
+except CacheWriteError as e:
+    print("ERROR:", e)
+print("used:", cache.used_bytes)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_full_local_disk_names_the_file_and_the_cache_and_leaves_nothing(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    entries = put_files(store, 2, size=100_000)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    proc = spawn(FULL_DISK, (cache, entries), tmp_path)
+    out, err = proc.communicate(timeout=60)
+    out = out.decode()
+    assert proc.returncode == 0, err.decode()
+    assert f"ERROR: LocalCache: cannot store {entries[1].key!r} (100000 bytes)" in out, out
+    assert str(tmp_path / "cache") in out and "File too large" in out, out
+    assert "used: 100000" in out  # the failed fill's reservation was given back
+    assert not _temp_files(cache.cache_dir) and disk_bytes(cache.cache_dir) == 100_000
+    assert cache.read(entries[1]) == store.read_bytes(entries[1].key)  # room again: fine

@@ -41,6 +41,10 @@ class SourceChangedError(OSError):
     """The remote object no longer matches the size the index recorded for it."""
 
 
+class CacheWriteError(OSError):
+    """The local disk refused a cache write (full, over quota, read-only)."""
+
+
 class LocalCache:
     """Remote files copied to ``cache_dir`` on first access and served from there.
 
@@ -232,7 +236,8 @@ class LocalCache:
         published = False
         tmp = None
         try:
-            tmp, fd = self.layout.create_temp(name)
+            with self._local_write(entry):
+                tmp, fd = self.layout.create_temp(name)
             if self.layout.crash_seen:  # a filler died mid-fill: clean up after it
                 self.layout.crash_seen = False
                 self._recover()
@@ -240,7 +245,8 @@ class LocalCache:
                 if entry.size <= self.small_file:
                     data = self.store.read_bytes(entry.key)
                     self._check_size(entry, len(data))
-                    _write_all(fd, data)
+                    with self._local_write(entry):
+                        _write_all(fd, data)
             finally:
                 os.close(fd)
             if entry.size > self.small_file:
@@ -272,6 +278,17 @@ class LocalCache:
             misses=1, bytes_fetched=entry.size, fetch_seconds=time.monotonic() - started
         )
         return data
+
+    @contextlib.contextmanager
+    def _local_write(self, entry: Entry):
+        """Name the file and the cache when the local disk refuses a write (full, quota)."""
+        try:
+            yield
+        except OSError as exc:
+            raise CacheWriteError(
+                f"LocalCache: cannot store {entry.key!r} ({entry.size} bytes) in the cache "
+                f"at {self.cache_dir}: {exc.strerror or exc}"
+            ) from exc
 
     def _check_size(self, entry: Entry, got: int) -> None:
         if got != entry.size:
