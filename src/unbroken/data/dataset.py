@@ -53,6 +53,11 @@ class VolumeDataset(IterableDataset):
     stock torch DataLoader) it yields this rank's samples of epoch ``self.epoch``
     one by one; :class:`unbroken.DataLoader` drives it batch by batch with exact
     resume.
+
+    Each process fetches up to ``prefetch_threads`` files at once, at most
+    ``prefetch_depth`` files ahead of its decode. To hide a remote's latency a worker
+    needs about (its samples/s) x (seconds per request) fetches in flight: 16 covers
+    500 samples/s per worker at 30 ms per request. Idle fetch threads cost nothing.
     """
 
     def __init__(
@@ -70,8 +75,8 @@ class VolumeDataset(IterableDataset):
         exclude: str | Sequence[str] | None = None,
         on_error: str = "raise",
         storage_options: dict[str, Any] | None = None,
-        prefetch_depth: int = 16,
-        prefetch_threads: int = 8,
+        prefetch_depth: int = 32,
+        prefetch_threads: int = 16,
         index_dir: str | None = None,
         refresh_index: bool = False,
         retry: RetryPolicy | None = None,
