@@ -91,7 +91,8 @@ def test_split_payloads_are_reassembled(store, tmp_path, monkeypatch):
 def test_loading_one_key_reads_only_its_bytes(tmp_path):
     sd = {f"w{i}": torch.randn(64 << 10) for i in range(16)}  # 16 x 256 KiB
     directory, manifest = save_step(tmp_path / "stage", 2, sd)
-    store = open_store(tmp_path / "durable")
+    # A remote: a local directory would be read straight into the tensor, not via read_bytes.
+    store = open_store(f"emulated::{tmp_path / 'durable'}", latency=0.0, bandwidth=None)
     publish(directory, store, manifest)
     reads = []
     original = store.read_bytes

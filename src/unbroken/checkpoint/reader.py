@@ -5,7 +5,10 @@ crc32c. Then, for each shard file this rank needs, it fetches only the byte wind
 hold the requested payloads (nearby payloads merged into one ranged read, a few windows
 in flight), checks each payload's crc32c (recorded in the verified ``metadata.json``)
 before DCP sees a byte, and serves any sub-range DCP's planner asks for, which is how a
-checkpoint saved on N ranks loads on M. Non-tensor values are loaded with
+checkpoint saved on N ranks loads on M. From a local directory (the staging tier), a
+tensor payload that fills its target whole is read straight into the target's memory and
+checksummed there (:mod:`unbroken.checkpoint.direct_read`): one pass, no extra buffer.
+Non-tensor values are loaded with
 ``torch.load(weights_only=True)`` and handed to the planner re-serialized, so the
 planner's own unrestricted ``torch.load`` only ever sees data we already proved safe.
 """
@@ -33,6 +36,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from unbroken.checkpoint.dcp_json import ItemLocation, dtype_from_name, metadata_from_json
+from unbroken.checkpoint.direct_read import read_into, writable_bytes
 from unbroken.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -41,7 +45,7 @@ from unbroken.checkpoint.errors import (
 from unbroken.checkpoint.manifest import METADATA_JSON, Manifest, crc32c_bytes, step_dir
 from unbroken.checkpoint.tensor_record import tensor_from_raw
 from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
-from unbroken.storage import ObjectNotFoundError, Store
+from unbroken.storage import LocalStore, ObjectNotFoundError, Store
 
 WINDOW_BYTES = 64 << 20
 """Most bytes one ranged read fetches (a larger single payload is read alone)."""
@@ -50,6 +54,16 @@ MERGE_GAP = 1 << 20
 IN_FLIGHT = 4
 """Windows fetched concurrently. Memory: about (IN_FLIGHT + 1) * WINDOW_BYTES of windows,
 plus the one large payload being assembled."""
+
+
+@dataclass(frozen=True)
+class DirectRead:
+    """A request whose whole payload lands in its target tensor's memory, in place."""
+
+    request: ReadItem
+    target: torch.Tensor
+    memory: memoryview
+    """The target's bytes (``writable_bytes``): the read buffer."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +189,10 @@ class TierReader(StorageReader):
                     f"step {self.step}: {self.checkpoint_id} has no item {req.storage_index}"
                 )
             by_location.setdefault(loc, []).append(req)
-        for loc, payload in self._fetch(list(by_location)):
+        direct = self._direct_reads(by_location, planner)
+        if direct:
+            self._read_direct(direct, planner)
+        for loc, payload in self._fetch([loc for loc in by_location if loc not in direct]):
             for req in by_location[loc]:
                 self._deliver(req, loc, payload, planner)
 
@@ -282,13 +299,97 @@ class TierReader(StorageReader):
         return window, data
 
     def _verify_payload(self, loc: ItemLocation, payload: memoryview) -> None:
-        if self.verify and (crc := crc32c_bytes(payload)) != loc.crc32c:
+        if self.verify:
+            self._check_crc(loc, crc32c_bytes(payload))
+
+    def _check_crc(self, loc: ItemLocation, crc: int) -> None:
+        if crc != loc.crc32c:
             end = loc.payload_offset + loc.payload_length
             raise self._corrupt(
                 loc.relative_path,
                 f"crc32c mismatch in bytes [{loc.payload_offset}, {end}): "
                 f"{crc:#010x}, expected {loc.crc32c:#010x}",
             )
+
+    # -- reading straight into the targets (local files) ----------------------------
+
+    def _direct_reads(
+        self, by_location: dict[ItemLocation, list[ReadItem]], planner: LoadPlanner
+    ) -> dict[ItemLocation, DirectRead]:
+        """The payloads that can be read into their target in place: a local file, one
+        request for the whole saved tensor, a contiguous CPU target of its dtype and shape.
+        Everything else (sub-ranges when resharding, values, other stores) is fetched."""
+        if not isinstance(self.store, LocalStore):
+            return {}
+        out: dict[ItemLocation, DirectRead] = {}
+        for loc, reqs in by_location.items():
+            if len(reqs) != 1 or loc.dtype is None or loc.shape is None:
+                continue
+            req = reqs[0]
+            if (
+                req.type != LoadItemType.TENSOR
+                or any(req.storage_offsets)
+                or tuple(req.lengths) != tuple(loc.shape)
+            ):
+                continue
+            try:
+                dtype = dtype_from_name(loc.dtype)
+            except ValueError:  # the fetch path reports it
+                continue
+            target = planner.resolve_tensor(req).detach()
+            if target.dtype != dtype or tuple(target.shape) != tuple(loc.shape):
+                continue
+            memory = writable_bytes(target)
+            if memory is not None and memory.nbytes == loc.payload_length:
+                out[loc] = DirectRead(req, target, memory)
+        return out
+
+    def _read_direct(self, direct: dict[ItemLocation, DirectRead], planner: LoadPlanner) -> None:
+        """Read every payload into its target, IN_FLIGHT at a time, each checked as it lands.
+
+        A payload that fails its check has already overwritten its target: the load fails
+        as a whole, as it would after the targets of earlier payloads were written."""
+        fds: dict[str, int] = {}
+        try:
+            for name in sorted({loc.relative_path for loc in direct}):
+                path = self.store.path_for(f"{self.prefix}/{name}")  # type: ignore[attr-defined]
+                try:
+                    fds[name] = os.open(path, os.O_RDONLY)
+                except FileNotFoundError as exc:
+                    raise self._corrupt(name, "file is missing") from exc
+            order = sorted(direct, key=lambda x: (x.relative_path, x.payload_offset))
+            with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="unbroken-read") as pool:
+                reads = [
+                    (
+                        loc,
+                        pool.submit(
+                            read_into,
+                            fds[loc.relative_path],
+                            loc.payload_offset,
+                            direct[loc].memory,
+                            checksum=self.verify,
+                        ),
+                    )
+                    for loc in order
+                ]
+                try:
+                    for loc, fut in reads:
+                        got, crc = fut.result()
+                        if got != loc.payload_length:
+                            end = loc.payload_offset + loc.payload_length
+                            raise self._corrupt(
+                                loc.relative_path,
+                                f"short file: bytes [{loc.payload_offset}, {end}) gave {got}",
+                            )
+                        if self.verify:
+                            self._check_crc(loc, crc)
+                        planner.commit_tensor(direct[loc].request, direct[loc].target)
+                except BaseException:
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     # -- handing data to DCP -------------------------------------------------------
 
