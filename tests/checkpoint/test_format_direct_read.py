@@ -78,10 +78,11 @@ def test_local_tensors_are_read_into_their_targets_not_through_the_store(tmp_pat
     publish(directory, store, manifest)
     reads = spy_reads(store)
     target = {"w": torch.zeros(300, 7), "b": torch.zeros(11), "k": {"x": 0}}
-    w_memory = target["w"].data_ptr()
+    w_memory, w_version = target["w"].data_ptr(), target["w"]._version
     out = load_from(store, manifest, target)
     assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
     assert out["k"] == {"x": 3} and out["w"].data_ptr() == w_memory
+    assert out["w"]._version > w_version  # an in-place write, as copy_ would record it
     # Only the value (bytes, unpickled with weights_only) went through a ranged read.
     shard_reads = [n for key, n in reads if key == f"{step_dir(4)}/{SHARD}"]
     assert len(shard_reads) == 1 and shard_reads[0] < sd["w"].nbytes

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.autograd.graph import increment_version
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -383,6 +384,8 @@ class TierReader(StorageReader):
                             )
                         if self.verify:
                             self._check_crc(loc, crc)
+                        # As copy_ would: autograd and torn-snapshot checks see the write.
+                        increment_version(direct[loc].target)
                         planner.commit_tensor(direct[loc].request, direct[loc].target)
                 except BaseException:
                     pool.shutdown(wait=True, cancel_futures=True)
