@@ -8,9 +8,9 @@ before DCP sees a byte, and serves any sub-range DCP's planner asks for, which i
 checkpoint saved on N ranks loads on M. From a local directory (the staging tier), a
 tensor payload that fills its target whole is read straight into the target's memory and
 checksummed there (:mod:`unbroken.checkpoint.direct_read`): one pass, no extra buffer.
-Non-tensor values are loaded with
-``torch.load(weights_only=True)`` and handed to the planner re-serialized, so the
-planner's own unrestricted ``torch.load`` only ever sees data we already proved safe.
+Non-tensor values are loaded with ``torch.load(weights_only=True)`` and handed to the
+planner re-serialized, so the planner's own unrestricted ``torch.load`` only ever sees
+data we already proved safe.
 """
 
 from __future__ import annotations
