@@ -250,7 +250,7 @@ class LocalCache:
             finally:
                 os.close(fd)
             if entry.size > self.small_file:
-                self.store.download(entry.key, tmp)
+                self.store.download(entry.key, tmp, sync=False)  # a copy: see module doc
                 self._check_size(entry, os.path.getsize(tmp))
                 data = None
                 if want:

@@ -148,8 +148,16 @@ class CacheLayout:
             return path, os.open(path, flags, 0o644)
         except FileExistsError:
             self.crash_seen = True
-            os.unlink(path)
+            self._remove_temps_of(name)  # we hold its lock: every temp of it is stale
             return path, os.open(path, flags, 0o644)
+
+    def _remove_temps_of(self, name: str) -> None:
+        """Remove ``name``'s temp file and any download temp beside it (``..<name>...``)."""
+        directory = self.shard_dir(name)
+        for entry in os.listdir(directory):
+            if is_temp_name(entry) and _temp_owner(entry) == name:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(directory, entry))
 
     # -- fill locks -------------------------------------------------------------------
 
@@ -278,7 +286,7 @@ class CacheLayout:
             for temp in names:
                 if not is_temp_name(temp):
                     continue
-                fd = self.try_lock(temp[1:].split(TEMP_MARKER, 1)[0])
+                fd = self.try_lock(_temp_owner(temp))
                 if fd is None:
                     continue  # its filler is alive
                 try:
@@ -428,6 +436,12 @@ class FillerRecords:
                 crashed += 1
                 held += reserved
         return crashed, held
+
+
+def _temp_owner(temp: str) -> str:
+    """The cache name a temp file belongs to: ``.<name>.unbroken-tmp-fill``, or a
+    download's own temp beside it, ``..<name>.unbroken-tmp-fill.unbroken-tmp-<pid>-<rand>``."""
+    return temp.lstrip(".").split(TEMP_MARKER, 1)[0]
 
 
 def _same_file(fd: int, path: str) -> bool:

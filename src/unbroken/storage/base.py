@@ -99,11 +99,18 @@ class Store(ABC):
             raise FileNotFoundError(f"upload to {self.url_for(key)}: no local file {local_path}")
         self._run("upload", key, lambda: self._upload(local_path, key))
 
-    def download(self, key: str, local_path: str | os.PathLike) -> None:
-        """Copy ``key`` to a local file; the local file appears whole or not at all."""
+    def download(self, key: str, local_path: str | os.PathLike, *, sync: bool = True) -> None:
+        """Copy ``key`` to a local file; the local file appears whole or not at all.
+
+        ``sync=False`` skips the fsyncs: for a copy that can be fetched again (a cache).
+        """
         key = check_key(key)
         local_path = os.fspath(local_path)
-        self._run("download", key, lambda: atomic_local_write(local_path, self._download, key))
+
+        def write() -> None:
+            atomic_local_write(local_path, self._download, key, sync=sync)
+
+        self._run("download", key, write)
 
     def exists(self, key: str) -> bool:
         key = check_key(key)
