@@ -557,3 +557,36 @@ def test_a_full_local_disk_names_the_file_and_the_cache_and_leaves_nothing(tmp_p
     assert "used: 100000" in out  # the failed fill's reservation was given back
     assert not _temp_files(cache.cache_dir) and disk_bytes(cache.cache_dir) == 100_000
     assert cache.read(entries[1]) == store.read_bytes(entries[1].key)  # room again: fine
+
+
+def test_a_cache_without_its_ledger_file_is_recounted_on_open(store, tmp_path):
+    entries = put_files(store, 3, size=700)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    for e in entries:
+        cache.read(e)
+    os.unlink(os.path.join(cache.cache_dir, "usage"))  # lost, or a restored directory
+    again = LocalCache(store, cache.cache_dir)
+    assert again.used_bytes == 2100 == disk_bytes(cache.cache_dir)
+
+
+def test_files_cached_before_a_restart_are_dropped(store, tmp_path, caplog):
+    """Fills are not fsynced: after a power loss a file may have its size and zeroed
+    blocks. A different kernel boot id means nothing cached before can be trusted."""
+    entries = put_files(store, 3, size=700)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    for e in entries:
+        cache.read(e)
+    boot_file = os.path.join(cache.cache_dir, "boot_id")
+    with open("/proc/sys/kernel/random/boot_id") as now, open(boot_file) as recorded:
+        assert recorded.read() == now.read().strip()
+    assert LocalCache(store, cache.cache_dir).swept == 0  # same boot: all kept
+    assert all(cache.contains(e) for e in entries)
+    with open(boot_file, "w") as f:
+        f.write("00000000-0000-0000-0000-000000000000")  # as if written before a restart
+    with caplog.at_level("WARNING"):
+        after = LocalCache(store, cache.cache_dir)
+    assert "restarted" in caplog.text and "dropped 3 cached files" in caplog.text
+    assert not any(after.contains(e) for e in entries)
+    assert after.used_bytes == 0 == disk_bytes(cache.cache_dir)
+    assert after.read(entries[0]) == store.read_bytes(entries[0].key)  # refetched
+    assert after.used_bytes == 700

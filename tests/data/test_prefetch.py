@@ -110,3 +110,29 @@ def test_cached_files_are_read_by_the_consumer_without_threads(store, tmp_path):
     assert [d for _, d in [first, *rest]] == [store.read_bytes(e.key) for e in entries]
     assert warm.max_in_flight == 0  # every read ran on the consumer
     assert cache.stats.misses == 13  # 12 cold, then the one removed
+
+
+def test_a_bad_entry_fails_at_its_own_turn_not_when_it_enters_the_window(store, tmp_path):
+    good = put_files(store, 4, size=100)
+    cache = LocalCache(store, str(tmp_path / "c"))
+    seen = []
+    with Prefetcher(cache, depth=8, threads=2) as pf, pytest.raises(TypeError, match="Entry"):
+        for entry, _ in pf.iterate([good[0], good[1], "not-an-entry", good[2]]):
+            seen.append(entry)
+    assert seen == good[:2]
+
+
+def test_an_unclosed_prefetcher_stops_its_threads_when_dropped(store, tmp_path):
+    import gc
+    import threading
+
+    entries = put_files(store, 6, size=100)
+    pf = Prefetcher(LocalCache(slow(store, latency=0.005), str(tmp_path / "c")), 4, 4)
+    list(pf.iterate(entries))
+    workers = [t for t in threading.enumerate() if t.name == "unbroken-prefetch"]
+    assert workers
+    del pf
+    gc.collect()
+    for t in workers:
+        t.join(5)
+    assert not any(t.is_alive() for t in workers)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from unbroken._util.sizes import parse_size
 from unbroken.data.access_plan import PlanReader, PlanWriter
-from unbroken.data.cache_files import CacheLayout, object_name
+from unbroken.data.cache_files import CacheLayout, Ledger, object_name
 from unbroken.data.cache_stats import CacheStats
 from unbroken.data.eviction import evict_until, next_use
 from unbroken.storage import Entry, Store
@@ -75,12 +75,15 @@ class LocalCache:
         recounted from the disk.
         """
         self._plans.sweep_dead()
-        with self.layout.ledger():
+        fresh = not self.layout.has_ledger()  # before ledger() creates it
+        with self.layout.ledger() as ledger:  # one hold: the evidence goes with the recount
+            if self.layout.check_boot(ledger):
+                fresh = True
             crashed, _ = self.layout.fillers.sweep_dead()
-        if not crashed and self.layout.has_ledger():
-            return 0
-        removed = crashed + self.layout.sweep_temps()
-        self._recount()
+            if not crashed and not fresh:
+                return 0
+            removed = crashed + self.layout.sweep_temps()
+            self._recount_into(ledger)
         return removed
 
     def _setup(self) -> None:
@@ -238,10 +241,10 @@ class LocalCache:
         try:
             with self._local_write(entry):
                 tmp, fd = self.layout.create_temp(name)
-            if self.layout.crash_seen:  # a filler died mid-fill: clean up after it
-                self.layout.crash_seen = False
-                self._recover()
             try:
+                if self.layout.crash_seen:  # a filler died mid-fill: clean up after it
+                    self.layout.crash_seen = False
+                    self._recover()
                 if entry.size <= self.small_file:
                     data = self.store.read_bytes(entry.key)
                     self._check_size(entry, len(data))
@@ -256,10 +259,11 @@ class LocalCache:
                 if want:
                     pin = self.layout.pin(tmp)  # so it cannot vanish before it is read
             with self.layout.ledger() as ledger:
-                ledger.used -= self.layout.size_on_disk(path)  # a damaged copy it replaces
+                replaced = self.layout.size_on_disk(path)  # a damaged copy it replaces
                 os.replace(tmp, path)
+                published = True
+                ledger.used -= replaced
                 self.layout.fillers.add(-entry.size)
-            published = True
             if pin is not None:
                 data = self.layout.read_fd(pin)
         except BaseException:
@@ -309,12 +313,13 @@ class LocalCache:
         with self.layout.ledger() as ledger:
             if self.limit is not None and ledger.used + nbytes > self.limit:
                 need = ledger.used + nbytes - self.limit + int(self.limit * EVICT_SLACK)
-                ledger.used -= self._evict(need)
-            ledger.used += nbytes
+                self._evict(need, ledger)
             self.layout.fillers.add(nbytes)
+            ledger.used += nbytes
 
-    def _evict(self, need: int) -> int:
-        """Free at least ``need`` bytes if unpinned files allow; returns bytes freed."""
+    def _evict(self, need: int, ledger: Ledger) -> None:
+        """Free at least ``need`` bytes if unpinned files allow, counting each in ``ledger``
+        as it goes (an error midway leaves the count right for what was removed)."""
         upcoming = next_use(self._plans.load())
         sizes: dict[str, int] = {}
 
@@ -329,31 +334,29 @@ class LocalCache:
             if size is None:
                 return False
             sizes[c.name] = size
+            ledger.used -= size
             return True
 
         evicted = evict_until(self.layout.scan_objects(), upcoming, need, evict)
-        freed = sum(sizes.values())
-        self._stats.add(evictions=len(evicted), bytes_evicted=freed)
-        return freed
+        self._stats.add(evictions=len(evicted), bytes_evicted=sum(sizes.values()))
 
     def _recover(self) -> None:
         """After a filler died mid-fill: drop its record and temp files, recount."""
-        with self.layout.ledger():
+        with self.layout.ledger() as ledger:
             self.layout.fillers.sweep_dead()
-        self.layout.sweep_temps()
-        self._recount()
+            self.layout.sweep_temps()
+            self._recount_into(ledger)
 
-    def _recount(self) -> None:
-        """Set the ledger from the disk: published files plus live fills' reservations.
+    def _recount_into(self, ledger: Ledger) -> None:
+        """Set ``ledger`` (held) from the disk: published files plus live reservations.
 
         Exact even while other processes fill and evict: each of them changes the disk
-        and the ledger together under the ledger's lock, which the recount holds.
+        and the ledger together under the ledger's lock, which the caller holds.
         """
-        with self.layout.ledger() as ledger:
-            published = sum(c.size for c in self.layout.scan_objects())
-            ledger.used = published + self.layout.fillers.live_reserved()
-            if self.limit is not None and ledger.used > self.limit:
-                ledger.used -= self._evict(ledger.used - self.limit)
+        published = sum(c.size for c in self.layout.scan_objects())
+        ledger.used = published + self.layout.fillers.live_reserved()
+        if self.limit is not None and ledger.used > self.limit:
+            self._evict(ledger.used - self.limit, ledger)
 
 
 def _write_all(fd: int, data: bytes) -> None:

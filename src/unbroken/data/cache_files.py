@@ -30,6 +30,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import stat
 import struct
@@ -47,6 +48,8 @@ _FLOCK = struct.Struct("=hh4xqqi4x")  # struct flock: type, whence, start, len, 
 _OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", None)
 _OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", None)
 _FILL_SUFFIX = TEMP_MARKER + "fill"
+
+log = logging.getLogger(__name__)
 
 
 def object_name(store_url: str, key: str, size: int, etag: str | None) -> str:
@@ -168,7 +171,12 @@ class CacheLayout:
         threads of this process.
         """
         fd = os.open(self.fill_locks, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        if not _range_lock(fd, _lock_offset(name)):
+        try:
+            locked = _range_lock(fd, _lock_offset(name))
+        except BaseException:
+            os.close(fd)
+            raise
+        if not locked:
             os.close(fd)
             return None
         self._held.add(fd)
@@ -315,8 +323,10 @@ class CacheLayout:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 ledger = Ledger(fd)
-                yield ledger
-                ledger.flush()
+                try:
+                    yield ledger
+                finally:  # callers count each disk change once it is done, so keep them
+                    ledger.flush()
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
@@ -329,9 +339,48 @@ class CacheLayout:
 
     def close(self) -> None:
         """Close this process's ledger descriptor (reopened on next use)."""
-        if self._ledger_fd is not None and self._ledger_pid == os.getpid():
-            os.close(self._ledger_fd)
-        self._ledger_fd = None
+        with self._ledger_mutex:
+            if self._ledger_fd is not None and self._ledger_pid == os.getpid():
+                os.close(self._ledger_fd)
+            self._ledger_fd = None
+
+    def check_boot(self, ledger: Ledger) -> bool:
+        """Drop every cached file if the machine restarted since the cache was used.
+
+        Fills are not fsynced, so after a power loss a file can have its full size and
+        zeroed blocks, which no size check catches. A restart is told by the kernel's
+        boot id, recorded in the cache. Call under the ledger lock; True if files went.
+        """
+        boot = _boot_id()
+        if boot is None:
+            return False
+        path = os.path.join(self.root, "boot_id")
+        try:
+            with open(path) as f:
+                recorded = f.read().strip()
+        except FileNotFoundError:
+            recorded = None
+        if recorded == boot:
+            return False
+        dropped = 0
+        if recorded is not None:  # a cache from before a restart: nothing in it is trusted
+            for c in self.scan_objects():
+                size = self.remove_if_unpinned(c.name)
+                if size is not None:
+                    ledger.used -= size
+                    dropped += 1
+            if dropped:
+                log.warning(
+                    "unbroken cache %s: the machine restarted since it was filled; dropped "
+                    "%d cached files (unsynced copies cannot be trusted after a power loss)",
+                    self.root,
+                    dropped,
+                )
+        tmp = path + f"{TEMP_MARKER}{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(boot)
+        os.replace(tmp, path)
+        return dropped > 0
 
 
 class Ledger:
@@ -371,15 +420,22 @@ class FillerRecords:
         """Change this process's reservation by ``nbytes``. Call under the ledger lock."""
         if self._fd is None or self._pid != os.getpid():
             self._create()
-        self.reserved += nbytes
-        os.pwrite(self._fd, _RESERVED.pack(self.reserved), 0)
+        value = self.reserved + nbytes
+        os.pwrite(self._fd, _RESERVED.pack(value), 0)
+        self.reserved = value
 
     def _create(self) -> None:
         path = os.path.join(self.directory, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        if not _range_lock(fd, 0):
+        try:
+            os.pwrite(fd, _RESERVED.pack(0), 0)  # never an empty record
+            if not _range_lock(fd, 0):
+                raise OSError(f"cannot lock the new filler record {path}")
+        except BaseException:
             os.close(fd)
-            raise OSError(f"cannot lock the new filler record {path}")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
         self._fd, self._pid, self._path, self.reserved = fd, os.getpid(), path, 0
 
     def release(self) -> None:
@@ -436,6 +492,15 @@ class FillerRecords:
                 crashed += 1
                 held += reserved
         return crashed, held
+
+
+def _boot_id() -> str | None:
+    """This boot of the machine (Linux); None where the kernel does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _temp_owner(temp: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
 from queue import SimpleQueue
@@ -34,16 +35,22 @@ class Prefetcher:
         self._setup()
 
     def _setup(self) -> None:
-        self._tasks: SimpleQueue = SimpleQueue()
-        self._workers: list[threading.Thread] = []
-        self._idle = 0
-        self._lock = threading.Lock()
-        self.in_flight = 0
-        """Reads running right now."""
-        self.max_in_flight = 0
-        """The most reads that ran at the same time: > 1 means fetches overlapped."""
+        self._pool = _Pool(self.cache, self.threads)
+        # the threads hold the pool, not this object: dropping an unclosed prefetcher
+        # still stops them
+        self._finalizer = weakref.finalize(self, self._pool.stop, False)
         self.wait_seconds = 0.0
         """Seconds ``iterate`` blocked waiting for a read: latency not hidden."""
+
+    @property
+    def in_flight(self) -> int:
+        """Reads running right now."""
+        return self._pool.in_flight
+
+    @property
+    def max_in_flight(self) -> int:
+        """The most reads that ran at the same time: > 1 means fetches overlapped."""
+        return self._pool.max_in_flight
 
     def __getstate__(self) -> dict:
         return {"cache": self.cache, "depth": self.depth, "threads": self.threads}
@@ -68,9 +75,9 @@ class Prefetcher:
                     entry = next(source, None)
                     if entry is None:
                         break
-                    remote = not self.cache.contains(entry)
+                    remote = not self._cached(entry)
                     if remote:
-                        self._submit(run, key, entry)
+                        self._pool.submit(run, key, entry)
                     window.append((key, entry, remote))
                     key += 1
                 if not window:
@@ -81,18 +88,12 @@ class Prefetcher:
         finally:
             run.cancelled = True
 
-    def _submit(self, run: _Run, key: int, entry: Entry) -> None:
-        with self._lock:  # a thread waiting for work takes it; else start one, up to the cap
-            if self._idle:
-                self._idle -= 1
-                start = False
-            else:
-                start = len(self._workers) < self.threads
-        if start:
-            worker = threading.Thread(target=self._work, name="unbroken-prefetch", daemon=True)
-            self._workers.append(worker)
-            worker.start()
-        self._tasks.put((run, key, entry))
+    def _cached(self, entry: Entry) -> bool:
+        """Whether to read ``entry`` here at its turn; an error is left to that read."""
+        try:
+            return self.cache.contains(entry)
+        except Exception:  # raised by the read at the entry's own turn, naming it
+            return True
 
     def _take(self, run: _Run, want: int) -> bytes:
         """The result of entry ``want``, waiting for it if it has not landed yet."""
@@ -111,38 +112,9 @@ class Prefetcher:
             raise error
         return data
 
-    def _work(self) -> None:
-        tasks = self._tasks
-        while True:
-            task = tasks.get()
-            if task is None:
-                return
-            run, key, entry = task
-            if not run.cancelled:
-                self._read_into(run, key, entry)
-            with self._lock:
-                self._idle += 1
-
-    def _read_into(self, run: _Run, key: int, entry: Entry) -> None:
-        with self._lock:
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            run.results.put((key, self.cache.read(entry), None))
-        except BaseException as exc:  # delivered at this entry's turn
-            run.results.put((key, None, exc))
-        finally:
-            with self._lock:
-                self.in_flight -= 1
-
     def close(self) -> None:
         """Stop the I/O threads (waits for the reads already running)."""
-        workers, self._workers = self._workers, []
-        for _ in workers:
-            self._tasks.put(None)
-        for worker in workers:
-            worker.join()
-        self._idle = 0
+        self._pool.stop(True)
 
     def __enter__(self) -> Prefetcher:
         return self
@@ -158,3 +130,65 @@ class _Run:
         self.results: SimpleQueue = SimpleQueue()
         self.ready: dict[int, tuple[bytes | None, BaseException | None]] = {}
         self.cancelled = False
+
+
+class _Pool:
+    """The I/O threads and what they count. Threads start on demand, up to ``size``."""
+
+    def __init__(self, cache: LocalCache, size: int) -> None:
+        self.cache = cache
+        self.size = size
+        self.tasks: SimpleQueue = SimpleQueue()
+        self.workers: list[threading.Thread] = []
+        self.idle = 0
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def submit(self, run: _Run, key: int, entry: Entry) -> None:
+        with self.lock:  # a thread waiting for work takes it; else start one, up to the cap
+            if self.idle:
+                self.idle -= 1
+                start = False
+            else:
+                start = len(self.workers) < self.size
+        if start:
+            worker = threading.Thread(target=self._work, name="unbroken-prefetch", daemon=True)
+            self.workers.append(worker)
+            worker.start()
+        self.tasks.put((run, key, entry))
+
+    def _work(self) -> None:
+        tasks = self.tasks
+        while True:
+            task = tasks.get()
+            if task is None:
+                return
+            run, key, entry = task
+            if not run.cancelled:
+                self._read_into(run, key, entry)
+            with self.lock:
+                self.idle += 1
+
+    def _read_into(self, run: _Run, key: int, entry: Entry) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            run.results.put((key, self.cache.read(entry), None))
+        except BaseException as exc:  # delivered at this entry's turn
+            run.results.put((key, None, exc))
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+    def stop(self, wait: bool) -> None:
+        """Tell every thread to exit after its current read; ``wait`` joins them."""
+        workers, self.workers = self.workers, []
+        for _ in workers:
+            self.tasks.put(None)
+        if wait:
+            for worker in workers:
+                if worker is not threading.current_thread():
+                    worker.join()
+        self.idle = 0
