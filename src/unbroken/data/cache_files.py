@@ -171,15 +171,17 @@ class CacheLayout:
         threads of this process.
         """
         fd = os.open(self.fill_locks, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._held.add(fd)  # before the lock: a fork at any moment closes the child's copy
         try:
             locked = _range_lock(fd, _lock_offset(name))
         except BaseException:
+            self._held.discard(fd)
             os.close(fd)
             raise
         if not locked:
+            self._held.discard(fd)
             os.close(fd)
             return None
-        self._held.add(fd)
         return fd
 
     def unlock(self, name: str, fd: int) -> None:
