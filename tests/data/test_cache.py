@@ -590,3 +590,17 @@ def test_files_cached_before_a_restart_are_dropped(store, tmp_path, caplog):
     assert after.used_bytes == 0 == disk_bytes(cache.cache_dir)
     assert after.read(entries[0]) == store.read_bytes(entries[0].key)  # refetched
     assert after.used_bytes == 700
+
+
+def test_fills_in_flight_past_the_limit_are_evicted_back_under_it(store, tmp_path):
+    """More concurrent fills than the limit holds: each reserves with nothing published
+    to evict, so the bound can only be restored as they land."""
+    entries = put_files(store, 6, size=1000)
+    cache = LocalCache(slow(store, latency=0.2), str(tmp_path / "cache"), limit=3000)
+    threads = [threading.Thread(target=cache.read, args=(e,)) for e in entries]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert disk_bytes(cache.cache_dir) <= 3000
+    assert cache.used_bytes == disk_bytes(cache.cache_dir)

@@ -264,6 +264,10 @@ class LocalCache:
                 published = True
                 ledger.used -= replaced
                 self.layout.fillers.add(-entry.size)
+                if self.limit is not None and ledger.used > self.limit:
+                    # fills in flight may have reserved past the limit (nothing published
+                    # was left to evict then); now that one landed, get back under it
+                    self._evict(ledger.used - self.limit, ledger)
             if pin is not None:
                 data = self.layout.read_fd(pin)
         except BaseException:
