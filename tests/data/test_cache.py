@@ -439,7 +439,7 @@ def test_plans_are_published_only_with_a_limit_and_dead_ones_swept(tmp_path):
 
 def _dead_records(cache_dir: str) -> list[str]:
     """Records of reserved bytes left by processes that died (crash evidence)."""
-    from unbroken.data.cache_files import FillerRecords
+    from unbroken.data.filler_records import FillerRecords
 
     records = FillerRecords(os.path.join(cache_dir, "fillers"))
     return [path for path, alive, _ in records.scan() if not alive]
@@ -509,9 +509,9 @@ def test_a_forked_child_does_not_keep_its_parents_fill_lock(tmp_path):
 
 
 def test_a_platform_without_ofd_locks_is_refused_clearly(store, tmp_path, monkeypatch):
-    from unbroken.data import cache_files
+    from unbroken.data import range_locks
 
-    monkeypatch.setattr(cache_files, "_OFD_SETLK", None)
+    monkeypatch.setattr(range_locks, "_OFD_SETLK", None)
     with pytest.raises(OSError, match="F_OFD_SETLK"):
         LocalCache(store, str(tmp_path / "cache"))
 

@@ -27,7 +27,6 @@ exclusive one without waiting and skips the file when it cannot.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import logging
@@ -35,18 +34,15 @@ import os
 import stat
 import struct
 import threading
-import uuid
 from collections.abc import Iterator
 
 from unbroken._util.fileio import pread_exactly
 from unbroken.data.eviction import Candidate
+from unbroken.data.filler_records import FillerRecords
+from unbroken.data.range_locks import lock_offset, range_lock, require_range_locks
 from unbroken.storage.base import TEMP_MARKER, is_temp_name
 
 _LEDGER = struct.Struct("<q")
-_RESERVED = struct.Struct("<q")
-_FLOCK = struct.Struct("=hh4xqqi4x")  # struct flock: type, whence, start, len, pid
-_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", None)
-_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", None)
 _FILL_SUFFIX = TEMP_MARKER + "fill"
 
 log = logging.getLogger(__name__)
@@ -57,37 +53,6 @@ def object_name(store_url: str, key: str, size: int, etag: str | None) -> str:
     key_hash = hashlib.sha1(f"{store_url}\0{key}".encode()).hexdigest()[:32]
     version = hashlib.sha1(f"{size}\0{etag}".encode()).hexdigest()[:12]
     return f"{key_hash}-{version}"
-
-
-def require_range_locks() -> None:
-    """Refuse early, with the reason, where open-file-description locks are missing."""
-    if _OFD_SETLK is None:
-        raise OSError(
-            "unbroken's data cache needs Linux open-file-description locks (F_OFD_SETLK, "
-            "Linux >= 3.15) to share one cache between processes; this platform has none"
-        )
-
-
-def _range_lock(fd: int, offset: int, kind: int = fcntl.F_WRLCK) -> bool:
-    """Take (or with F_UNLCK drop) a one-byte OFD lock without waiting; False if held."""
-    try:
-        fcntl.fcntl(fd, _OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0))
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-def _range_held(fd: int, offset: int) -> bool:
-    """True if another open file description holds a lock on byte ``offset``."""
-    raw = fcntl.fcntl(fd, _OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
-    return _FLOCK.unpack(raw)[0] != fcntl.F_UNLCK
-
-
-def _lock_offset(name: str) -> int:
-    """Where the fill lock of ``name`` lives in ``fill.locks``: 62 bits of its hash."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 2
 
 
 class CacheLayout:
@@ -173,7 +138,7 @@ class CacheLayout:
         fd = os.open(self.fill_locks, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         self._held.add(fd)  # before the lock: a fork at any moment closes the child's copy
         try:
-            locked = _range_lock(fd, _lock_offset(name))
+            locked = range_lock(fd, lock_offset(name))
         except BaseException:
             self._held.discard(fd)
             os.close(fd)
@@ -397,103 +362,6 @@ class Ledger:
     def flush(self) -> None:
         if self.used != self._original:
             os.pwrite(self._fd, _LEDGER.pack(max(self.used, 0)), 0)
-
-
-class FillerRecords:
-    """Bytes reserved by each process's fills in progress: one small file per process.
-
-    A process creates its record at its first reservation and keeps byte 0 of it
-    locked (an OFD lock) while it lives; the kernel drops the lock when it dies. A
-    recount adds the reservations of live records; an unlocked record with bytes
-    reserved is the mark of a filler that died mid-fill. Every change happens under
-    the ledger's lock, so records, ledger and disk always agree.
-    """
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        os.makedirs(directory, exist_ok=True)
-        self.reserved = 0
-        """Bytes this process's fills hold right now (what its record says)."""
-        self._fd: int | None = None
-        self._pid = 0
-        self._path = ""
-
-    def add(self, nbytes: int) -> None:
-        """Change this process's reservation by ``nbytes``. Call under the ledger lock."""
-        if self._fd is None or self._pid != os.getpid():
-            self._create()
-        value = self.reserved + nbytes
-        os.pwrite(self._fd, _RESERVED.pack(value), 0)
-        self.reserved = value
-
-    def _create(self) -> None:
-        path = os.path.join(self.directory, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            os.pwrite(fd, _RESERVED.pack(0), 0)  # never an empty record
-            if not _range_lock(fd, 0):
-                raise OSError(f"cannot lock the new filler record {path}")
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            raise
-        self._fd, self._pid, self._path, self.reserved = fd, os.getpid(), path, 0
-
-    def release(self) -> None:
-        """Remove this process's record if no fill holds bytes. Call under the ledger lock."""
-        if self._fd is not None and self._pid == os.getpid() and self.reserved == 0:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path)
-            os.close(self._fd)
-            self._fd = None
-
-    def after_fork(self) -> None:
-        if self._fd is not None and self._pid != os.getpid():
-            with contextlib.suppress(OSError):
-                os.close(self._fd)  # the parent's lock lives on in the parent's copy
-            self._fd = None
-            self.reserved = 0
-
-    def scan(self) -> Iterator[tuple[str, bool, int]]:
-        """(path, alive, bytes reserved) of every record."""
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return
-        for name in names:
-            path = os.path.join(self.directory, name)
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                raw = os.pread(fd, _RESERVED.size, 0)
-                reserved = _RESERVED.unpack(raw)[0] if len(raw) == _RESERVED.size else 0
-                yield path, _range_held(fd, 0), reserved
-            finally:
-                os.close(fd)
-
-    def live_reserved(self) -> int:
-        """Bytes reserved by the fills of live processes."""
-        return sum(reserved for _, alive, reserved in self.scan() if alive)
-
-    def dead_reserved(self) -> int:
-        """Bytes still reserved in the records of dead processes: > 0 after a crash."""
-        return sum(reserved for _, alive, reserved in self.scan() if not alive)
-
-    def sweep_dead(self) -> tuple[int, int]:
-        """Remove dead processes' records: (records that held bytes, bytes they held)."""
-        crashed = held = 0
-        for path, alive, reserved in list(self.scan()):
-            if alive:
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            if reserved:
-                crashed += 1
-                held += reserved
-        return crashed, held
 
 
 def _boot_id() -> str | None:
