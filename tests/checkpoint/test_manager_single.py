@@ -512,3 +512,27 @@ def test_background_worker_runs_at_lower_priority(tmp_path):
         worker = mgr._pipeline._thread.native_id
         main = os.getpriority(os.PRIO_PROCESS, 0)
         assert os.getpriority(os.PRIO_PROCESS, worker) == min(19, main + 10)
+
+
+def test_superseded_staging_files_are_written_over_by_the_next_save(tmp_path):
+    staging = tmp_path / "staging"
+    with manager(tmp_path, keep_last=1) as mgr:
+        mgr.save(1, {"w": torch.full((5000,), 1.0)})
+        mgr.wait()
+        mgr.save(2, {"w": torch.full((5000,), 2.0)})
+        mgr.wait()
+        mgr._pipeline.drain()  # retention of step 1 has run
+        spare = staging / ".spare" / "__0_0.distcp"
+        assert sorted(os.listdir(staging)) == [".spare", step_dir(2)]
+        inode = spare.stat().st_ino
+        mgr.save(3, {"w": torch.full((100,), 3.0)})  # smaller: the spare's tail must go
+        mgr.wait()
+        shard = staging / step_dir(3) / "__0_0.distcp"
+        assert shard.stat().st_ino == inode  # the same file, written over
+        assert shard.stat().st_size < 5000 * 4
+        assert verify_checkpoint(ub.open_store(str(staging)), 3, deep=True) == []
+        fresh = {"w": torch.zeros(100)}
+        assert mgr.restore(fresh) == 3
+        assert mgr.last_restore.tier == "staging"
+        assert torch.equal(fresh["w"], torch.full((100,), 3.0))
+    assert not (staging / ".spare").exists()  # close() gives the space back

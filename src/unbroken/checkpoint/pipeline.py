@@ -43,7 +43,8 @@ from unbroken.checkpoint.manifest import (
 )
 from unbroken.checkpoint.planners import PinnedSavePlanner
 from unbroken.checkpoint.retention import plan_deletions
-from unbroken.checkpoint.writer import TierWriter
+from unbroken.checkpoint.spare_files import SpareFiles
+from unbroken.checkpoint.writer import SHARD_SUFFIX, TierWriter
 from unbroken.storage import LocalStore, Store
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ class SavePipeline:
         self.durable = durable
         self.staging_dir = staging_dir
         self.local = LocalStore(staging_dir)
+        self.spares = SpareFiles(staging_dir)
+        """Shard files of superseded local copies, written over by the next save."""
         self.index = DurableIndex(durable)
         """The coordinator's view of the durable tier's committed steps."""
         self.group = group
@@ -173,6 +176,7 @@ class SavePipeline:
         """Finish every job and its retention, then stop the worker."""
         self._queue.put(None)
         self._thread.join()
+        self.spares.clear()
 
     # -- worker side -----------------------------------------------------------------
 
@@ -245,7 +249,8 @@ class SavePipeline:
         job.seconds["staging"] = t1 - t0
         job.seconds["blocking"] = float(job.staged.stats.get("blocking_seconds", 0.0))
 
-        writer = TierWriter(local_dir, sync=False)  # the durable tier is what must survive
+        # sync=False: the durable tier is what must survive.
+        writer = TierWriter(local_dir, sync=False, spares=self.spares)
         try:
             dcp.save(
                 job.staged.state_dict,
@@ -345,15 +350,30 @@ class SavePipeline:
                 )
 
     def _prune_local(self, newest: int) -> None:
-        """The staging tier keeps only the newest committed checkpoint."""
+        """The staging tier keeps only the newest committed checkpoint.
+
+        An older copy is un-committed first (its manifest goes), its shard files become
+        spares for the next save, and the rest is deleted."""
         try:
             names = os.listdir(self.staging_dir)
         except OSError:
             return
         for entry in names:
             step = parse_step_dir(entry)
-            if step is not None and step < newest:
-                shutil.rmtree(os.path.join(self.staging_dir, entry), ignore_errors=True)
+            if step is None or step >= newest:
+                continue
+            path = os.path.join(self.staging_dir, entry)
+            try:
+                os.unlink(os.path.join(path, MANIFEST))
+            except OSError:
+                pass
+            try:
+                files = [f for f in os.listdir(path) if f.endswith(SHARD_SUFFIX)]
+            except OSError:
+                files = []
+            for name in files:
+                self.spares.keep(os.path.join(path, name))
+            shutil.rmtree(path, ignore_errors=True)
 
     def _prune_durable(self) -> None:
         doomed = plan_deletions(

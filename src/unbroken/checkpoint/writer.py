@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from unbroken._util.crc32c_combine import crc32c_combine
 from unbroken.checkpoint.dcp_json import (
     ItemLocation,
     dtype_name,
@@ -41,6 +42,7 @@ from unbroken.checkpoint.manifest import (
     FileRecord,
     crc32c_bytes,
 )
+from unbroken.checkpoint.spare_files import SpareFiles
 from unbroken.checkpoint.tensor_record import envelope, padding, raw_view
 from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
 from unbroken.storage.base import atomic_local_write
@@ -61,13 +63,22 @@ class TierWriter(StorageWriter):
     wrote (name, size, crc32c); on the coordinator it includes the two metadata files.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, sync: bool = True) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        sync: bool = True,
+        spares: SpareFiles | None = None,
+    ) -> None:
         """``sync=False`` skips fsync: for the staging tier, whose copy is used only when
         its manifest matches the durable one and every byte read is checksummed, and whose
-        files retention usually deletes before the kernel would have written them back."""
+        files retention usually deletes before the kernel would have written them back.
+        ``spares``: shard files are written over a superseded file of the same name when
+        there is one (see :mod:`unbroken.checkpoint.spare_files`)."""
         super().__init__()
         self.directory = os.fspath(directory)
         self.sync = sync
+        self.spares = spares
         self.records: list[FileRecord] = []
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = False
@@ -152,7 +163,7 @@ class TierWriter(StorageWriter):
                 results.append(self._write_item(out, name, item, planner))
             return out.pos, out.crc
 
-        self._publish(name, fill)
+        self._publish(name, fill, recycle=True)
         return results
 
     def _write_item(
@@ -223,13 +234,24 @@ class TierWriter(StorageWriter):
 
         self._publish(name, fill)
 
-    def _publish(self, name: str, fill: Callable[[BinaryIO], tuple[int, int]]) -> None:
-        """Run ``fill(file)`` into a temp file; fsync, rename to ``name``, record it."""
+    def _publish(
+        self, name: str, fill: Callable[[BinaryIO], tuple[int, int]], *, recycle: bool = False
+    ) -> None:
+        """Run ``fill(file)`` into a temp file; fsync, rename to ``name``, record it.
+
+        ``recycle``: the temp file is a spare of the same name when there is one, written
+        over from offset 0 and cut to the new size (no new pages, no new blocks)."""
         written: list[tuple[int, int]] = []
 
         def fill_path(_key: str, tmp: str) -> None:
-            with open(tmp, "wb", buffering=0) as f:
-                written.append(fill(f))
+            if recycle and self.spares is not None:
+                self.spares.take(name, tmp)
+            # No O_TRUNC: a recycled file keeps its pages until they are written over.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            with open(fd, "wb", buffering=0) as f:
+                size, crc = fill(f)
+                f.truncate(size)
+                written.append((size, crc))
 
         atomic_local_write(os.path.join(self.directory, name), fill_path, name, sync=self.sync)
         size, crc = written[0]
@@ -246,18 +268,23 @@ class _ChecksummedOutput:
         self.crc = 0
 
     def write(self, data: Any, *, payload: bool = False) -> int:
-        """Write ``data`` (any buffer); return its own crc32c if ``payload`` else 0."""
+        """Write ``data`` (any buffer); return its own crc32c if ``payload`` else 0.
+
+        Each byte is checksummed once: a payload's own crc32c is folded into the file's
+        with ``crc32c_combine``."""
         view = memoryview(data).cast("B")
-        own = 0
+        own = 0 if payload else self.crc
         for start in range(0, len(view), WRITE_CHUNK):
             chunk = view[start : start + WRITE_CHUNK]
-            self.crc = crc32c_bytes(chunk, self.crc)
-            if payload:
-                own = crc32c_bytes(chunk, own)
+            own = crc32c_bytes(chunk, own)
             while chunk:
                 n = self.f.write(chunk)
                 chunk = chunk[n:]
         self.pos += len(view)
+        if not payload:
+            self.crc = own
+            return 0
+        self.crc = crc32c_combine(self.crc, own, len(view))
         return own
 
     def pad(self, n: int) -> None:
