@@ -54,6 +54,9 @@ def open_store(
         options = dict(storage_options)
         profile = RemoteProfile.pop_from(options)
         inner = open_store(url[len(EMULATED_PREFIX) :], retry=NO_RETRY, **options)
+        if isinstance(inner, LocalStore):
+            # The bytes would land on the remote's disks, not in this machine's memory.
+            inner.uncached_uploads = True
         return EmulatedStore(inner, profile, retry=retry)
     if url.startswith("file://"):
         url = url[len("file://") :]

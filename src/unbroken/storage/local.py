@@ -8,7 +8,7 @@ import shutil
 import stat
 import time
 
-from unbroken._util.fileio import pread_exactly
+from unbroken._util.fileio import copy_file_uncached, pread_exactly
 from unbroken._util.procs import pid_alive
 from unbroken.storage.base import (
     TEMP_MARKER,
@@ -23,8 +23,13 @@ from unbroken.storage.retry import RetryPolicy
 class LocalStore(Store):
     """Objects are files under ``root``; a key's '/' parts are directories."""
 
-    def __init__(self, root: str, *, retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self, root: str, *, retry: RetryPolicy | None = None, uncached_uploads: bool = False
+    ) -> None:
+        """``uncached_uploads``: uploads are written with O_DIRECT, bypassing the page
+        cache (for a directory that stands in for another machine's storage)."""
         self.root = os.path.abspath(os.path.expanduser(root))
+        self.uncached_uploads = uncached_uploads
         super().__init__(self.root, retry=retry)
 
     def path_for(self, key: str) -> str:
@@ -50,7 +55,8 @@ class LocalStore(Store):
             os.close(fd)
 
     def _upload(self, local_path: str, key: str) -> None:
-        atomic_local_write(self.path_for(key), lambda _k, tmp: copy_file(local_path, tmp), key)
+        copy = copy_file_uncached if self.uncached_uploads else copy_file
+        atomic_local_write(self.path_for(key), lambda _k, tmp: copy(local_path, tmp), key)
 
     def _download(self, key: str, local_path: str) -> None:
         copy_file(self.path_for(key), local_path)
