@@ -26,12 +26,15 @@ import torch.distributed as dist
 from _ckpt_measure import (
     MemorySampler,
     cold_read_bandwidth,
+    cpu_clocks,
     evict_from_page_cache,
     excess_over_median,
 )
 from _ckpt_rows import BASELINES, ROWS, RowContext, local_tensors
 
 ROW_CLASSES = {cls.key: cls for cls in ROWS}
+WARM_UP_SAVES = 2
+"""Saves before the timed loop, at steps 0 and 1 (the loop saves every K >= 2 steps)."""
 ROW_TITLES = {cls.key: cls.title for cls in ROWS}
 
 
@@ -183,13 +186,17 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         sampler.stop()
         return {"error": f"{type(e).__name__}: {e}"}
     if key not in BASELINES:
-        row.save(0)  # warm-up: buffers, helper processes; not timed
-        row.drain()
+        # Warm-up, not timed: buffers, helper processes, and for unbroken the first two
+        # staging-tier files (spares to write over exist from the third save on).
+        for warm_up_step in range(WARM_UP_SAVES):
+            row.save(warm_up_step)
+            row.drain()
 
     steps = (cfg.saves + 1) * every - 1
     blocked, optim_s, after_save = 0.0, [], []
     flag = False
     dist.barrier()
+    cpu0 = cpu_clocks()
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
         train_step(model, width, cfg.batch, gen)
@@ -206,6 +213,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         flag = row.is_save_step(step)
     dist.barrier()
     loop_s = time.perf_counter() - t0
+    cpu = cpu_clocks().minus(cpu0)
     row.drain()
     rss_end = sampler.sample()
     peak = sampler.stop()
@@ -253,6 +261,11 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         "local_tier_bps",
     ]
     result.update({n: (None if v < 0 and n != "rss_growth" else v) for n, v in zip(names, stats)})
+    # Machine-wide CPU is the same figure on every rank; the process figures add up.
+    totals = torch.tensor([cpu.process_s, cpu.main_thread_s], dtype=torch.float64)
+    dist.all_reduce(totals)
+    result["machine_cpu_s"] = cpu.machine_s
+    result["off_main_cpu_s"] = float(totals[0] - totals[1])
     if rank == 0 and not cfg.keep:  # one row's checkpoints at a time on the disk
         shutil.rmtree(row_dir, ignore_errors=True)
         shutil.rmtree(ctx.work_dir, ignore_errors=True)

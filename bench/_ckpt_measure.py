@@ -123,6 +123,33 @@ def cold_read_bandwidth(paths: Sequence[str]) -> float | None:
     return nbytes / seconds if nbytes and seconds > 0 else None
 
 
+@dataclass
+class CpuClocks:
+    """CPU seconds spent so far: the whole machine, this process, its calling thread."""
+
+    machine_s: float
+    """Busy time of every core (kernel threads, page-cache writeback and helpers included)."""
+    process_s: float
+    main_thread_s: float
+
+    def minus(self, earlier: CpuClocks) -> CpuClocks:
+        return CpuClocks(
+            self.machine_s - earlier.machine_s,
+            self.process_s - earlier.process_s,
+            self.main_thread_s - earlier.main_thread_s,
+        )
+
+
+def cpu_clocks() -> CpuClocks:
+    """Where a save's CPU goes: off the training thread, or outside the process."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    busy = sum(fields[:8]) - idle  # guest time is already inside user
+    times = os.times()
+    return CpuClocks(busy / os.sysconf("SC_CLK_TCK"), times.user + times.system, time.thread_time())
+
+
 def excess_over_median(durations: Sequence[float], flagged: Sequence[bool]) -> float:
     """Sum of how much the flagged durations exceed the median of the unflagged ones.
 
@@ -153,6 +180,8 @@ COLUMNS = [
     Column("blocked_s", "blocked s/save"),
     Column("extra_s", "extra wall s/save"),
     Column("commit_s", "commit s"),
+    Column("extra_cpu_s", "CPU s/save"),
+    Column("off_main_cpu_s", "off-loop CPU s/save"),
     Column("peak_pss", "peak RSS GiB", GiB, 2),
     Column("rss_growth", "RSS growth GiB", GiB, 3),
     Column("restore_local_s", "restore local s"),

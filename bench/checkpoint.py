@@ -98,14 +98,26 @@ def baseline_loop(results: dict[str, dict]) -> tuple[float | None, float | None]
     return sum(loops) / len(loops), (max(loops) - min(loops) if len(loops) > 1 else None)
 
 
+def baseline_mean(results: dict[str, dict], key: str) -> float | None:
+    values = [(results.get(k) or {}).get(key) for k in BASELINES]
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def report(cfg: Config, results: dict[str, dict], started: float) -> str:
     base_loop, spread = baseline_loop(results)
+    base_cpu = baseline_mean(results, "machine_cpu_s")
+    base_off = baseline_mean(results, "off_main_cpu_s")
     rows = []
     for key in cfg.rows:
         r = dict(results.get(key, {"error": "not run"}))
         r["name"] = ROW_TITLES[key]
         if not r.get("error") and base_loop is not None and r.get("loop_s") is not None:
             r["extra_s"] = (r["loop_s"] - base_loop) / cfg.saves
+        if not r.get("error") and base_cpu is not None and r.get("machine_cpu_s") is not None:
+            r["extra_cpu_s"] = (r["machine_cpu_s"] - base_cpu) / cfg.saves
+        if not r.get("error") and base_off is not None and r.get("off_main_cpu_s") is not None:
+            r["off_main_cpu_s"] = (r["off_main_cpu_s"] - base_off) / cfg.saves
         rows.append(r)
         results[key] = r
     any_row = next((r for r in rows if r.get("state_bytes")), {})
@@ -128,7 +140,8 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
         f"{state_bytes / cfg.bandwidth + cfg.latency:.3f} s",
         f"dcp.async_save best = DefaultStager(StagingOptions({opts})), "
         f"AsyncCheckpointerType.PROCESS",
-        "extra wall is against the mean of the no-saves runs"
+        "extra wall and CPU (machine-wide; off-loop: the ranks' other threads) are "
+        "against the mean of the no-saves runs"
         + ("" if spread is None else f"; they differ by {spread / cfg.saves:.3f} s/save (noise)"),
         "",
     ]
@@ -195,6 +208,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
         value = getattr(a, name)
         if value is not None and value <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if a.every is not None and a.every < 2:
+        p.error(f"--every must be at least 2 (the warm-up saves steps 0 and 1), got {a.every}")
     cfg = Config(
         params_gb=a.params_gb or (0.004 if a.quick else 1.0),
         ranks=a.ranks,

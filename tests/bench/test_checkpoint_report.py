@@ -9,6 +9,7 @@ import pytest
 
 from _ckpt_job import checksum, model_shape
 from _ckpt_measure import (
+    COLUMNS,
     GiB,
     evaluate,
     excess_over_median,
@@ -101,7 +102,7 @@ def test_a_missing_unbroken_row_reports_na_and_keeps_the_baselines():
     assert lines[0].startswith("row") and set(lines[1]) <= {"-", " "}
     assert len({len(line) for line in lines[:4]}) == 1  # aligned columns
     assert "1.250" in lines[2] and "3.00" in lines[2]
-    assert lines[3].split()[1:] == ["n/a"] * 7
+    assert lines[3].split()[1:] == ["n/a"] * len(COLUMNS)
     assert lines[-1].strip() == "unbroken: n/a: ModuleNotFoundError: x"
 
 

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from _ckpt_measure import COLUMNS
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCRIPT = os.path.join(ROOT, "bench", "checkpoint.py")
 
@@ -59,8 +61,11 @@ def test_quick_floor_row(tmp_path):
     assert set(rows) == {"no saves", "floor (memcpy)", "no saves (again)"}
     assert "they differ by" in stdout  # the noise between the two baselines
     floor = rows["floor (memcpy)"]
-    assert len(floor) == 7 and floor[0] != "n/a" and floor[5] != "n/a"  # blocked, local restore
-    assert floor[6] == "n/a"  # a memcpy has no durable tier
+    cell = dict(zip([c.key for c in COLUMNS], floor))
+    assert len(floor) == len(COLUMNS)
+    assert cell["blocked_s"] != "n/a" and cell["restore_local_s"] != "n/a"
+    assert cell["extra_cpu_s"] != "n/a" and cell["off_main_cpu_s"] != "n/a"
+    assert cell["restore_durable_s"] == "n/a"  # a memcpy has no durable tier
     result = json.loads(stdout.strip().splitlines()[-1])
     assert result["quick"] is True and result["saves"] == 2 and result["targets_total"] == 6
     assert not (tmp_path / "w").exists()  # scratch removed without --keep
@@ -96,7 +101,7 @@ def test_a_row_that_overruns_is_na_and_the_run_still_reports(tmp_path):
     )
     rows = table_rows(stdout)
     assert set(rows) == {"no saves", "floor (memcpy)", "no saves (again)"}
-    assert all(cells == ["n/a"] * 7 for cells in rows.values()), stdout
+    assert all(cells == ["n/a"] * len(COLUMNS) for cells in rows.values()), stdout
     assert stdout.count("timed out after") == 3
     last = json.loads(stdout.strip().splitlines()[-1])
     assert last["targets_met"] == 0 and last["unbroken_error"] is None
