@@ -144,8 +144,9 @@ def cpu_clocks() -> CpuClocks:
     """Where a save's CPU goes: off the training thread, or outside the process."""
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    busy = sum(fields[:8]) - idle  # guest time is already inside user
+    # user, nice, system, irq, softirq: not idle or iowait, and not steal (time the
+    # hypervisor gave to other guests); guest time is already inside user.
+    busy = sum(fields[i] for i in (0, 1, 2, 5, 6) if i < len(fields))
     times = os.times()
     return CpuClocks(busy / os.sysconf("SC_CLK_TCK"), times.user + times.system, time.thread_time())
 
