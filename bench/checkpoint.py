@@ -89,19 +89,22 @@ def run_all(cfg: Config) -> dict[str, dict]:
     return results
 
 
-def baseline_loop(results: dict[str, dict]) -> tuple[float | None, float | None]:
-    """(loop seconds without saves, the spread between its two runs when there are two)."""
-    loops = [(results.get(k) or {}).get("loop_s") for k in BASELINES]
-    loops = [v for v in loops if v is not None]
-    if not loops:
-        return None, None
-    return sum(loops) / len(loops), (max(loops) - min(loops) if len(loops) > 1 else None)
+def baseline_values(results: dict[str, dict], key: str) -> list[float]:
+    """``key`` of each no-saves run that has it."""
+    values = [(results.get(k) or {}).get(key) for k in BASELINES]
+    return [v for v in values if v is not None]
 
 
 def baseline_mean(results: dict[str, dict], key: str) -> float | None:
-    values = [(results.get(k) or {}).get(key) for k in BASELINES]
-    values = [v for v in values if v is not None]
+    values = baseline_values(results, key)
     return sum(values) / len(values) if values else None
+
+
+def baseline_loop(results: dict[str, dict]) -> tuple[float | None, float | None]:
+    """(loop seconds without saves, the spread between its two runs when there are two)."""
+    loops = baseline_values(results, "loop_s")
+    spread = max(loops) - min(loops) if len(loops) > 1 else None
+    return baseline_mean(results, "loop_s"), spread
 
 
 def report(cfg: Config, results: dict[str, dict], started: float) -> str:
@@ -112,12 +115,14 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
     for key in cfg.rows:
         r = dict(results.get(key, {"error": "not run"}))
         r["name"] = ROW_TITLES[key]
-        if not r.get("error") and base_loop is not None and r.get("loop_s") is not None:
-            r["extra_s"] = (r["loop_s"] - base_loop) / cfg.saves
-        if not r.get("error") and base_cpu is not None and r.get("machine_cpu_s") is not None:
-            r["extra_cpu_s"] = (r["machine_cpu_s"] - base_cpu) / cfg.saves
-        if not r.get("error") and base_off is not None and r.get("off_main_cpu_s") is not None:
-            r["off_main_cpu_s"] = (r["off_main_cpu_s"] - base_off) / cfg.saves
+        per_save = [
+            ("extra_s", "loop_s", base_loop),
+            ("extra_cpu_s", "machine_cpu_s", base_cpu),
+            ("off_main_cpu_s", "off_main_cpu_s", base_off),
+        ]
+        for out, key, base in per_save:  # beyond the no-saves runs, per save
+            if not r.get("error") and base is not None and r.get(key) is not None:
+                r[out] = (r[key] - base) / cfg.saves
         rows.append(r)
         results[key] = r
     any_row = next((r for r in rows if r.get("state_bytes")), {})

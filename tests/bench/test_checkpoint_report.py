@@ -139,6 +139,9 @@ def test_cli_defaults_and_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--saves", "0"])
     assert "--saves must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--every", "1"])  # step 1 is a warm-up save
+    assert "--every must be at least 2" in capsys.readouterr().err
 
 
 def test_baseline_is_the_mean_of_both_runs_and_their_spread_is_the_noise():

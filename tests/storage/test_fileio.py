@@ -37,6 +37,7 @@ def test_uncached_copy_falls_back_where_o_direct_is_refused(tmp_path):
 def test_uncached_copy_of_a_missing_file_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         copy_file_uncached(str(tmp_path / "nope"), str(tmp_path / "dst"))
+    assert not (tmp_path / "dst").exists()  # nothing created for a missing source
 
 
 def test_pread_exactly_stops_at_end_of_file(tmp_path):

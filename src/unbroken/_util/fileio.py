@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
+import shutil
 
 
 def pread_exactly(fd: int, size: int, offset: int = 0) -> bytes:
@@ -32,42 +34,46 @@ _DIRECT_ALIGN = 4096
 
 
 def copy_file_uncached(src: str, dst: str) -> None:
-    """Copy ``src`` to a new file ``dst`` whose bytes bypass the page cache (O_DIRECT).
+    """Copy ``src`` to ``dst`` (created or replaced) with O_DIRECT writes: no page cache.
 
     For a directory that stands in for another machine's storage (the emulated remote):
-    its writes must not take this machine's memory. The copy goes through one reused,
-    page-aligned buffer; the last block is padded for O_DIRECT, then the file is cut to
-    size. Where the file system refuses O_DIRECT (tmpfs), it is an ordinary copy.
+    its writes must not take this machine's memory. The copy goes through one
+    page-aligned buffer, reused chunk after chunk; the last block is padded for O_DIRECT,
+    then the file is cut to size. Where the file system refuses O_DIRECT (tmpfs), it is
+    an ordinary copy.
     """
-    import mmap
-    import shutil
-
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)  # a missing source creates nothing
     try:
-        out = os.open(dst, flags | getattr(os, "O_DIRECT", 0), 0o666)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        shutil.copyfile(src, dst)
-        return
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        try:
+            out = os.open(dst, flags | getattr(os, "O_DIRECT", 0), 0o666)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            shutil.copyfile(src, dst)
+            return
+        try:
+            _copy_direct(fd, out)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+
+
+def _copy_direct(fd: int, out: int) -> None:
     buf = mmap.mmap(-1, DIRECT_CHUNK)  # page-aligned, as O_DIRECT needs
     view = memoryview(buf)
     try:
-        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            offset = 0
-            while n := os.preadv(fd, [view], offset):
-                padded = -(-n // _DIRECT_ALIGN) * _DIRECT_ALIGN
-                if padded != n:
-                    view[n:padded] = bytes(padded - n)
-                written = 0
-                while written < padded:
-                    written += os.pwrite(out, view[written:padded], offset + written)
-                offset += n
-        finally:
-            os.close(fd)
+        offset = 0
+        while n := os.preadv(fd, [view], offset):
+            padded = -(-n // _DIRECT_ALIGN) * _DIRECT_ALIGN
+            if padded != n:
+                view[n:padded] = bytes(padded - n)
+            written = 0
+            while written < padded:
+                written += os.pwrite(out, view[written:padded], offset + written)
+            offset += n
         os.ftruncate(out, offset)
     finally:
-        os.close(out)
         view.release()
         buf.close()

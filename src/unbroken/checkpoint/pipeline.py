@@ -10,6 +10,7 @@ every rank has reported its files durable.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -363,10 +364,8 @@ class SavePipeline:
             if step is None or step >= newest:
                 continue
             path = os.path.join(self.staging_dir, entry)
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(path, MANIFEST))
-            except OSError:
-                pass
             try:
                 files = [f for f in os.listdir(path) if f.endswith(SHARD_SUFFIX)]
             except OSError:

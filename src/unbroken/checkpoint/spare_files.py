@@ -1,14 +1,15 @@
 """Spare shard files: superseded staging-tier files kept to be written over by the next save.
 
 Every save writes each rank's whole shard to the staging tier, and retention deletes the
-previous one. A new file needs new page-cache pages; the deleted file's pages go back to
-the free lists. Overwriting the old file in place reuses pages that are already there:
-no allocation, no zeroing, no new disk blocks. It matters most in virtual machines whose
+previous one. A new file needs new page-cache pages and new blocks; the deleted file's
+pages go back to the free lists. Overwriting the old file in place reuses its blocks,
+and its pages while they are still cached. It matters most in virtual machines whose
 hypervisor takes freed guest memory back (free page reporting, ballooning): a page the
-guest touches again then costs a host fault, and writing a new file was measured at
-2.6 s of CPU per GiB on such a machine against 0.12 s for overwriting a cached one
-(docs/arch/checkpoint.md, "Spare files"). PostgreSQL recycles its WAL segments for the
-same reason.
+guest touches again then costs a host fault. Measured here: a new 1 GiB file 2.4 s of
+CPU, a cached one written over 0.1 s. Limit: where idle memory is paged out (DAMON on
+these machines, after about a minute), a spare idle that long costs nearly as much as a
+new file (docs/arch/checkpoint.md, "Spare files"). PostgreSQL recycles its WAL
+segments for similar reasons.
 
 Peak disk use does not change: a save takes its spare before it writes, so the tier
 still holds at most the committed copy and the one being written. Between saves the
@@ -36,7 +37,7 @@ class SpareFiles:
         """Move the file at ``path`` into the spares under its own name.
 
         A spare of that name already there is replaced (one per name). Returns False,
-        leaving ``path`` alone, when it cannot be moved (then the caller deletes it).
+        leaving ``path`` alone, when it cannot be moved.
         """
         path = os.fspath(path)
         try:

@@ -240,7 +240,8 @@ class TierWriter(StorageWriter):
         """Run ``fill(file)`` into a temp file; fsync, rename to ``name``, record it.
 
         ``recycle``: the temp file is a spare of the same name when there is one, written
-        over from offset 0 and cut to the new size (no new pages, no new blocks)."""
+        over from offset 0 and cut to the new size (its blocks, and its pages while cached,
+        are reused)."""
         written: list[tuple[int, int]] = []
 
         def fill_path(_key: str, tmp: str) -> None:
