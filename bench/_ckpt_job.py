@@ -186,8 +186,8 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         sampler.stop()
         return {"error": f"{type(e).__name__}: {e}"}
     if key not in BASELINES:
-        # Warm-up, not timed: buffers, helper processes, and for unbroken the first two
-        # staging-tier files (spares to write over exist from the third save on).
+        # Warm-up, not timed: buffers, helper processes, first-use costs (two saves, so
+        # that the timed saves see whatever steady state a row reaches after the first).
         for warm_up_step in range(WARM_UP_SAVES):
             row.save(warm_up_step)
             row.drain()

@@ -113,6 +113,9 @@ class SaveStats:
     """From save() to committed, for the newest committed save."""
     last_phase_seconds: dict[str, float] = field(default_factory=dict)
     bytes_committed: int = 0
+    bytes_direct: int = 0
+    """This rank's bytes written to the staging tier with O_DIRECT, straight from the
+    host buffers (no page cache); stays 0 where that file system refuses O_DIRECT."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -282,6 +285,7 @@ class CheckpointManager:
         """Worker thread: account for a finished job."""
         with self._lock:
             self.stats.last_phase_seconds = dict(job.seconds)
+            self.stats.bytes_direct += job.direct_bytes
             if job.error is not None:
                 self.stats.failed += 1
                 self._failures.append(job.error)

@@ -44,7 +44,7 @@ from unbroken.checkpoint.manifest import (
 )
 from unbroken.checkpoint.planners import PinnedSavePlanner
 from unbroken.checkpoint.retention import plan_deletions
-from unbroken.checkpoint.spare_files import SpareFiles
+from unbroken.checkpoint.tensor_record import DIRECT_PAYLOAD_MIN
 from unbroken.checkpoint.writer import SHARD_SUFFIX, TierWriter
 from unbroken.storage import LocalStore, Store
 
@@ -80,6 +80,9 @@ class SaveJob:
     manifest: Manifest | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: staging, local, upload, commit, total."""
+    direct_bytes: int = 0
+    """Bytes of this rank's shard that reached the staging tier with O_DIRECT, from the
+    host buffers themselves (0 where its file system refuses O_DIRECT)."""
 
 
 class _PhaseFailed(Exception):
@@ -122,8 +125,6 @@ class SavePipeline:
         self.durable = durable
         self.staging_dir = staging_dir
         self.local = LocalStore(staging_dir)
-        self.spares = SpareFiles(staging_dir)
-        """Shard files of superseded local copies, written over by the next save."""
         self.index = DurableIndex(durable)
         """The coordinator's view of the durable tier's committed steps."""
         self.group = group
@@ -133,6 +134,7 @@ class SavePipeline:
         self._jobs: list[SaveJob] = []  # submitted, not yet committed or failed
         self._lock = threading.Lock()
         self._pending = 0
+        self._told_page_cache = False
         self._idle = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._loop, name="unbroken-ckpt", daemon=True)
         self._thread.start()
@@ -177,7 +179,6 @@ class SavePipeline:
         """Finish every job and its retention, then stop the worker."""
         self._queue.put(None)
         self._thread.join()
-        self.spares.clear()
 
     # -- worker side -----------------------------------------------------------------
 
@@ -251,7 +252,7 @@ class SavePipeline:
         job.seconds["blocking"] = float(job.staged.stats.get("blocking_seconds", 0.0))
 
         # sync=False: the durable tier is what must survive.
-        writer = TierWriter(local_dir, sync=False, spares=self.spares)
+        writer = TierWriter(local_dir, sync=False)
         try:
             dcp.save(
                 job.staged.state_dict,
@@ -268,6 +269,8 @@ class SavePipeline:
             job.staged.release()  # the host buffers are free for the next save
         t2 = time.monotonic()
         job.seconds["local"] = t2 - t1
+        job.direct_bytes = writer.direct_bytes
+        self._note_page_cache_writes(writer)
 
         problem, exc, records = None, None, []
         try:
@@ -294,6 +297,18 @@ class SavePipeline:
                 "step %d: could not copy the manifest to the staging tier: %s", step, describe(e)
             )
         return manifest
+
+    def _note_page_cache_writes(self, writer: TierWriter) -> None:
+        """Say once when a large shard went through the page cache (no O_DIRECT there)."""
+        shard = sum(r.size for r in writer.records if r.name.endswith(SHARD_SUFFIX))
+        if self._told_page_cache or writer.direct_bytes or shard < DIRECT_PAYLOAD_MIN:
+            return
+        self._told_page_cache = True
+        log.info(
+            "the staging tier %s does not take O_DIRECT writes (or the host buffers are not "
+            "page-aligned): shards go through the page cache, which costs CPU per byte",
+            self.staging_dir,
+        )
 
     def _write_rng(self, local_dir: str, rng: dict[str, Any]) -> FileRecord:
         name = rng_file(self.group.global_rank)
@@ -353,8 +368,7 @@ class SavePipeline:
     def _prune_local(self, newest: int) -> None:
         """The staging tier keeps only the newest committed checkpoint.
 
-        An older copy is un-committed first (its manifest goes), its shard files become
-        spares for the next save, and the rest is deleted."""
+        An older copy is un-committed first (its manifest goes), then deleted."""
         try:
             names = os.listdir(self.staging_dir)
         except OSError:
@@ -366,12 +380,6 @@ class SavePipeline:
             path = os.path.join(self.staging_dir, entry)
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(path, MANIFEST))
-            try:
-                files = [f for f in os.listdir(path) if f.endswith(SHARD_SUFFIX)]
-            except OSError:
-                files = []
-            for name in files:
-                self.spares.keep(os.path.join(path, name))
             shutil.rmtree(path, ignore_errors=True)
 
     def _prune_durable(self) -> None:

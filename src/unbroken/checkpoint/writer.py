@@ -3,8 +3,12 @@
 Each rank writes one file, ``__<rank>_0.distcp``, of aligned records: a bytes value as
 it is, a tensor as its raw bytes (streamed from the tensor's own memory in bounded
 chunks, no copy for a contiguous CPU tensor) inside a torch.load-able envelope (see
-:mod:`unbroken.checkpoint.tensor_record`). crc32c is computed as bytes go out, for the
-whole file (the manifest's checksum) and for each payload (what the reader checks).
+:mod:`unbroken.checkpoint.tensor_record`). The shard is written with O_DIRECT where the
+file system allows it: a large payload starts on a 4 KiB file offset and, when its memory
+is page-aligned (the staging buffers are), goes to the device from that memory without
+taking page-cache pages (:mod:`unbroken._util.direct_io` says why that matters).
+crc32c is computed as bytes go out, for each payload (what the reader checks); the
+whole file's (the manifest's checksum) is folded from those.
 Files appear by temp name + fsync + rename + directory fsync (fsync optional). The coordinator's
 ``finish`` writes ``metadata.json`` (what our reader uses) and ``.metadata`` (pickle, for
 vanilla ``dcp.load`` only).
@@ -18,7 +22,7 @@ import os
 import pickle
 import uuid
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -28,6 +32,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from unbroken._util.crc32c_combine import crc32c_combine
+from unbroken._util.direct_io import DirectFileWriter, open_direct
 from unbroken.checkpoint.dcp_json import (
     ItemLocation,
     dtype_name,
@@ -42,8 +47,7 @@ from unbroken.checkpoint.manifest import (
     FileRecord,
     crc32c_bytes,
 )
-from unbroken.checkpoint.spare_files import SpareFiles
-from unbroken.checkpoint.tensor_record import envelope, padding, raw_view
+from unbroken.checkpoint.tensor_record import envelope, padding, raw_view, record_start
 from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
 from unbroken.storage.base import atomic_local_write
 
@@ -63,23 +67,15 @@ class TierWriter(StorageWriter):
     wrote (name, size, crc32c); on the coordinator it includes the two metadata files.
     """
 
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        *,
-        sync: bool = True,
-        spares: SpareFiles | None = None,
-    ) -> None:
+    def __init__(self, directory: str | os.PathLike, *, sync: bool = True) -> None:
         """``sync=False`` skips fsync: for the staging tier, whose copy is used only when
-        its manifest matches the durable one and every byte read is checksummed, and whose
-        files retention usually deletes before the kernel would have written them back.
-        ``spares``: shard files are written over a superseded file of the same name when
-        there is one (see :mod:`unbroken.checkpoint.spare_files`)."""
+        its manifest matches the durable one and every byte read is checksummed."""
         super().__init__()
         self.directory = os.fspath(directory)
         self.sync = sync
-        self.spares = spares
         self.records: list[FileRecord] = []
+        self.direct_bytes = 0
+        """Bytes of the shard that went to the device straight from the tensors' memory."""
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = False
         self.rank: int | None = None
@@ -91,6 +87,7 @@ class TierWriter(StorageWriter):
         if checkpoint_id:
             self.directory = os.fspath(checkpoint_id)
         self.records = []
+        self.direct_bytes = 0
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -156,14 +153,13 @@ class TierWriter(StorageWriter):
     ) -> list[WriteResult]:
         results: list[WriteResult] = []
 
-        def fill(f: BinaryIO) -> tuple[int, int]:
-            out = _ChecksummedOutput(f)
+        def fill(sink: DirectFileWriter) -> int:
+            out = _ChecksummedOutput(sink)
             for item in items:
-                out.pad(padding(out.pos))
                 results.append(self._write_item(out, name, item, planner))
-            return out.pos, out.crc
+            return out.crc
 
-        self._publish(name, fill, recycle=True)
+        self._publish(name, fill, direct=True)
         return results
 
     def _write_item(
@@ -171,8 +167,9 @@ class TierWriter(StorageWriter):
     ) -> WriteResult:
         data = planner.resolve_data(item)
         fqn = item.index.fqn
-        start = out.pos
         if item.type == WriteItemType.BYTE_IO:
+            out.pad(padding(out.pos))
+            start = out.pos
             if not isinstance(data, io.BytesIO):
                 raise CheckpointError(
                     f"item {fqn!r}: planner gave {type(data).__name__} for a bytes item"
@@ -194,6 +191,8 @@ class TierWriter(StorageWriter):
             self._check_tensor(item, data)
             raw = raw_view(data)
             header, trailer = envelope(data.dtype, tuple(data.shape))
+            out.pad(record_start(out.pos, len(header), raw.nbytes) - out.pos)
+            start = out.pos
             out.write(header)
             payload_start = out.pos
             payload_crc = out.write(raw, payload=True)
@@ -227,32 +226,30 @@ class TierWriter(StorageWriter):
             )
 
     def _write_small(self, name: str, data: bytes) -> None:
-        def fill(f: BinaryIO) -> tuple[int, int]:
-            out = _ChecksummedOutput(f)
+        def fill(sink: DirectFileWriter) -> int:
+            out = _ChecksummedOutput(sink)
             out.write(data)
-            return out.pos, out.crc
+            return out.crc
 
         self._publish(name, fill)
 
     def _publish(
-        self, name: str, fill: Callable[[BinaryIO], tuple[int, int]], *, recycle: bool = False
+        self, name: str, fill: Callable[[DirectFileWriter], int], *, direct: bool = False
     ) -> None:
-        """Run ``fill(file)`` into a temp file; fsync, rename to ``name``, record it.
-
-        ``recycle``: the temp file is a spare of the same name when there is one, written
-        over from offset 0 and cut to the new size (its blocks, and its pages while cached,
-        are reused)."""
+        """Run ``fill(sink)`` (returns the crc32c) into a temp file; fsync, rename to
+        ``name``, record it. ``direct``: write with O_DIRECT where the file system allows."""
         written: list[tuple[int, int]] = []
 
         def fill_path(_key: str, tmp: str) -> None:
-            if recycle and self.spares is not None:
-                self.spares.take(name, tmp)
-            # No O_TRUNC: a recycled file keeps its pages until they are written over.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
-            with open(fd, "wb", buffering=0) as f:
-                size, crc = fill(f)
-                f.truncate(size)
-                written.append((size, crc))
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+            fd, on = open_direct(tmp, flags) if direct else (os.open(tmp, flags, 0o666), False)
+            try:
+                sink = DirectFileWriter(fd, direct=on)
+                crc = fill(sink)
+                written.append((sink.close(), crc))
+                self.direct_bytes += sink.direct_bytes
+            finally:
+                os.close(fd)
 
         atomic_local_write(os.path.join(self.directory, name), fill_path, name, sync=self.sync)
         size, crc = written[0]
@@ -263,8 +260,8 @@ class TierWriter(StorageWriter):
 class _ChecksummedOutput:
     """Writes buffers in bounded chunks, keeping the file's crc32c and its position."""
 
-    def __init__(self, f: BinaryIO) -> None:
-        self.f = f
+    def __init__(self, sink: DirectFileWriter) -> None:
+        self.sink = sink
         self.pos = 0
         self.crc = 0
 
@@ -278,9 +275,7 @@ class _ChecksummedOutput:
         for start in range(0, len(view), WRITE_CHUNK):
             chunk = view[start : start + WRITE_CHUNK]
             own = crc32c_bytes(chunk, own)
-            while chunk:
-                n = self.f.write(chunk)
-                chunk = chunk[n:]
+            self.sink.write(chunk)
         self.pos += len(view)
         if not payload:
             self.crc = own

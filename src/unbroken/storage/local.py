@@ -8,7 +8,8 @@ import shutil
 import stat
 import time
 
-from unbroken._util.fileio import copy_file_uncached, pread_exactly
+from unbroken._util.direct_io import copy_file_uncached
+from unbroken._util.fileio import pread_exactly
 from unbroken._util.procs import pid_alive
 from unbroken.storage.base import (
     TEMP_MARKER,
