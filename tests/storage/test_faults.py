@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import random
 import time
 
@@ -16,6 +17,7 @@ from unbroken.storage import (
     RemoteProfile,
     RetriesExhaustedError,
     RetryPolicy,
+    StoreError,
 )
 from unbroken.storage.emulated import EMULATED_PREFIX
 
@@ -143,3 +145,35 @@ def test_remote_profile_validation_and_defaults():
         RemoteProfile(fail_rate=1.5)
     with pytest.raises(ValueError, match="not a byte size"):
         RemoteProfile.pop_from({"bandwidth": "fast"})
+
+
+def test_cut_uploads_leave_nothing_behind(tmp_path):
+    store = open_store(
+        f"emulated::{tmp_path / 'remote'}",
+        retry=RetryPolicy(max_attempts=1),
+        latency=0,
+        bandwidth=None,
+        cut_rate=1.0,
+    )
+    local = tmp_path / "f"
+    local.write_bytes(b"x" * 1000)
+    with pytest.raises(RetriesExhaustedError, match="upload k cut off after 500 of 1000"):
+        store.upload(str(local), "k")
+    assert store.inner.list() == []
+
+
+def test_a_failed_copy_into_the_emulated_remote_reaches_the_uploader(tmp_path):
+    """The remote's copy runs beside the link transfer, in its own thread: its error must
+    still be the upload's error, and the transfer must not report success."""
+    root = tmp_path / "remote"
+    root.mkdir()
+    (root / "a").write_bytes(b"")  # a file where the key needs a directory
+    store = open_store(f"emulated::{root}", retry=RetryPolicy(max_attempts=1), latency=0)
+    local = tmp_path / "f"
+    local.write_bytes(os.urandom(50_000))
+    with pytest.raises(StoreError, match=r"upload .*a/b: FileExistsError") as err:
+        store.upload(str(local), "a/b")
+    assert isinstance(err.value.__cause__, FileExistsError)
+    assert [e.key for e in store.inner.list()] == ["a"]
+    store.upload(str(local), "c/d")  # and the store still works
+    assert store.read_bytes("c/d") == local.read_bytes()

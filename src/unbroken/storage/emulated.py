@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -120,8 +121,10 @@ class EmulatedStore(Store):
         else:
             sleep_until(ready)
 
-    def _send(self, op: str, key: str, nbytes: int) -> None:
-        """Request plus payload upstream; may be cut off halfway."""
+    def _send(self, op: str, key: str, nbytes: int) -> float:
+        """Request plus payload upstream: a payload cut off halfway lands nothing.
+
+        Returns the monotonic time its first byte may move; the caller moves it."""
         ready = self._request(op, key)
         if self.profile.cut_rate and self._rng.random() < self.profile.cut_rate:
             self._move(nbytes // 2, ready)
@@ -129,17 +132,42 @@ class EmulatedStore(Store):
             raise TransientStoreError(
                 f"emulated fault: {op} {key} cut off after {nbytes // 2} of {nbytes} bytes"
             )
-        self._move(nbytes, ready)
+        return ready
 
     # -- hooks --------------------------------------------------------------------------
 
     def _write_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        self._send("write_bytes", key, memoryview(data).nbytes)
+        nbytes = memoryview(data).nbytes
+        self._move(nbytes, self._send("write_bytes", key, nbytes))
         self.inner._write_bytes(key, data)
 
     def _upload(self, local_path: str, key: str) -> None:
-        self._send("upload", key, os.path.getsize(local_path))
-        self.inner._upload(local_path, key)
+        """The file crosses the link while the inner store copies it; done when both are.
+
+        A real client reads the file part by part as it sends, and the remote's own disk
+        write is not the client's time, so the copy runs beside the transfer instead of
+        after it (reading a large file from local disk would otherwise add its whole read
+        time to every upload). The object may appear before the transfer ends; the
+        caller's call still returns only then.
+        """
+        nbytes = os.path.getsize(local_path)
+        ready = self._send("upload", key, nbytes)
+        failure: list[BaseException] = []
+
+        def copy() -> None:
+            try:
+                self.inner._upload(local_path, key)
+            except BaseException as e:  # re-raised in the caller's thread
+                failure.append(e)
+
+        writer = threading.Thread(target=copy, name="unbroken-emulated-write", daemon=True)
+        writer.start()
+        try:
+            self._move(nbytes, ready)
+        finally:
+            writer.join()
+        if failure:
+            raise failure[0]
 
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
         ready = self._request("read_bytes", key)
