@@ -120,9 +120,9 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
             ("extra_cpu_s", "machine_cpu_s", base_cpu),
             ("off_main_cpu_s", "off_main_cpu_s", base_off),
         ]
-        for out, key, base in per_save:  # beyond the no-saves runs, per save
-            if not r.get("error") and base is not None and r.get(key) is not None:
-                r[out] = (r[key] - base) / cfg.saves
+        for out, source, base in per_save:  # beyond the no-saves runs, per save
+            if not r.get("error") and base is not None and r.get(source) is not None:
+                r[out] = (r[source] - base) / cfg.saves
         rows.append(r)
         results[key] = r
     any_row = next((r for r in rows if r.get("state_bytes")), {})

@@ -17,7 +17,7 @@ from _ckpt_measure import (
     format_targets,
     json_line,
 )
-from checkpoint import baseline_loop, parse_args
+from checkpoint import baseline_loop, parse_args, report
 
 ENV = {
     "state_bytes": 2e9,
@@ -194,3 +194,25 @@ def test_evicted_files_are_read_back_intact(tmp_path):
     assert bps is not None and bps > 0
     assert (tmp_path / "d" / "a").read_bytes() == data
     assert cold_read_bandwidth([]) is None
+
+
+def test_report_judges_the_targets_on_the_per_save_figures_it_prints():
+    """The rows' per-save deltas must reach the targets, not only the table."""
+    cfg = parse_args(["--saves", "5", "--rows", "torch_save,dcp_async_best,unbroken"])
+    loop = {"loop_s": 100.0, "machine_cpu_s": 150.0, "off_main_cpu_s": 10.0}
+    row = {"state_bytes": 3 * GiB, "rank_bytes": 1.5 * GiB, "commit_s": 18.0}
+    results = {
+        "baseline": dict(loop),
+        "baseline_end": dict(loop, loop_s=102.0),
+        "torch_save": dict(row, loop_s=261.0, machine_cpu_s=250.0, off_main_cpu_s=60.0),
+        "dcp_async_best": dict(row, loop_s=121.0, machine_cpu_s=200.0, off_main_cpu_s=10.0),
+        "unbroken": dict(row, loop_s=103.0, machine_cpu_s=155.0, off_main_cpu_s=15.0),
+    }
+    text = report(cfg, results, started=0.0)
+    best = "extra wall s/save <= 0.5 x best dcp.async_save: measured 0.400, bound 2.000: MET"
+    assert best in text
+    assert "extra wall s/save <= torch.save / 50: measured 0.400, bound 0.640: MET" in text
+    ratios = json.loads(text.splitlines()[-1])
+    assert ratios["extra_wall_unbroken_over_best_dcp_async"] == pytest.approx(0.1)
+    unbroken_line = next(line for line in text.splitlines() if line.startswith("unbroken "))
+    assert unbroken_line.split()[1:5] == ["n/a", "0.400", "18.000", "1.000"]
