@@ -47,7 +47,7 @@ class Config:
     ranks: int = 2
     """Number of gloo ranks; FSDP2 shards the state across them."""
     saves: int = 20
-    """Saves per row in the timed run (plus one warm-up save and one commit probe)."""
+    """Saves per row in the timed run (plus two warm-up saves and one commit probe)."""
     every: int | None = None
     """Steps between saves; None: long enough for one save to cross the link."""
     batch: int = 8

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import random
 
@@ -76,7 +78,8 @@ def test_aligned_memory_goes_out_in_place_and_the_rest_through_the_bounce(tmp_pa
     writer = write_all(tmp_path / "f", [head, pad, payload, b"trailer"])
     if not writer.direct:
         pytest.skip("this file system refuses O_DIRECT")
-    assert writer.direct_bytes == 5 * DIRECT_ALIGN  # the tail (17 bytes) was copied
+    assert writer.in_place_bytes == 5 * DIRECT_ALIGN  # the tail (17 bytes) was copied
+    assert writer.direct_bytes == 7 * DIRECT_ALIGN  # head + pad, payload, the padded tail
     assert (tmp_path / "f").read_bytes() == head + pad + bytes(payload) + b"trailer"
 
 
@@ -88,7 +91,7 @@ def test_numpy_memory_and_empty_files(tmp_path):
     assert (tmp_path / "empty").read_bytes() == b""
 
 
-def test_a_write_refused_under_o_direct_is_retried_through_the_page_cache(tmp_path):
+def test_a_write_refused_under_o_direct_is_retried_through_the_page_cache(tmp_path, monkeypatch):
     """Some file systems open with O_DIRECT but want another alignment: the first
     refused write turns O_DIRECT off for the file, and nothing is lost."""
     path = tmp_path / "f"
@@ -96,16 +99,28 @@ def test_a_write_refused_under_o_direct_is_retried_through_the_page_cache(tmp_pa
     if not on:
         os.close(fd)
         pytest.skip("this file system refuses O_DIRECT")
+    real_pwrite, refused = os.pwrite, []
+
+    def pwrite_refusing_once(fd_: int, data, offset: int) -> int:
+        if not refused:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd_, data, offset)
+
+    head, payload = os.urandom(100), aligned(os.urandom(2 * DIRECT_ALIGN))
     try:
         writer = DirectFileWriter(fd)
-        writer._pwrite_all(memoryview(b"abc"), 0)  # unaligned: the kernel says EINVAL
-        assert not writer.direct
-        writer._offset = 3
-        writer.write(aligned(os.urandom(2 * DIRECT_ALIGN)))
+        writer.write(head)
+        writer.write(bytes(DIRECT_ALIGN - 100))
+        monkeypatch.setattr(os, "pwrite", pwrite_refusing_once)
+        writer.write(payload)
+        monkeypatch.undo()
         writer.close()
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     finally:
         os.close(fd)
-    assert path.read_bytes()[:3] == b"abc" and path.stat().st_size == 3 + 2 * DIRECT_ALIGN
+    assert refused == [0] and not writer.direct and not flags & os.O_DIRECT
+    assert path.read_bytes() == head + bytes(DIRECT_ALIGN - 100) + bytes(payload)
 
 
 def test_buffered_mode_writes_the_same_bytes(tmp_path):
@@ -132,7 +147,7 @@ def test_uncached_copy_to_and_from_tmpfs(tmp_path):
     src.write_bytes(b"abc" * 5000)
     shm = f"/dev/shm/unbroken-test-{os.getpid()}"
     try:
-        copy_file_uncached(str(src), shm)  # tmpfs: O_DIRECT refused or loosely taken
+        copy_file_uncached(str(src), shm)  # tmpfs: O_DIRECT refused, or taken unaligned
         with open(shm, "rb") as f:
             assert f.read() == src.read_bytes()
         copy_file_uncached(shm, str(tmp_path / "back"))

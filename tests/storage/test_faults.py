@@ -177,3 +177,23 @@ def test_a_failed_copy_into_the_emulated_remote_reaches_the_uploader(tmp_path):
     assert [e.key for e in store.inner.list()] == ["a"]
     store.upload(str(local), "c/d")  # and the store still works
     assert store.read_bytes("c/d") == local.read_bytes()
+
+
+def test_an_upload_whose_transfer_fails_lands_nothing(tmp_path, monkeypatch):
+    """The remote's copy runs beside the transfer, but is published only after it."""
+    root = tmp_path / "remote"
+    store = open_store(f"emulated::{root}", retry=RetryPolicy(max_attempts=1), latency=0)
+    local = tmp_path / "f"
+    local.write_bytes(os.urandom(100_000))
+
+    def link_down_mid_transfer(nbytes: int, ready: float) -> None:
+        time.sleep(0.2)  # long enough for the copy beside it to have finished
+        raise ConnectionResetError("emulated link down mid-transfer")
+
+    monkeypatch.setattr(store, "_move", link_down_mid_transfer)
+    with pytest.raises(StoreError, match="link down mid-transfer"):
+        store.upload(str(local), "a/k")
+    assert [f for _, _, files in os.walk(root) for f in files] == []  # no object, no temp
+    monkeypatch.undo()
+    store.upload(str(local), "a/k")
+    assert store.read_bytes("a/k") == local.read_bytes()

@@ -72,7 +72,9 @@ class DirectFileWriter:
         self.direct = direct
         """False once the file writes through the page cache (never O_DIRECT, or refused)."""
         self.direct_bytes = 0
-        """Bytes written straight from the callers' memory (no copy, no page cache)."""
+        """Bytes written with O_DIRECT (from the callers' memory or the bounce buffer)."""
+        self.in_place_bytes = 0
+        """Of those, bytes written straight from the callers' memory (no copy at all)."""
         self._offset = 0  # file offset of the bounce buffer's first byte; always aligned
         self._fill = 0
         self._buffer: mmap.mmap | None = aligned_buffer(BOUNCE_BYTES) if direct else None
@@ -109,13 +111,18 @@ class DirectFileWriter:
             self._bounce[self._fill : self._fill + tail] = bytes(tail)
             self._fill += tail
             self._flush_bounce()
+        self.release()
+        os.ftruncate(self.fd, size)
+        return size
+
+    def release(self) -> None:
+        """Free the bounce buffer without writing it (after a failure; idempotent)."""
+        if self._bounce is not None:
             self._bounce.release()
             self._bounce = None
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
-        os.ftruncate(self.fd, size)
-        return size
 
     def _can_write_in_place(self, view: memoryview) -> bool:
         """At an aligned file offset, with at least one block of aligned memory."""
@@ -129,10 +136,9 @@ class DirectFileWriter:
         """Write the aligned head of ``view`` from its own memory; return the rest."""
         self._flush_bounce()
         n = len(view) - len(view) % DIRECT_ALIGN
-        self._pwrite_all(view[:n], self._offset)
+        if self._pwrite_all(view[:n], self._offset):
+            self.in_place_bytes += n
         self._offset += n
-        if self.direct:
-            self.direct_bytes += n
         return view[n:]
 
     def _flush_bounce(self) -> None:
@@ -141,15 +147,21 @@ class DirectFileWriter:
             self._offset += self._fill
             self._fill = 0
 
-    def _pwrite_all(self, view: memoryview, offset: int) -> None:
+    def _pwrite_all(self, view: memoryview, offset: int) -> bool:
+        """Write all of ``view`` at ``offset``; True if it all went with O_DIRECT."""
         done = 0
         while done < len(view):
             try:
-                done += os.pwrite(self.fd, view[done:], offset + done)
+                n = os.pwrite(self.fd, view[done:], offset + done)
             except OSError as e:
                 if e.errno != errno.EINVAL or not self.direct:
                     raise
                 self._stop_direct()  # the file system wants other alignment, or none
+                continue
+            if self.direct:
+                self.direct_bytes += n
+            done += n
+        return self.direct
 
     def _stop_direct(self) -> None:
         flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
@@ -163,7 +175,7 @@ def copy_file_uncached(src: str, dst: str) -> None:
     For a directory that stands in for another machine's storage (the emulated remote):
     the copy must not take this machine's memory, neither for the bytes it writes nor
     for those it reads. One page-aligned buffer is reused chunk after chunk. Either side
-    falls back to the page cache where its file system refuses O_DIRECT (tmpfs).
+    falls back to the page cache where its file system refuses O_DIRECT.
     """
     fd, _ = open_direct(src, os.O_RDONLY)  # a missing source creates nothing
     try:

@@ -114,8 +114,8 @@ class SaveStats:
     last_phase_seconds: dict[str, float] = field(default_factory=dict)
     bytes_committed: int = 0
     bytes_direct: int = 0
-    """This rank's bytes written to the staging tier with O_DIRECT, straight from the
-    host buffers (no page cache); stays 0 where that file system refuses O_DIRECT."""
+    """This rank's shard bytes written to the staging tier with O_DIRECT (no page cache),
+    summed over saves; stays 0 where that file system refuses O_DIRECT."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

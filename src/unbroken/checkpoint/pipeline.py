@@ -44,8 +44,7 @@ from unbroken.checkpoint.manifest import (
 )
 from unbroken.checkpoint.planners import PinnedSavePlanner
 from unbroken.checkpoint.retention import plan_deletions
-from unbroken.checkpoint.tensor_record import DIRECT_PAYLOAD_MIN
-from unbroken.checkpoint.writer import SHARD_SUFFIX, TierWriter
+from unbroken.checkpoint.writer import TierWriter
 from unbroken.storage import LocalStore, Store
 
 log = logging.getLogger(__name__)
@@ -81,8 +80,8 @@ class SaveJob:
     seconds: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: staging, local, upload, commit, total."""
     direct_bytes: int = 0
-    """Bytes of this rank's shard that reached the staging tier with O_DIRECT, from the
-    host buffers themselves (0 where its file system refuses O_DIRECT)."""
+    """Bytes of this rank's shard written to the staging tier with O_DIRECT, bypassing
+    the page cache (0 where its file system refuses O_DIRECT)."""
 
 
 class _PhaseFailed(Exception):
@@ -125,6 +124,8 @@ class SavePipeline:
         self.durable = durable
         self.staging_dir = staging_dir
         self.local = LocalStore(staging_dir)
+        # Versions before O_DIRECT staging kept superseded shards here between saves.
+        shutil.rmtree(os.path.join(staging_dir, ".spare"), ignore_errors=True)
         self.index = DurableIndex(durable)
         """The coordinator's view of the durable tier's committed steps."""
         self.group = group
@@ -299,14 +300,13 @@ class SavePipeline:
         return manifest
 
     def _note_page_cache_writes(self, writer: TierWriter) -> None:
-        """Say once when a large shard went through the page cache (no O_DIRECT there)."""
-        shard = sum(r.size for r in writer.records if r.name.endswith(SHARD_SUFFIX))
-        if self._told_page_cache or writer.direct_bytes or shard < DIRECT_PAYLOAD_MIN:
+        """Say once when a shard went through the page cache (no O_DIRECT there)."""
+        if self._told_page_cache or not writer.page_cache_used:
             return
         self._told_page_cache = True
         log.info(
-            "the staging tier %s does not take O_DIRECT writes (or the host buffers are not "
-            "page-aligned): shards go through the page cache, which costs CPU per byte",
+            "the staging tier %s refuses O_DIRECT writes: checkpoint shards go through the "
+            "page cache there, which costs CPU time and memory per byte saved",
             self.staging_dir,
         )
 

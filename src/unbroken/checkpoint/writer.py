@@ -75,7 +75,10 @@ class TierWriter(StorageWriter):
         self.sync = sync
         self.records: list[FileRecord] = []
         self.direct_bytes = 0
-        """Bytes of the shard that went to the device straight from the tensors' memory."""
+        """Bytes of the shard written with O_DIRECT (no page cache)."""
+        self.page_cache_used = False
+        """True when the shard went, in part or whole, through the page cache (its file
+        system refused O_DIRECT)."""
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = False
         self.rank: int | None = None
@@ -88,6 +91,7 @@ class TierWriter(StorageWriter):
             self.directory = os.fspath(checkpoint_id)
         self.records = []
         self.direct_bytes = 0
+        self.page_cache_used = False
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -243,13 +247,16 @@ class TierWriter(StorageWriter):
         def fill_path(_key: str, tmp: str) -> None:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
             fd, on = open_direct(tmp, flags) if direct else (os.open(tmp, flags, 0o666), False)
+            sink = DirectFileWriter(fd, direct=on)
             try:
-                sink = DirectFileWriter(fd, direct=on)
                 crc = fill(sink)
                 written.append((sink.close(), crc))
-                self.direct_bytes += sink.direct_bytes
             finally:
+                sink.release()  # a failed fill must not keep the bounce buffer alive
                 os.close(fd)
+            if direct:
+                self.direct_bytes += sink.direct_bytes
+                self.page_cache_used |= not sink.direct
 
         atomic_local_write(os.path.join(self.directory, name), fill_path, name, sync=self.sync)
         size, crc = written[0]

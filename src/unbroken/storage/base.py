@@ -187,20 +187,46 @@ def atomic_local_write(
 
     ``sync=False`` skips both fsyncs: still atomic for readers, but not durable across a
     power loss; for copies that are checksummed and can be fetched again."""
+    staged_local_write(final_path, fill, key, sync=sync)(True)
+
+
+def staged_local_write(
+    final_path: str, fill: Callable[[str, str], None], key: str, *, sync: bool = True
+) -> Callable[[bool], None]:
+    """The first half of :func:`atomic_local_write`: ``fill`` a sibling temp file.
+
+    Returns ``finish``: ``finish(True)`` renames the file into place (fsyncing the
+    directory when ``sync``), ``finish(False)`` deletes it. Until then nothing is visible
+    at ``final_path``; a crashed writer leaves a temp name that ``sweep_temp`` removes."""
     directory = os.path.dirname(os.path.abspath(final_path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, temp_name(os.path.basename(final_path)))
+
+    def drop() -> None:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+
     try:
         fill(key, tmp)
         if sync:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-        os.replace(tmp, final_path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        drop()
         raise
-    if sync:
-        fsync_dir(directory)
+
+    def finish(publish: bool) -> None:
+        if not publish:
+            drop()
+            return
+        try:
+            os.replace(tmp, final_path)
+        except BaseException:
+            drop()
+            raise
+        if sync:
+            fsync_dir(directory)
+
+    return finish

@@ -12,6 +12,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -147,16 +148,23 @@ class EmulatedStore(Store):
         A real client reads the file part by part as it sends, and the remote's own disk
         write is not the client's time, so the copy runs beside the transfer instead of
         after it (reading a large file from local disk would otherwise add its whole read
-        time to every upload). The object may appear before the transfer ends; the
-        caller's call still returns only then.
+        time to every upload). The copy lands under a temp name and is published only
+        once the transfer has finished: a transfer that fails, or a process killed during
+        it, leaves no object. Inner stores without a two-step upload copy afterwards.
         """
         nbytes = os.path.getsize(local_path)
         ready = self._send("upload", key, nbytes)
+        stage = getattr(self.inner, "_upload_staged", None)
+        if stage is None:
+            self._move(nbytes, ready)
+            self.inner._upload(local_path, key)
+            return
+        staged: list[Callable[[bool], None]] = []
         failure: list[BaseException] = []
 
         def copy() -> None:
             try:
-                self.inner._upload(local_path, key)
+                staged.append(stage(local_path, key))
             except BaseException as e:  # re-raised in the caller's thread
                 failure.append(e)
 
@@ -164,10 +172,15 @@ class EmulatedStore(Store):
         writer.start()
         try:
             self._move(nbytes, ready)
-        finally:
+        except BaseException:
             writer.join()
+            for finish in staged:
+                finish(False)
+            raise
+        writer.join()
         if failure:
             raise failure[0]
+        staged[0](True)
 
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
         ready = self._request("read_bytes", key)

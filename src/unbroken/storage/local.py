@@ -7,6 +7,7 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Callable
 
 from unbroken._util.direct_io import copy_file_uncached
 from unbroken._util.fileio import pread_exactly
@@ -17,6 +18,7 @@ from unbroken.storage.base import (
     Store,
     atomic_local_write,
     is_temp_name,
+    staged_local_write,
 )
 from unbroken.storage.retry import RetryPolicy
 
@@ -56,8 +58,13 @@ class LocalStore(Store):
             os.close(fd)
 
     def _upload(self, local_path: str, key: str) -> None:
+        self._upload_staged(local_path, key)(True)
+
+    def _upload_staged(self, local_path: str, key: str) -> Callable[[bool], None]:
+        """Copy the file under a temp name; the returned function publishes it (True) or
+        drops it (False). Lets the emulated remote copy while its link moves the bytes."""
         copy = copy_file_uncached if self.uncached_uploads else copy_file
-        atomic_local_write(self.path_for(key), lambda _k, tmp: copy(local_path, tmp), key)
+        return staged_local_write(self.path_for(key), lambda _k, tmp: copy(local_path, tmp), key)
 
     def _download(self, key: str, local_path: str) -> None:
         copy_file(self.path_for(key), local_path)
