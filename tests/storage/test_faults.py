@@ -121,16 +121,22 @@ def test_deadline_bounds_total_time(tmp_path):
     assert store.stats.retries < 1000
 
 
-def test_cut_writes_leave_nothing_behind(tmp_path):
+@pytest.mark.parametrize("op", ["write_bytes", "upload"])
+def test_cut_writes_and_uploads_leave_nothing_behind(tmp_path, op):
     store = open_store(
-        f"emulated::{tmp_path}",
+        f"emulated::{tmp_path / 'remote'}",
         retry=RetryPolicy(max_attempts=1),
         latency=0,
         bandwidth=None,
         cut_rate=1.0,
     )
-    with pytest.raises(RetriesExhaustedError, match="cut off after 500 of 1000 bytes"):
-        store.write_bytes("k", b"x" * 1000)
+    local = tmp_path / "f"
+    local.write_bytes(b"x" * 1000)
+    with pytest.raises(RetriesExhaustedError, match=f"{op} k cut off after 500 of 1000 bytes"):
+        if op == "upload":
+            store.upload(str(local), "k")
+        else:
+            store.write_bytes("k", local.read_bytes())
     assert store.inner.list() == []
 
 
@@ -145,21 +151,6 @@ def test_remote_profile_validation_and_defaults():
         RemoteProfile(fail_rate=1.5)
     with pytest.raises(ValueError, match="not a byte size"):
         RemoteProfile.pop_from({"bandwidth": "fast"})
-
-
-def test_cut_uploads_leave_nothing_behind(tmp_path):
-    store = open_store(
-        f"emulated::{tmp_path / 'remote'}",
-        retry=RetryPolicy(max_attempts=1),
-        latency=0,
-        bandwidth=None,
-        cut_rate=1.0,
-    )
-    local = tmp_path / "f"
-    local.write_bytes(b"x" * 1000)
-    with pytest.raises(RetriesExhaustedError, match="upload k cut off after 500 of 1000"):
-        store.upload(str(local), "k")
-    assert store.inner.list() == []
 
 
 def test_a_failed_copy_into_the_emulated_remote_reaches_the_uploader(tmp_path):
@@ -179,10 +170,13 @@ def test_a_failed_copy_into_the_emulated_remote_reaches_the_uploader(tmp_path):
     assert store.read_bytes("c/d") == local.read_bytes()
 
 
-def test_an_upload_whose_transfer_fails_lands_nothing(tmp_path, monkeypatch):
-    """The remote's copy runs beside the transfer, but is published only after it."""
+@pytest.mark.parametrize("inner", ["local", "memory"])
+def test_an_upload_whose_transfer_fails_lands_nothing(tmp_path, monkeypatch, inner):
+    """The remote's copy runs beside the transfer, but is published only after it
+    (a local directory stages it under a temp name; other stores copy afterwards)."""
     root = tmp_path / "remote"
-    store = open_store(f"emulated::{root}", retry=RetryPolicy(max_attempts=1), latency=0)
+    url = str(root) if inner == "local" else f"memory://{tmp_path.name}-remote"
+    store = open_store(f"emulated::{url}", retry=RetryPolicy(max_attempts=1), latency=0)
     local = tmp_path / "f"
     local.write_bytes(os.urandom(100_000))
 
@@ -193,7 +187,8 @@ def test_an_upload_whose_transfer_fails_lands_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(store, "_move", link_down_mid_transfer)
     with pytest.raises(StoreError, match="link down mid-transfer"):
         store.upload(str(local), "a/k")
-    assert [f for _, _, files in os.walk(root) for f in files] == []  # no object, no temp
+    assert store.inner.list() == []
+    assert [f for _, _, files in os.walk(root) for f in files] == []  # no temp file either
     monkeypatch.undo()
     store.upload(str(local), "a/k")
     assert store.read_bytes("a/k") == local.read_bytes()

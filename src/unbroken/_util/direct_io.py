@@ -164,9 +164,17 @@ class DirectFileWriter:
         return self.direct
 
     def _stop_direct(self) -> None:
-        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+        _clear_direct(self.fd)
         self.direct = False
+
+
+def _clear_direct(fd: int) -> bool:
+    """Turn O_DIRECT off for ``fd``; False if it was not on."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if not flags & _O_DIRECT:
+        return False
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+    return True
 
 
 def copy_file_uncached(src: str, dst: str) -> None:
@@ -206,10 +214,6 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     try:
         return os.preadv(fd, [view], offset)
     except OSError as e:  # O_DIRECT read refused at this alignment: read through the cache
-        if e.errno != errno.EINVAL or not _O_DIRECT:
+        if e.errno != errno.EINVAL or not _O_DIRECT or not _clear_direct(fd):
             raise
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        if not flags & _O_DIRECT:
-            raise
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
         return os.preadv(fd, [view], offset)

@@ -143,6 +143,19 @@ class Store(ABC):
     @abstractmethod
     def _upload(self, local_path: str, key: str) -> None: ...
 
+    def _upload_staged(self, local_path: str, key: str) -> Callable[[bool], None]:
+        """An upload in two steps: do what can be done ahead, return ``finish`` that
+        publishes (True) or abandons (False) it. Nothing is visible before ``finish(True)``.
+
+        This default does everything in ``finish``; a store that can stage the bytes
+        under a hidden name (LocalStore) overrides it."""
+
+        def finish(publish: bool) -> None:
+            if publish:
+                self._upload(local_path, key)
+
+        return finish
+
     @abstractmethod
     def _download(self, key: str, local_path: str) -> None:
         """Write the object to ``local_path`` (a temp name; the caller renames it)."""

@@ -150,15 +150,11 @@ class EmulatedStore(Store):
         after it (reading a large file from local disk would otherwise add its whole read
         time to every upload). The copy lands under a temp name and is published only
         once the transfer has finished: a transfer that fails, or a process killed during
-        it, leaves no object. Inner stores without a two-step upload copy afterwards.
+        it, leaves no object. Inner stores that cannot stage ahead copy afterwards.
         """
         nbytes = os.path.getsize(local_path)
         ready = self._send("upload", key, nbytes)
-        stage = getattr(self.inner, "_upload_staged", None)
-        if stage is None:
-            self._move(nbytes, ready)
-            self.inner._upload(local_path, key)
-            return
+        stage = self.inner._upload_staged
         staged: list[Callable[[bool], None]] = []
         failure: list[BaseException] = []
 
