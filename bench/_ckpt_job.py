@@ -193,7 +193,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
             row.drain()
 
     steps = (cfg.saves + 1) * every - 1
-    blocked, optim_s, after_save = 0.0, [], []
+    blocked, optim_s, after_save, step_ends = 0.0, [], [], []
     flag = False
     dist.barrier()
     cpu0 = cpu_clocks()
@@ -211,6 +211,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         optim_s.append(t1 - to)
         after_save.append(flag)
         flag = row.is_save_step(step)
+        step_ends.append(time.perf_counter() - t0)
     dist.barrier()
     loop_s = time.perf_counter() - t0
     cpu = cpu_clocks().minus(cpu0)
@@ -224,6 +225,8 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         "steps": steps,
         "state_bytes": state_bytes,
         "rank_bytes": max_rank_bytes,
+        # Where in the loop the extra time went (near saves, or all along): rank 0's clock.
+        "step_ends_s": [round(t, 4) for t in step_ends],
     }
     commit_s = restore_local_s = restore_durable_s = local_tier_bps = -1.0
     if key not in BASELINES:

@@ -502,17 +502,20 @@ def test_next_save_stages_while_the_previous_one_uploads(tmp_path):
     assert torch.all(fresh["w"] == 4.0) and fresh["step"] == 4
 
 
-def test_background_worker_runs_at_lower_priority(tmp_path):
+def test_background_worker_runs_at_lower_priority_under_its_own_name(tmp_path):
     import sys
 
     if not sys.platform.startswith("linux"):
-        pytest.skip("per-thread nice is Linux only")
+        pytest.skip("per-thread nice and thread names are Linux only")
     with manager(tmp_path) as mgr:
         mgr.save(2, {"w": torch.ones(4)})
         mgr.wait()
         worker = mgr._pipeline._thread.native_id
         main = os.getpriority(os.PRIO_PROCESS, 0)
         assert os.getpriority(os.PRIO_PROCESS, worker) == min(19, main + 10)
+        # top -H, perf and /proc show which thread is the checkpoint worker.
+        with open(f"/proc/self/task/{worker}/comm") as f:
+            assert f.read().strip() == "unbroken-ckpt"
 
 
 def test_staging_shards_are_written_with_o_direct_from_the_host_buffers(tmp_path):

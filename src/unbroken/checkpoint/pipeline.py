@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from unbroken._util.priority import lower_thread_priority
+from unbroken._util.thread_names import name_native_thread
 from unbroken._version import __version__
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.durable_index import DurableIndex
@@ -184,6 +185,7 @@ class SavePipeline:
     # -- worker side -----------------------------------------------------------------
 
     def _loop(self) -> None:
+        name_native_thread()
         if self.config.lower_priority:
             lower_thread_priority()
         while True:
@@ -321,7 +323,9 @@ class SavePipeline:
             self.durable.upload(os.path.join(local_dir, rec.name), f"{name}/{rec.name}")
 
         streams = max(1, min(self.config.upload_streams, len(records)))
-        with ThreadPoolExecutor(streams, thread_name_prefix="unbroken-upload") as pool:
+        with ThreadPoolExecutor(
+            streams, thread_name_prefix="unbroken-upload", initializer=name_native_thread
+        ) as pool:
             for f in [pool.submit(one, r) for r in records]:
                 f.result()
 

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from unbroken._util.thread_names import name_native_thread
 from unbroken.checkpoint.dcp_json import ItemLocation, dtype_from_name, metadata_from_json
 from unbroken.checkpoint.direct_read import read_into, writable_bytes
 from unbroken.checkpoint.errors import (
@@ -279,7 +280,9 @@ class TierReader(StorageReader):
 
     def _read_ahead(self, windows: list[Window]) -> Iterator[tuple[Window, memoryview]]:
         """Each window with its bytes, in order, with up to IN_FLIGHT reads running."""
-        with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="unbroken-read") as pool:
+        with ThreadPoolExecutor(
+            IN_FLIGHT, thread_name_prefix="unbroken-read", initializer=name_native_thread
+        ) as pool:
             pending: deque[tuple[Window, PoolFuture[bytes]]] = deque()
             for window in windows:
                 pending.append(
@@ -359,7 +362,9 @@ class TierReader(StorageReader):
                 except FileNotFoundError as exc:
                     raise self._corrupt(name, "file is missing") from exc
             order = sorted(direct, key=lambda x: (x.relative_path, x.payload_offset))
-            with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="unbroken-read") as pool:
+            with ThreadPoolExecutor(
+                IN_FLIGHT, thread_name_prefix="unbroken-read", initializer=name_native_thread
+            ) as pool:
                 reads = [
                     (
                         loc,

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from unbroken._util.thread_names import name_native_thread
+
 DEFAULT_CHUNK_BYTES = 32 * 2**20
 
 
@@ -152,6 +154,7 @@ class CopyJob:
         return self._abort.is_set()
 
     def _run(self) -> None:
+        name_native_thread()
         began = time.perf_counter()
         # A second OpenMP team as wide as the training loop's oversubscribes the cores;
         # one or two threads already copy at memory bandwidth.

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from queue import SimpleQueue
 
+from unbroken._util.thread_names import name_native_thread
 from unbroken.data.cache import LocalCache
 from unbroken.storage import Entry
 
@@ -159,6 +160,7 @@ class _Pool:
         self.tasks.put((run, key, entry))
 
     def _work(self) -> None:
+        name_native_thread()
         tasks = self.tasks
         while True:
             task = tasks.get()

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from unbroken._util.sizes import parse_size
+from unbroken._util.thread_names import name_native_thread
 from unbroken.storage.base import Entry, Store
 from unbroken.storage.errors import TransientStoreError
 from unbroken.storage.link import SharedLink, sleep_until
@@ -159,6 +160,7 @@ class EmulatedStore(Store):
         failure: list[BaseException] = []
 
         def copy() -> None:
+            name_native_thread()
             try:
                 staged.append(stage(local_path, key))
             except BaseException as e:  # re-raised in the caller's thread
