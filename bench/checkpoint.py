@@ -33,6 +33,7 @@ from _ckpt_measure import (
     evaluate,
     format_table,
     format_targets,
+    in_row_extra,
     json_line,
 )
 from _ckpt_rows import BASELINES
@@ -123,6 +124,10 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
         for out, source, base in per_save:  # beyond the no-saves runs, per save
             if not r.get("error") and base is not None and r.get(source) is not None:
                 r[out] = (r[source] - base) / cfg.saves
+        if key not in BASELINES and not r.get("error") and r.get("step_ends_s"):
+            r["in_row_extra_s"] = in_row_extra(
+                r["step_ends_s"], r["every"], r.get("commit_s") or 0.0
+            )
         rows.append(r)
         results[key] = r
     any_row = next((r for r in rows if r.get("state_bytes")), {})

@@ -15,6 +15,7 @@ from _ckpt_measure import (
     excess_over_median,
     format_table,
     format_targets,
+    in_row_extra,
     json_line,
 )
 from checkpoint import baseline_loop, parse_args, report
@@ -34,6 +35,32 @@ def test_excess_counts_only_flagged_steps_above_the_median():
     # median of unflagged (1.0, 1.2, 0.9, 1.1) is 1.05
     assert excess_over_median(durations, flagged) == pytest.approx(3.0 - 1.05)
     assert excess_over_median([2.0], [True]) == 0.0
+
+
+def _ends(durations):
+    out, t = [], 0.0
+    for d in durations:
+        t += d
+        out.append(t)
+    return out
+
+
+def test_in_row_extra_measures_against_the_runs_own_quiet_steps():
+    # every 4 steps; a save step costs 0.5 s more, the two steps after it 0.2 s each
+    durations = [1.0, 1.0, 1.0, 1.5, 1.2, 1.2, 1.0, 1.5, 1.2, 1.2, 1.0]
+    assert in_row_extra(_ends(durations), 4, settle_s=2.0) == pytest.approx(0.9)
+    # the whole run 5% slower (the drift between rows run minutes apart): the same
+    # cost in that run's own seconds, not 5% of the loop charged to the saves
+    slower = [1.05 * d for d in durations]
+    assert in_row_extra(_ends(slower), 4, settle_s=2.1) == pytest.approx(0.945)
+    # a save window longer than the gap: only the steps before the first save are quiet
+    assert in_row_extra(_ends(durations), 4, settle_s=60.0) == pytest.approx(0.9)
+
+
+def test_in_row_extra_needs_quiet_steps_and_saves():
+    assert in_row_extra(_ends([2.0, 2.0, 2.0]), 1, settle_s=0.0) is None  # all save steps
+    assert in_row_extra(_ends([1.0, 1.0, 1.0]), 4, settle_s=0.0) is None  # no save
+    assert in_row_extra([], 4, settle_s=0.0) is None
 
 
 def test_targets_met_and_not_met():
@@ -215,4 +242,23 @@ def test_report_judges_the_targets_on_the_per_save_figures_it_prints():
     ratios = json.loads(text.splitlines()[-1])
     assert ratios["extra_wall_unbroken_over_best_dcp_async"] == pytest.approx(0.1)
     unbroken_line = next(line for line in text.splitlines() if line.startswith("unbroken "))
-    assert unbroken_line.split()[1:5] == ["n/a", "0.400", "18.000", "1.000"]
+    assert unbroken_line.split()[1:6] == ["n/a", "0.400", "n/a", "18.000", "1.000"]
+
+
+def test_report_shows_the_in_row_figure_beside_the_extra_wall_verdicts():
+    cfg = parse_args(["--saves", "2", "--every", "4", "--rows", "dcp_async_best,unbroken"])
+    loop = {"loop_s": 11.0, "machine_cpu_s": 20.0, "off_main_cpu_s": 1.0}
+    durations = [1.0, 1.0, 1.0, 1.5, 1.2, 1.2, 1.0, 1.5, 1.2, 1.2, 1.0]
+    row = {"state_bytes": 3 * GiB, "rank_bytes": 1.5 * GiB, "every": 4, "commit_s": 2.0}
+    results = {
+        "baseline": dict(loop, step_ends_s=_ends([1.0] * 11)),
+        "dcp_async_best": dict(row, loop_s=16.0, step_ends_s=_ends([1.4] * 11)),
+        "unbroken": dict(row, loop_s=12.8, step_ends_s=_ends(durations)),
+    }
+    text = report(cfg, results, started=0.0)
+    unbroken_line = next(line for line in text.splitlines() if line.startswith("unbroken "))
+    assert unbroken_line.split()[1:4] == ["n/a", "0.900", "0.900"]
+    verdict = "bound 1.250: MET (in-row 0.900)"
+    assert verdict in text
+    baseline_line = next(line for line in text.splitlines() if line.startswith("no saves "))
+    assert baseline_line.split()[2:5] == ["n/a", "0.000", "n/a"]  # no in-row figure
