@@ -35,6 +35,11 @@ from _ckpt_rows import BASELINES, ROWS, RowContext, local_tensors
 ROW_CLASSES = {cls.key: cls for cls in ROWS}
 WARM_UP_SAVES = 2
 """Saves before the timed loop, at steps 0 and 1 (the loop saves every K >= 2 steps)."""
+SETTLE_STEPS = 2
+"""Untimed training steps right before the timed loop, in every row. The warm-up saves
+leave the model idle for half a minute, and this VM hands memory idle that long back to
+the host: without them the first timed step of a saving row paid 1.5-3.5 s to fault the
+parameters and Adam state back in, which the no-saves rows never pay."""
 ROW_TITLES = {cls.key: cls.title for cls in ROWS}
 
 
@@ -191,6 +196,11 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         for warm_up_step in range(WARM_UP_SAVES):
             row.save(warm_up_step)
             row.drain()
+
+    for _ in range(SETTLE_STEPS):
+        train_step(model, width, cfg.batch, gen)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
 
     steps = (cfg.saves + 1) * every - 1
     blocked, optim_s, after_save, step_ends = 0.0, [], [], []

@@ -151,12 +151,6 @@ def cpu_clocks() -> CpuClocks:
     return CpuClocks(busy / os.sysconf("SC_CLK_TCK"), times.user + times.system, time.thread_time())
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def excess_over_median(durations: Sequence[float], flagged: Sequence[bool]) -> float:
     """Sum of how much the flagged durations exceed the median of the unflagged ones.
 
@@ -164,10 +158,11 @@ def excess_over_median(durations: Sequence[float], flagged: Sequence[bool]) -> f
     library installs); the excess over an ordinary optimizer step is time the loop is
     blocked by that save.
     """
-    normal = [d for d, f in zip(durations, flagged) if not f]
+    normal = sorted(d for d, f in zip(durations, flagged) if not f)
     if not normal:
         return 0.0
-    median = _median(normal)
+    mid = len(normal) // 2
+    median = normal[mid] if len(normal) % 2 else (normal[mid - 1] + normal[mid]) / 2
     return sum(max(0.0, d - median) for d, f in zip(durations, flagged) if f)
 
 
@@ -177,27 +172,32 @@ def in_row_extra(step_ends: Sequence[float], every: int, settle_s: float) -> flo
     The row-level figure compares loops run minutes apart, and this machine drifts by a
     few per cent between such runs (the two no-saves runs show how much): with a handful
     of saves that drift is larger than what a cheap save costs. Here the yardstick is the
-    median of this run's own quiet steps: steps before the first save, or starting at
-    least ``settle_s`` (the row's commit time) after the latest save was due. Save steps
-    are never quiet. What outlasts a save's window (a lasting slowdown) is not seen here;
-    the row-level figure sees it. None without quiet steps or saves.
+    mean of this run's own quiet steps: steps before the first save, or starting at
+    least ``settle_s`` (the row's commit time) after the latest save was due. The figure
+    is what the other steps (save steps, and steps with a save in flight) take beyond
+    that mean, per save. Applied to a run without saves it shows its own noise. What
+    outlasts a save's window (a lasting slowdown) is not seen here; the row-level figure
+    sees it. None without quiet steps or saves.
     """
     quiet: list[float] = []
-    durations: list[float] = []
+    busy: list[float] = []
     saves = 0
     due: float | None = None  # when the latest save was due (the end of its step)
     start = 0.0
     for step, end in enumerate(step_ends, start=1):
-        durations.append(end - start)
         if step % every == 0:
             saves += 1
             due = end
+            busy.append(end - start)
         elif due is None or start >= due + settle_s:
             quiet.append(end - start)
+        else:
+            busy.append(end - start)
         start = end
     if not quiet or not saves:
         return None
-    return (sum(durations) - len(durations) * _median(quiet)) / saves
+    mean = sum(quiet) / len(quiet)
+    return sum(d - mean for d in busy) / saves
 
 
 # -- the report ---------------------------------------------------------------------------
