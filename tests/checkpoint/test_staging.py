@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import sys
 from pathlib import Path
 
 import psutil
@@ -443,3 +445,18 @@ def test_soak_every_snapshot_is_exact_or_reported_torn(saves):
         staged.release()
     stager.close()
     assert clean > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux only")
+@pytest.mark.parametrize("nice", [0, 10])
+def test_the_background_copy_runs_at_the_priority_asked_for(nice):
+    """Reniced, the copy takes the cores mostly while training waits, not in its stead."""
+    s = StateStager(copy_nice=nice)
+    try:
+        with s.stage({"w": torch.ones(1 << 20)}) as staged:
+            staged.wait()
+            main = os.getpriority(os.PRIO_PROCESS, 0)
+            assert staged._job.thread_nice == min(19, main + nice)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == main  # the training thread untouched
+    finally:
+        s.close()

@@ -146,7 +146,8 @@ class StateStager:
     ``pin_memory`` None pins the buffers of CUDA sources; ``shared_memory`` puts CPU
     buffers in shared memory so another process can write them without a copy;
     ``chunk_bytes`` is the CPU copy's step between tearing/abort checks; ``copy_threads``
-    the intra-op threads of the background copy (kept apart from the training loop's).
+    the intra-op threads of the background copy (kept apart from the training loop's);
+    ``copy_nice`` how far that copy's thread is reniced (0: training's priority).
     """
 
     def __init__(
@@ -157,12 +158,14 @@ class StateStager:
         shared_memory: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         copy_threads: int = 1,
+        copy_nice: int = 10,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         if copy_threads <= 0:
             raise ValueError(f"copy_threads must be positive, got {copy_threads}")
         self.copy_threads = copy_threads
+        self.copy_nice = copy_nice
         self.pool = HostBufferPool(
             max_bytes=max_bytes, shared_memory=shared_memory, pin_memory=pin_memory
         )
@@ -232,7 +235,12 @@ class StateStager:
             staged_dict = rebuild(state_dict, iter(staged_values))
             # The job also waits for the device copies of `first` before it is done.
             job = CopyJob(
-                later, self._streams, self.chunk_bytes, self.copy_threads, events=first_events
+                later,
+                self._streams,
+                self.chunk_bytes,
+                self.copy_threads,
+                self.copy_nice,
+                events=first_events,
             )
             stats = {
                 "bytes": float(sum(leaf.nbytes for leaf in leaves)),

@@ -21,6 +21,7 @@ event and checks versions. That path needs CUDA and cannot run on a CPU-only mac
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from unbroken._util.priority import lower_thread_priority
 from unbroken._util.thread_names import name_native_thread
 
 DEFAULT_CHUNK_BYTES = 32 * 2**20
@@ -119,6 +121,11 @@ class CopyJob:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     threads: int = 1
     """Intra-op threads for the background copy (torch's setting is per thread)."""
+    nice: int = 0
+    """Renice the copy thread by this much: it then runs mostly while the training
+    threads wait (on collectives, on I/O) instead of taking their turn on the cores."""
+    thread_nice: int | None = None
+    """The copy thread's nice value as it ran (None where the OS does not say)."""
     finished: threading.Event = field(default_factory=threading.Event)
     torn: list[str] = field(default_factory=list)
     error: BaseException | None = None
@@ -155,6 +162,12 @@ class CopyJob:
 
     def _run(self) -> None:
         name_native_thread()
+        if self.nice:
+            lower_thread_priority(nice=self.nice)
+        try:
+            self.thread_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        except (OSError, AttributeError):
+            pass
         began = time.perf_counter()
         # A second OpenMP team as wide as the training loop's oversubscribes the cores;
         # one or two threads already copy at memory bandwidth.
