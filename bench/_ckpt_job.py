@@ -127,6 +127,14 @@ def train_step(model: torch.nn.Module, width: int, batch: int, gen: torch.Genera
     model(x).square().mean().backward()
 
 
+def train_untimed(model: torch.nn.Module, optim: Any, width: int, batch: int, gen: Any, n: int):
+    """``n`` whole steps (forward, backward, optimizer) outside any measurement."""
+    for _ in range(n):
+        train_step(model, width, batch, gen)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+
 def checksum(tensors: list[torch.Tensor]) -> list[int]:
     """crc32c of every tensor's bytes: a restore must bring back each byte in its place."""
     return [crc32c.crc32c(t.contiguous().view(-1).view(torch.uint8).numpy()) for t in tensors]
@@ -153,10 +161,7 @@ def calibrate_every(cfg: Config, model: Any, optim: Any, width: int, state_bytes
     gen = torch.Generator().manual_seed(1)
     dist.barrier()
     t0 = time.perf_counter()
-    for _ in range(3):
-        train_step(model, width, cfg.batch, gen)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+    train_untimed(model, optim, width, cfg.batch, gen, 3)
     step_s = _max([(time.perf_counter() - t0) / 3])[0]
     upload_s = state_bytes / cfg.bandwidth + cfg.latency
     return int(min(200, max(2, math.ceil(1.25 * upload_s / step_s))))
@@ -166,10 +171,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
     gc.collect()
     model, optim, width = build(cfg)
     gen = torch.Generator().manual_seed(100 + rank)
-    for _ in range(2):  # creates Adam's state
-        train_step(model, width, cfg.batch, gen)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+    train_untimed(model, optim, width, cfg.batch, gen, 2)  # creates Adam's state
     rank_bytes = sum(t.nbytes for t in local_tensors(model, optim))
     sizes = torch.tensor([rank_bytes, rank_bytes], dtype=torch.float64)
     dist.all_reduce(sizes[:1], op=dist.ReduceOp.SUM)
@@ -197,10 +199,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
             row.save(warm_up_step)
             row.drain()
 
-    for _ in range(SETTLE_STEPS):
-        train_step(model, width, cfg.batch, gen)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+    train_untimed(model, optim, width, cfg.batch, gen, SETTLE_STEPS)
 
     steps = (cfg.saves + 1) * every - 1
     blocked, optim_s, after_save, step_ends = 0.0, [], [], []

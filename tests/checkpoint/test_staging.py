@@ -383,6 +383,9 @@ def test_bad_calls(stager):
         StateStager(max_bytes=-1)
     with pytest.raises(ValueError, match="copy_threads"):
         StateStager(copy_threads=0)
+    for nice in (-1, 20):  # raising the copy above training is never what was meant
+        with pytest.raises(ValueError, match=f"copy_nice .* got {nice}"):
+            StateStager(copy_nice=nice)
     with pytest.raises(ValueError, match=r"'a\.b' appears twice"):
         stager.stage({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}})
     stager.close()

@@ -164,6 +164,8 @@ class StateStager:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         if copy_threads <= 0:
             raise ValueError(f"copy_threads must be positive, got {copy_threads}")
+        if not 0 <= copy_nice <= 19:
+            raise ValueError(f"copy_nice must be between 0 and 19, got {copy_nice}")
         self.copy_threads = copy_threads
         self.copy_nice = copy_nice
         self.pool = HostBufferPool(
@@ -237,9 +239,9 @@ class StateStager:
             job = CopyJob(
                 later,
                 self._streams,
-                self.chunk_bytes,
-                self.copy_threads,
-                self.copy_nice,
+                chunk_bytes=self.chunk_bytes,
+                threads=self.copy_threads,
+                nice=self.copy_nice,
                 events=first_events,
             )
             stats = {
