@@ -14,7 +14,6 @@ ratios. See bench/README.md, section bench/checkpoint.py.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ from _ckpt_measure import (
     json_line,
 )
 from _ckpt_rows import BASELINES
+from unbroken.storage.link import discard_link
 
 # -- the parent: launch ranks, survive a failing row, report ----------------------------
 
@@ -260,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_all(cfg)
         print(report(cfg, results, started), flush=True)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm/unbroken-link-{cfg.link}.state")
+        discard_link(cfg.link)
         if not cfg.keep:
             shutil.rmtree(cfg.remote_dir, ignore_errors=True)
             shutil.rmtree(cfg.work_dir, ignore_errors=True)

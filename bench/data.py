@@ -32,6 +32,7 @@ from PIL import Image
 
 import unbroken as ub
 from unbroken._util.sizes import format_size
+from unbroken.storage.link import discard_link
 
 CROP = 224
 SIDE = 400  # 400x400, quality 88, with grain: about 100 KB per JPEG
@@ -252,6 +253,7 @@ def main() -> None:
             keep_best("unbroken e2", e2)
     finally:
         shutil.rmtree(runs_dir, ignore_errors=True)
+        discard_link(profile.link)
     cold, warm = cache_e1, cache_e2
 
     ips = {name: epoch.rate for name, epoch in rows.items()}

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import unbroken as ub
 from unbroken._util.sizes import format_size, parse_size
+from unbroken.storage.link import discard_link
 
 
 def run_case(store: ub.Store, tmp: str, streams: int, nfiles: int, size: int, op: str) -> float:
@@ -59,13 +60,16 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         store = ub.open_store(f"emulated::{tmp}/remote", **profile.as_options())
-        for op in ("upload", "download"):
-            for streams in (1, 8):
-                for size, nfiles in ((large, 2 * streams), (small, 20 * streams)):
-                    mbps = run_case(store, tmp, streams, nfiles, size, op)
-                    ideal = size / (profile.latency + size / bandwidth) * streams / 1e6
-                    ideal = min(ideal, bandwidth / 1e6)
-                    rows.append((op, streams, size, mbps, ideal))
+        try:
+            for op in ("upload", "download"):
+                for streams in (1, 8):
+                    for size, nfiles in ((large, 2 * streams), (small, 20 * streams)):
+                        mbps = run_case(store, tmp, streams, nfiles, size, op)
+                        ideal = size / (profile.latency + size / bandwidth) * streams / 1e6
+                        ideal = min(ideal, bandwidth / 1e6)
+                        rows.append((op, streams, size, mbps, ideal))
+        finally:
+            discard_link(profile.link)
     print(f"standard remote profile: {profile.describe()}")
     print(f"{'op':<9} {'streams':>7} {'object':>10} {'MB/s':>8} {'ideal MB/s':>11} {'ratio':>6}")
     for op, streams, size, mbps, ideal in rows:

@@ -16,6 +16,15 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 BACKENDS = ["local", "memory", "s3"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _discard_test_links():
+    """Emulated links made up by this session's tests leave no state file behind."""
+    from tests.link_names import discard_links
+
+    yield
+    discard_links()
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     from tests.s3server import S3Server

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 
 from _store_fs import StoreFileSystem
 from tests.conftest import BACKENDS
+from tests.link_names import private_link
 
 
 @pytest.fixture
@@ -60,7 +61,7 @@ def test_emulated_link_carries_the_bytes(tmp_path):
         "store_url": f"emulated::{tmp_path / 'remote'}",
         "latency": 0.0,
         "bandwidth": "1GB",
-        "link": f"test-store-fs-{os.getpid()}",
+        "link": private_link("store-fs"),
     }
     fs = StoreFileSystem(**options)
     fs.pipe_file("ubstore://a/b", b"x" * 1000)

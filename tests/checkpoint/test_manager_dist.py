@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import unbroken as ub
+from tests.link_names import private_link
 from unbroken.checkpoint.manifest import step_dir
 
 from .distributed import check, torchrun
@@ -48,7 +49,7 @@ def test_user_collectives_during_async_saves_do_not_deadlock(tmp_path):
             "--staging",
             str(tmp_path / "s"),
             "--link",
-            f"test-{tmp_path.name}",
+            private_link("collectives"),
             timeout=150,
         )
     )

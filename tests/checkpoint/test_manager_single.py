@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import unbroken as ub
+from tests.link_names import private_link
 from unbroken.checkpoint.catalog import verify_checkpoint
 from unbroken.checkpoint.errors import CheckpointMismatchError, SaveFailedError
 from unbroken.checkpoint.manifest import step_dir
@@ -480,7 +481,7 @@ def test_next_save_stages_while_the_previous_one_uploads(tmp_path):
     """Host buffers are free once a save is written locally; its upload runs on."""
     import time
 
-    opts = {"latency": 0, "bandwidth": "1MB", "link": f"slow-{tmp_path.name}"}
+    opts = {"latency": 0, "bandwidth": "1MB", "link": private_link("slow")}
     state = {"w": torch.zeros(500_000), "step": 0}  # 2 MB: ~2 s on the emulated link
     mgr = manager(tmp_path, url="emulated::" + str(tmp_path / "durable"), storage_options=opts)
     mgr.save(2, state)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 
+from tests.link_names import private_link
 from unbroken.storage import EmulatedStore, Entry, RemoteProfile, RetryPolicy, Store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,7 +30,7 @@ def slow(
     **profile: object,
 ) -> EmulatedStore:
     """``store`` behind an emulated network on a link of its own (no cross-test sharing)."""
-    link = f"test-{uuid.uuid4().hex[:10]}"
+    link = private_link("cache")
     remote = RemoteProfile(latency=latency, bandwidth=bandwidth, link=link, **profile)
     return EmulatedStore(store, remote, retry=retry)
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import struct
 import time
-import uuid
 
 import pytest
 
-from unbroken.storage.link import SharedLink
+from tests.link_names import discard_links, private_link
+from unbroken.storage.link import SharedLink, discard_link
 
 
 def _transfer(name: str, bandwidth: float, nbytes: int) -> None:
@@ -23,7 +24,7 @@ def _transfer_on(link: SharedLink, nbytes: int) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
 def test_parallel_processes_share_one_timeline(start_method):
-    name = f"test-{uuid.uuid4().hex[:8]}"
+    name = private_link("timeline")
     bandwidth, nbytes, procs = 400e6, 20 << 20, 4
     start = time.monotonic()
     ctx = mp.get_context(start_method)
@@ -54,3 +55,14 @@ def test_link_rejects_bad_settings():
         SharedLink(0)
     with pytest.raises(ValueError, match="link name"):
         SharedLink(1e6, "../etc")
+
+
+def test_a_made_up_link_leaves_no_state_file_once_discarded():
+    name = private_link("discard")
+    link = SharedLink(1e9, name)
+    link.transfer(1)
+    link.close()
+    assert os.path.exists(link.path)
+    assert discard_links(name) == 1  # what the session's teardown does for every test link
+    assert not os.path.exists(link.path)
+    assert discard_link(name) is False  # already gone: nothing to do, no error

@@ -24,6 +24,24 @@ def _state_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def link_state_path(name: str) -> str:
+    """The file that holds the timeline of the link called ``name``."""
+    return os.path.join(_state_dir(), f"unbroken-link-{name}.state")
+
+
+def discard_link(name: str) -> bool:
+    """Delete the timeline of link ``name``; False if it had none.
+
+    The file outlives every process on purpose (the next job on the node shares the same
+    link), so whoever made up a one-off name removes it once nobody uses that link.
+    """
+    try:
+        os.unlink(link_state_path(name))
+    except FileNotFoundError:
+        return False
+    return True
+
+
 class SharedLink:
     """``bandwidth`` bytes/second shared node-wide by every user of the same ``name``."""
 
@@ -34,7 +52,7 @@ class SharedLink:
             raise ValueError(f"link name {name!r}: use letters, digits, '.', '_' or '-'")
         self.bandwidth = float(bandwidth)
         self.name = name
-        self.path = os.path.join(_state_dir(), f"unbroken-link-{name}.state")
+        self.path = link_state_path(name)
         self._fd: int | None = None
         self._fd_pid = 0
 
