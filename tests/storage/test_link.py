@@ -66,3 +66,9 @@ def test_a_made_up_link_leaves_no_state_file_once_discarded():
     assert discard_links(name) == 1  # what the session's teardown does for every test link
     assert not os.path.exists(link.path)
     assert discard_link(name) is False  # already gone: nothing to do, no error
+
+
+def test_reservations_are_slices_of_link_time():
+    """Few wake-ups per second on a fast link, never tiny slices on a slow one."""
+    assert SharedLink(200e6, private_link("slices")).slice_bytes == 4_000_000  # 20 ms
+    assert SharedLink(1e6, private_link("slices")).slice_bytes == 1 << 20
