@@ -32,4 +32,5 @@ slow: install
 bench: install
 	$(PY) bench/store.py --quick
 	$(PY) bench/checkpoint.py --quick
+	$(PY) bench/save_cpu.py --quick
 	$(PY) bench/data.py --quick
