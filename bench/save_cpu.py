@@ -43,6 +43,9 @@ import torch.distributed.checkpoint as dcp
 import unbroken as ub
 from unbroken.storage.link import discard_link
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ckpt_measure import cpu_clocks
+
 GiB = 1 << 30
 
 
@@ -58,10 +61,7 @@ class Sample:
 
 def machine_busy() -> float:
     """CPU seconds the whole machine has been busy since boot (all cores)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return cpu_clocks().machine_s
 
 
 def idle_rate(seconds: float = 1.0) -> float:

@@ -68,6 +68,12 @@ def test_a_made_up_link_leaves_no_state_file_once_discarded():
     assert discard_link(name) is False  # already gone: nothing to do, no error
 
 
+def test_a_bad_link_name_is_refused_when_discarding_too():
+    for bad in ("../etc", "a/b", ""):
+        with pytest.raises(ValueError, match="link name"):
+            discard_link(bad)
+
+
 def test_reservations_are_slices_of_link_time():
     """Few wake-ups per second on a fast link, never tiny slices on a slow one."""
     assert SharedLink(200e6, private_link("slices")).slice_bytes == 4_000_000  # 20 ms

@@ -28,6 +28,8 @@ def _state_dir() -> str:
 
 def link_state_path(name: str) -> str:
     """The file that holds the timeline of the link called ``name``."""
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+        raise ValueError(f"link name {name!r}: use letters, digits, '.', '_' or '-'")
     return os.path.join(_state_dir(), f"unbroken-link-{name}.state")
 
 
@@ -50,11 +52,9 @@ class SharedLink:
     def __init__(self, bandwidth: float, name: str = "default") -> None:
         if bandwidth <= 0:
             raise ValueError(f"link bandwidth must be positive, got {bandwidth}")
-        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
-            raise ValueError(f"link name {name!r}: use letters, digits, '.', '_' or '-'")
+        self.path = link_state_path(name)  # checks the name
         self.bandwidth = float(bandwidth)
         self.name = name
-        self.path = link_state_path(name)
         self.slice_bytes = max(MIN_SLICE, int(self.bandwidth * SLICE_SECONDS))
         """Bytes booked per reservation. Each costs a lock, a wake-up and a little Python
         on a thread that runs beside training; a fixed 1 MiB made a 200 MB/s link wake
