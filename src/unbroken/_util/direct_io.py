@@ -23,6 +23,7 @@ import errno
 import fcntl
 import mmap
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -192,6 +193,28 @@ def copy_file_uncached(src: str, dst: str) -> None:
             _copy(fd, DirectFileWriter(out, direct=direct))
         finally:
             os.close(out)
+    finally:
+        os.close(fd)
+
+
+def write_parts(parts: Sequence[object], path: str, *, direct: bool = True) -> int:
+    """Write the concatenation of ``parts`` to a new file at ``path``; returns its size.
+
+    ``direct``: with O_DIRECT where the file system allows it (page-aligned parts then go
+    to the device from their own memory, the rest through the bounce buffer)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if direct:
+        fd, on = open_direct(path, flags)
+    else:
+        fd, on = os.open(path, flags | os.O_CLOEXEC, 0o666), False
+    try:
+        writer = DirectFileWriter(fd, direct=on)
+        try:
+            for part in parts:
+                writer.write(part)
+            return writer.close()
+        finally:
+            writer.release()
     finally:
         os.close(fd)
 

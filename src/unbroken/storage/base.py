@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from unbroken.storage.in_memory import FileInMemory
 from unbroken.storage.retry import RetryPolicy, RetryStats, call_with_retry
 
 T = TypeVar("T")
@@ -91,13 +92,36 @@ class Store(ABC):
             raise ValueError(f"read_bytes {key!r}: negative range [{start}, {end})")
         return self._run("read_bytes", key, lambda: self._read_bytes(key, start, end))
 
-    def upload(self, local_path: str | os.PathLike, key: str) -> None:
-        """Copy a local file to ``key`` atomically, streaming (never all in memory)."""
+    def upload(
+        self, local_path: str | os.PathLike, key: str, *, memory: FileInMemory | None = None
+    ) -> None:
+        """Copy a local file to ``key`` atomically, streaming (never all in memory).
+
+        ``memory``: the file's bytes, still in memory. A store that can send from memory
+        (``sends_from_memory``) takes them for its first attempt instead of reading the
+        file back; either way they are given back by the time this returns, and as soon
+        as the store has read them.
+        """
         key = check_key(key)
         local_path = os.fspath(local_path)
-        if not os.path.isfile(local_path):
-            raise FileNotFoundError(f"upload to {self.url_for(key)}: no local file {local_path}")
-        self._run("upload", key, lambda: self._upload(local_path, key))
+        try:
+            if not os.path.isfile(local_path):
+                raise FileNotFoundError(
+                    f"upload to {self.url_for(key)}: no local file {local_path}"
+                )
+            if memory is not None:
+                size = os.path.getsize(local_path)
+                if memory.size != size:
+                    raise ValueError(
+                        f"upload of {local_path} to {self.url_for(key)}: its copy in memory "
+                        f"holds {memory.size} bytes, the file {size}"
+                    )
+                if not self.sends_from_memory:
+                    memory.give_back()
+            self._run("upload", key, lambda: self._upload(local_path, key, memory))
+        finally:
+            if memory is not None:
+                memory.give_back()
 
     def download(self, key: str, local_path: str | os.PathLike, *, sync: bool = True) -> None:
         """Copy ``key`` to a local file; the local file appears whole or not at all.
@@ -140,10 +164,17 @@ class Store(ABC):
     @abstractmethod
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes: ...
 
-    @abstractmethod
-    def _upload(self, local_path: str, key: str) -> None: ...
+    sends_from_memory: bool = False
+    """Whether ``upload`` can send a file's bytes from memory (see :meth:`upload`)."""
 
-    def _upload_staged(self, local_path: str, key: str) -> Callable[[bool], None]:
+    @abstractmethod
+    def _upload(self, local_path: str, key: str, memory: FileInMemory | None) -> None:
+        """Upload the file, or ``memory.take()``'s parts when that gives any (then
+        ``memory.give_back()`` once they are read). Called again on a retry."""
+
+    def _upload_staged(
+        self, local_path: str, key: str, memory: FileInMemory | None
+    ) -> Callable[[bool], None]:
         """An upload in two steps: do what can be done ahead, return ``finish`` that
         publishes (True) or abandons (False) it. Nothing is visible before ``finish(True)``.
 
@@ -152,7 +183,7 @@ class Store(ABC):
 
         def finish(publish: bool) -> None:
             if publish:
-                self._upload(local_path, key)
+                self._upload(local_path, key, memory)
 
         return finish
 

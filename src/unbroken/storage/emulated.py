@@ -20,6 +20,7 @@ from unbroken._util.sizes import parse_size
 from unbroken._util.thread_names import name_native_thread
 from unbroken.storage.base import Entry, Store
 from unbroken.storage.errors import TransientStoreError
+from unbroken.storage.in_memory import FileInMemory
 from unbroken.storage.link import SharedLink, sleep_until
 from unbroken.storage.retry import RetryPolicy
 
@@ -143,15 +144,20 @@ class EmulatedStore(Store):
         self._move(nbytes, self._send("write_bytes", key, nbytes))
         self.inner._write_bytes(key, data)
 
-    def _upload(self, local_path: str, key: str) -> None:
+    @property
+    def sends_from_memory(self) -> bool:  # type: ignore[override]
+        return self.inner.sends_from_memory
+
+    def _upload(self, local_path: str, key: str, memory: FileInMemory | None) -> None:
         """The file crosses the link while the inner store copies it; done when both are.
 
         A real client reads the file part by part as it sends, and the remote's own disk
         write is not the client's time, so the copy runs beside the transfer instead of
         after it (reading a large file from local disk would otherwise add its whole read
-        time to every upload). The copy lands under a temp name and is published only
-        once the transfer has finished: a transfer that fails, or a process killed during
-        it, leaves no object. Inner stores that cannot stage ahead copy afterwards.
+        time to every upload). The copy (from ``memory`` when the inner store takes it)
+        lands under a temp name and is published only once the transfer has finished: a
+        transfer that fails, or a process killed during it, leaves no object. Inner
+        stores that cannot stage ahead copy afterwards.
         """
         nbytes = os.path.getsize(local_path)
         ready = self._send("upload", key, nbytes)
@@ -162,7 +168,7 @@ class EmulatedStore(Store):
         def copy() -> None:
             name_native_thread()
             try:
-                staged.append(stage(local_path, key))
+                staged.append(stage(local_path, key, memory))
             except BaseException as e:  # re-raised in the caller's thread
                 failure.append(e)
 

@@ -13,6 +13,7 @@ from typing import Any
 import fsspec
 
 from unbroken.storage.base import Entry, Store
+from unbroken.storage.in_memory import FileInMemory
 from unbroken.storage.retry import RetryPolicy
 
 RANGED_PART = 8 << 20
@@ -49,7 +50,8 @@ class FsspecStore(Store):
             return b""
         return self.fs.cat_file(self.path_for(key), start=start, end=end)
 
-    def _upload(self, local_path: str, key: str) -> None:
+    def _upload(self, local_path: str, key: str, memory: FileInMemory | None) -> None:
+        # Not from memory (sends_from_memory is False): s3fs's multipart reads the file.
         if self._object_store and "s3" in _protocols(self.fs):
             # Bounded multipart: at most streams x part bytes of the file in memory.
             self.fs.put_file(

@@ -9,7 +9,7 @@ import stat
 import time
 from collections.abc import Callable
 
-from unbroken._util.direct_io import copy_file_uncached
+from unbroken._util.direct_io import copy_file_uncached, write_parts
 from unbroken._util.fileio import pread_exactly
 from unbroken._util.procs import pid_alive
 from unbroken.storage.base import (
@@ -20,6 +20,7 @@ from unbroken.storage.base import (
     is_temp_name,
     staged_local_write,
 )
+from unbroken.storage.in_memory import FileInMemory
 from unbroken.storage.retry import RetryPolicy
 
 
@@ -57,14 +58,33 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def _upload(self, local_path: str, key: str) -> None:
-        self._upload_staged(local_path, key)(True)
+    sends_from_memory = True
 
-    def _upload_staged(self, local_path: str, key: str) -> Callable[[bool], None]:
-        """Copy the file under a temp name; the returned function publishes it (True) or
-        drops it (False). Lets the emulated remote copy while its link moves the bytes."""
-        copy = copy_file_uncached if self.uncached_uploads else copy_file
-        return staged_local_write(self.path_for(key), lambda _k, tmp: copy(local_path, tmp), key)
+    def _upload(self, local_path: str, key: str, memory: FileInMemory | None) -> None:
+        self._upload_staged(local_path, key, memory)(True)
+
+    def _upload_staged(
+        self, local_path: str, key: str, memory: FileInMemory | None
+    ) -> Callable[[bool], None]:
+        """Copy the file (or its bytes from memory) under a temp name; the returned
+        function publishes it (True) or drops it (False). Lets the emulated remote copy
+        while its link moves the bytes."""
+        parts = memory.take() if memory is not None else None
+        if parts is not None:
+
+            def fill(_key: str, tmp: str) -> None:
+                try:
+                    write_parts(parts, tmp, direct=self.uncached_uploads)
+                finally:
+                    memory.give_back()
+
+        else:
+            copy = copy_file_uncached if self.uncached_uploads else copy_file
+
+            def fill(_key: str, tmp: str) -> None:
+                copy(local_path, tmp)
+
+        return staged_local_write(self.path_for(key), fill, key)
 
     def _download(self, key: str, local_path: str) -> None:
         copy_file(self.path_for(key), local_path)
