@@ -218,3 +218,26 @@ def test_envelope_over_4gib_loads_with_torch(tmp_path):
         f.write(trailer)
     loaded = torch.load(path, mmap=True, weights_only=True)
     assert loaded.shape == (n,) and loaded[-1].item() == 7 and loaded[0].item() == 0
+
+
+def test_kept_parts_are_each_file_byte_for_byte(tmp_path):
+    """What an upload from memory sends is exactly what the local tier holds."""
+    from unbroken.checkpoint.writer import TierWriter
+
+    sd = full_state()
+    sd["big"] = torch.randn(300_000)  # a payload written in place, from its own memory
+    writer = TierWriter(tmp_path / "stage", keep_parts=True)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    assert sorted(writer.parts) == sorted(r.name for r in writer.records)
+    for name, parts in writer.parts.items():
+        on_disk = (tmp_path / "stage" / name).read_bytes()
+        assert b"".join(bytes(p) for p in parts) == on_disk, name
+    shard = writer.parts["__0_0.distcp"]
+    big = sd["big"].numpy()
+    assert any(p.nbytes == big.nbytes and p.obj is not None for p in shard)
+    # Views, not copies: the payload part shares the tensor's memory.
+    (view,) = [p for p in shard if p.nbytes == big.nbytes]
+    assert view.tobytes()[:16] == big.tobytes()[:16]
+    sd["big"][0] = 1234.5
+    assert view.tobytes()[:4] == sd["big"][:1].numpy().tobytes()
+    assert TierWriter(tmp_path / "other").parts == {}  # kept only when asked

@@ -257,6 +257,7 @@ def test_s3_durable_tier(tmp_path, s3_server):
         shutil.rmtree(mgr.staging_dir)
         fresh = make_state(9)
         assert mgr.restore(fresh) == 2
+        assert mgr.stats.bytes_from_memory == 0  # s3fs's multipart reads the staged file
     assert_same(snapshot(fresh), expected)
     store = ub.open_store(url, **s3_server.storage_options)
     doc = json.loads(store.read_bytes(f"{step_dir(2)}/manifest.json"))
@@ -519,12 +520,18 @@ def test_background_worker_runs_at_lower_priority_under_its_own_name(tmp_path):
             assert f.read().strip() == "unbroken-ckpt"
 
 
+def manifest_files(tmp_path, step: int) -> list[dict]:
+    doc = json.loads((tmp_path / "durable" / step_dir(step) / "manifest.json").read_text())
+    return doc["files"]
+
+
 def test_staging_shards_are_written_with_o_direct_from_the_host_buffers(tmp_path):
     """Large payloads start on 4 KiB file offsets and reach the disk without page cache."""
     staging = tmp_path / "staging"
     state = {"w": torch.full((300_000,), 1.0), "b": torch.arange(10.0), "n": 3}
     with manager(tmp_path, keep_last=1) as mgr:
         for step in (1, 2):
+            sent_before = mgr.stats.bytes_from_memory
             state["w"].fill_(float(step))
             mgr.save(step, state)
             mgr.wait()
@@ -535,6 +542,11 @@ def test_staging_shards_are_written_with_o_direct_from_the_host_buffers(tmp_path
         for (prev, _, _), (record, _, fqn) in itertools.pairwise(records):
             if fqn != "w":  # small ones are packed: at most 63 bytes of padding
                 assert 0 <= record[0] - (prev[0] + prev[1]) < 64, fqn
+        # The uploads sent the shard and DCP's metadata from memory, not read back from
+        # the staging tier; only the small RNG file went from disk.
+        written = {r["name"]: r["size"] for r in manifest_files(tmp_path, 2)}
+        from_memory = sum(size for name, size in written.items() if not name.startswith("rng/"))
+        assert mgr.stats.bytes_from_memory == from_memory + sent_before > sent_before > 0
         if mgr.stats.bytes_direct == 0:
             pytest.skip(f"{staging} refuses O_DIRECT: shards go through the page cache")
         # Both saves' 1.2 MB payload went from the host buffer itself, in whole blocks.

@@ -116,6 +116,10 @@ class SaveStats:
     bytes_direct: int = 0
     """This rank's shard bytes written to the staging tier with O_DIRECT (no page cache),
     summed over saves; stays 0 where that file system refuses O_DIRECT."""
+    bytes_from_memory: int = 0
+    """This rank's bytes uploaded straight from the host buffers instead of being read
+    back from the staging tier, summed over saves; stays 0 where the durable store reads
+    files (object stores, for now)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -286,6 +290,7 @@ class CheckpointManager:
         with self._lock:
             self.stats.last_phase_seconds = dict(job.seconds)
             self.stats.bytes_direct += job.direct_bytes
+            self.stats.bytes_from_memory += job.memory_bytes
             if job.error is not None:
                 self.stats.failed += 1
                 self._failures.append(job.error)

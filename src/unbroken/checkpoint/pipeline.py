@@ -47,6 +47,7 @@ from unbroken.checkpoint.planners import PinnedSavePlanner
 from unbroken.checkpoint.retention import plan_deletions
 from unbroken.checkpoint.writer import TierWriter
 from unbroken.storage import LocalStore, Store
+from unbroken.storage.in_memory import FileInMemory
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,32 @@ class SaveJob:
     direct_bytes: int = 0
     """Bytes of this rank's shard written to the staging tier with O_DIRECT, bypassing
     the page cache (0 where its file system refuses O_DIRECT)."""
+    memory_bytes: int = 0
+    """Bytes of this rank's files uploaded from the host buffers instead of being read
+    back from the staging tier (0 where the durable store reads files)."""
+
+
+def lend_until_read(
+    parts: dict[str, list[Any]], release: Callable[[], None]
+) -> dict[str, FileInMemory]:
+    """Each file's parts as a ``FileInMemory``; ``release`` runs once all are given back.
+
+    The parts are views of the staging buffers, which the next save needs: they are lent
+    to the uploads only until each store has read them (the emulated remote's copy takes
+    about as long as the local write), not for the whole transfer."""
+    if not parts:
+        return {}
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def returned() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            release()
+
+    return {name: FileInMemory(views, returned) for name, views in parts.items()}
 
 
 class _PhaseFailed(Exception):
@@ -148,7 +175,8 @@ class SavePipeline:
 
         A job may be queued while the previous one still uploads: its staging has
         finished by then (the stager lends its buffers to one snapshot at a time, and the
-        previous job returned them after its local write)."""
+        previous job returned them after its local write, or where the durable store sends
+        from memory, once that store had read them; the transfer itself may go on)."""
         with self._lock:
             self._jobs.append(job)
             self._pending += 1
@@ -255,7 +283,7 @@ class SavePipeline:
         job.seconds["blocking"] = float(job.staged.stats.get("blocking_seconds", 0.0))
 
         # sync=False: the durable tier is what must survive.
-        writer = TierWriter(local_dir, sync=False)
+        writer = TierWriter(local_dir, sync=False, keep_parts=self.durable.sends_from_memory)
         try:
             dcp.save(
                 job.staged.state_dict,
@@ -269,18 +297,25 @@ class SavePipeline:
                 f"writing step {step} to the local staging tier {local_dir} failed: {describe(e)}"
             ) from e
         finally:
-            job.staged.release()  # the host buffers are free for the next save
+            if not writer.parts:
+                job.staged.release()  # the host buffers are free for the next save
         t2 = time.monotonic()
         job.seconds["local"] = t2 - t1
         job.direct_bytes = writer.direct_bytes
         self._note_page_cache_writes(writer)
 
         problem, exc, records = None, None, []
+        memory = lend_until_read(writer.parts, job.staged.release)
+        writer.parts = {}
         try:
             records = [*writer.records, self._write_rng(local_dir, job.rng)]
-            self._upload(local_dir, name, records)
+            self._upload(local_dir, name, records, memory)
         except Exception as e:
             problem, exc = f"uploading to {self.durable.url_for(name)}: {describe(e)}", e
+        finally:
+            for copy in memory.values():
+                copy.give_back()  # unsent (a failure before its upload): free the buffers
+        job.memory_bytes = sum(c.size for c in memory.values() if c.sent_from_memory)
         gathered = g.all_gather((records, problem))
         t3 = time.monotonic()
         job.seconds["upload"] = t3 - t2
@@ -318,9 +353,17 @@ class SavePipeline:
         self.local.write_bytes(f"{os.path.basename(local_dir)}/{name}", data)
         return FileRecord(name=name, size=len(data), crc32c=crc32c_bytes(data))
 
-    def _upload(self, local_dir: str, name: str, records: list[FileRecord]) -> None:
+    def _upload(
+        self,
+        local_dir: str,
+        name: str,
+        records: list[FileRecord],
+        memory: dict[str, FileInMemory],
+    ) -> None:
         def one(rec: FileRecord) -> None:
-            self.durable.upload(os.path.join(local_dir, rec.name), f"{name}/{rec.name}")
+            self.durable.upload(
+                os.path.join(local_dir, rec.name), f"{name}/{rec.name}", memory=memory.get(rec.name)
+            )
 
         streams = max(1, min(self.config.upload_streams, len(records)))
         with ThreadPoolExecutor(

@@ -67,13 +67,21 @@ class TierWriter(StorageWriter):
     wrote (name, size, crc32c); on the coordinator it includes the two metadata files.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, sync: bool = True) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, *, sync: bool = True, keep_parts: bool = False
+    ) -> None:
         """``sync=False`` skips fsync: for the staging tier, whose copy is used only when
-        its manifest matches the durable one and every byte read is checksummed."""
+        its manifest matches the durable one and every byte read is checksummed.
+        ``keep_parts``: remember each file as the buffers it was written from (``parts``)."""
         super().__init__()
         self.directory = os.fspath(directory)
         self.sync = sync
+        self.keep_parts = keep_parts
         self.records: list[FileRecord] = []
+        self.parts: dict[str, list[Any]] = {}
+        """With ``keep_parts``: per file written, the buffers whose concatenation is its
+        content (headers, padding, and views of the tensors' own memory: no copies). They
+        are valid while the tensors saved are unchanged; uploads send from them."""
         self.direct_bytes = 0
         """Bytes of the shard written with O_DIRECT (no page cache)."""
         self.page_cache_used = False
@@ -90,6 +98,7 @@ class TierWriter(StorageWriter):
         if checkpoint_id:
             self.directory = os.fspath(checkpoint_id)
         self.records = []
+        self.parts = {}
         self.direct_bytes = 0
         self.page_cache_used = False
         self.save_id = str(uuid.uuid4())
@@ -157,11 +166,9 @@ class TierWriter(StorageWriter):
     ) -> list[WriteResult]:
         results: list[WriteResult] = []
 
-        def fill(sink: DirectFileWriter) -> int:
-            out = _ChecksummedOutput(sink)
+        def fill(out: _ChecksummedOutput) -> None:
             for item in items:
                 results.append(self._write_item(out, name, item, planner))
-            return out.crc
 
         self._publish(name, fill, direct=True)
         return results
@@ -230,27 +237,25 @@ class TierWriter(StorageWriter):
             )
 
     def _write_small(self, name: str, data: bytes) -> None:
-        def fill(sink: DirectFileWriter) -> int:
-            out = _ChecksummedOutput(sink)
-            out.write(data)
-            return out.crc
-
-        self._publish(name, fill)
+        self._publish(name, lambda out: out.write(data))
 
     def _publish(
-        self, name: str, fill: Callable[[DirectFileWriter], int], *, direct: bool = False
+        self, name: str, fill: Callable[[_ChecksummedOutput], object], *, direct: bool = False
     ) -> None:
-        """Run ``fill(sink)`` (returns the crc32c) into a temp file; fsync, rename to
-        ``name``, record it. ``direct``: write with O_DIRECT where the file system allows."""
+        """Run ``fill(out)`` into a temp file; fsync, rename to ``name``, record it (and
+        its parts, with ``keep_parts``). ``direct``: write with O_DIRECT where the file
+        system allows."""
         written: list[tuple[int, int]] = []
+        parts: list[Any] | None = [] if self.keep_parts else None
 
         def fill_path(_key: str, tmp: str) -> None:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
             fd, on = open_direct(tmp, flags) if direct else (os.open(tmp, flags, 0o666), False)
             sink = DirectFileWriter(fd, direct=on)
             try:
-                crc = fill(sink)
-                written.append((sink.close(), crc))
+                out = _ChecksummedOutput(sink, parts)
+                fill(out)
+                written.append((sink.close(), out.crc))
             finally:
                 sink.release()  # a failed fill must not keep the bounce buffer alive
                 os.close(fd)
@@ -262,15 +267,19 @@ class TierWriter(StorageWriter):
         size, crc = written[0]
         self.records = [r for r in self.records if r.name != name]
         self.records.append(FileRecord(name, size, crc))
+        if parts is not None:
+            self.parts[name] = parts
 
 
 class _ChecksummedOutput:
     """Writes buffers in bounded chunks, keeping the file's crc32c and its position."""
 
-    def __init__(self, sink: DirectFileWriter) -> None:
+    def __init__(self, sink: DirectFileWriter, parts: list[Any] | None = None) -> None:
         self.sink = sink
         self.pos = 0
         self.crc = 0
+        self.parts = parts
+        """Where every buffer written is also appended, when given."""
 
     def write(self, data: Any, *, payload: bool = False) -> int:
         """Write ``data`` (any buffer); return its own crc32c if ``payload`` else 0.
@@ -278,6 +287,8 @@ class _ChecksummedOutput:
         Each byte is checksummed once: a payload's own crc32c is folded into the file's
         with ``crc32c_combine``."""
         view = memoryview(data).cast("B")
+        if self.parts is not None:
+            self.parts.append(view)
         own = 0 if payload else self.crc
         for start in range(0, len(view), WRITE_CHUNK):
             chunk = view[start : start + WRITE_CHUNK]
