@@ -234,7 +234,6 @@ def test_kept_parts_are_each_file_byte_for_byte(tmp_path):
         assert b"".join(bytes(p) for p in parts) == on_disk, name
     shard = writer.parts["__0_0.distcp"]
     big = sd["big"].numpy()
-    assert any(p.nbytes == big.nbytes and p.obj is not None for p in shard)
     # Views, not copies: the payload part shares the tensor's memory.
     (view,) = [p for p in shard if p.nbytes == big.nbytes]
     assert view.tobytes()[:16] == big.tobytes()[:16]

@@ -504,6 +504,43 @@ def test_next_save_stages_while_the_previous_one_uploads(tmp_path):
     assert torch.all(fresh["w"] == 4.0) and fresh["step"] == 4
 
 
+def test_a_durable_tier_that_is_down_does_not_keep_the_next_save_from_staging(tmp_path):
+    """Uploads borrow the staging buffers for their first attempt only: while the store
+    retries, the buffers are free and the next save can take them."""
+    import time
+
+    from unbroken.storage import RetryPolicy
+
+    switch = tmp_path / "outage"
+    opts = {"latency": 0, "bandwidth": None, "outage_file": str(switch)}
+    slow_retry = RetryPolicy(max_attempts=1000, base_delay=0.05, max_delay=0.05, deadline=600)
+    url = "emulated::" + str(tmp_path / "durable")
+    state = {"w": torch.zeros(300_000), "step": 0}
+    mgr = manager(tmp_path, url=url, storage_options=opts, retry=slow_retry)
+    mgr.save(2, state)
+    mgr.wait()
+    sent = mgr.stats.bytes_from_memory
+    assert sent > 0  # the store was up: the upload went from the buffers
+    switch.write_text("down")
+    state["step"] = 4
+    mgr.save(4, state)
+    uploading = mgr._pipeline.in_flight
+    while mgr._stager.busy:  # written locally, its upload's first attempt refused
+        time.sleep(0.01)
+    assert not uploading.done.is_set(), "step 4 should still be retrying its upload"
+    state["w"].fill_(6.0)
+    state["step"] = 6
+    assert mgr.maybe_save(6, state)  # staged beside the retrying upload, not skipped
+    switch.unlink()
+    mgr.close()
+    assert [c.step for c in mgr.checkpoints() if c.committed] == [2, 4, 6]
+    assert mgr.stats.skipped_busy == 0 and mgr.stats.waited_busy == 0
+    fresh = {"w": torch.ones(300_000), "step": -1}
+    with manager(tmp_path, url=url, storage_options=opts) as again:
+        assert again.restore(fresh) == 6
+    assert torch.all(fresh["w"] == 6.0) and fresh["step"] == 6
+
+
 def test_background_worker_runs_at_lower_priority_under_its_own_name(tmp_path):
     import sys
 

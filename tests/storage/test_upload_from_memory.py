@@ -75,7 +75,7 @@ def test_the_emulated_remote_gives_the_memory_back_before_its_transfer_ends(tmp_
     store = open_store(
         f"emulated::{tmp_path / 'remote'}",
         latency=0.0,
-        bandwidth="100KB",  # SIZE bytes: about 0.12 s on the link
+        bandwidth="10KB",  # SIZE bytes: about 1.2 s on the link, the copy milliseconds
         link=private_link("lend"),
     )
     path, in_memory, parts = file_and_parts(tmp_path)
@@ -126,6 +126,36 @@ def test_file_in_memory_gives_back_once():
     memory = FileInMemory([b"ab", memoryview(b"cde")], lambda: calls.append(1))
     assert memory.size == 5 and not memory.returned
     assert [bytes(p) for p in memory.take() or []] == [b"ab", b"cde"]
-    memory.give_back()
+    memory.give_back(read_all=True)
     memory.give_back()
     assert calls == [1] and memory.returned and memory.take() is None
+    assert memory.sent_from_memory
+    # Taken but not read to the end (the attempt failed): the file was sent, if anything.
+    failed = FileInMemory([b"ab"])
+    failed.take()
+    failed.give_back()
+    assert not failed.sent_from_memory
+
+
+def test_a_store_that_is_down_gives_the_memory_back_before_it_retries(tmp_path):
+    """Its retries may take minutes; the buffers belong to the next save meanwhile."""
+    from unbroken.storage import RetryPolicy, StoreError
+
+    switch = tmp_path / "outage"
+    switch.write_text("down")
+    store = open_store(
+        f"emulated::{tmp_path / 'remote'}",
+        retry=RetryPolicy(max_attempts=4, base_delay=0.001, max_delay=0.01),
+        latency=0.0,
+        bandwidth=None,
+        outage_file=str(switch),
+    )
+    path, _, parts = file_and_parts(tmp_path)
+    retries_when_returned = []
+    memory = FileInMemory(parts, lambda: retries_when_returned.append(store.stats.retries))
+    with pytest.raises(StoreError, match="outage"):
+        store.upload(path, "k", memory=memory)
+    assert retries_when_returned == [0]  # given back when the first attempt failed
+    assert store.stats.retries == 3 and not memory.sent_from_memory
+    switch.unlink()
+    assert not store.exists("k")

@@ -218,7 +218,7 @@ class CheckpointManager:
         _check_step(step)
         self._report_failures(raising=False)
         due = self._is_due(step)
-        busy = self._stager.busy  # a snapshot still waits for its local write
+        busy = self._stager.busy  # a snapshot still waits for its local write or upload
         if self._fg_group.world_size > 1 and (
             self.config.every_seconds is not None or (due and self.config.when_busy == "skip")
         ):

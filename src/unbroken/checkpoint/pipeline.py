@@ -95,8 +95,10 @@ def lend_until_read(
     """Each file's parts as a ``FileInMemory``; ``release`` runs once all are given back.
 
     The parts are views of the staging buffers, which the next save needs: they are lent
-    to the uploads only until each store has read them (the emulated remote's copy takes
-    about as long as the local write), not for the whole transfer."""
+    to the uploads only until each store has read them, or its first attempt failed. For
+    the emulated remote that is when its copy ends, long before its link transfer; for a
+    path (a network mount) it is when the durable copy is written, so a save that falls
+    due meanwhile finds the buffers busy (``when_busy``)."""
     if not parts:
         return {}
     left = [len(parts)]

@@ -99,8 +99,9 @@ class Store(ABC):
 
         ``memory``: the file's bytes, still in memory. A store that can send from memory
         (``sends_from_memory``) takes them for its first attempt instead of reading the
-        file back; either way they are given back by the time this returns, and as soon
-        as the store has read them.
+        file back. They are given back as soon as the store has read them, or when that
+        first attempt ends (a store down for a while must not hold them through its
+        retries: they belong to the next save); retries read the file.
         """
         key = check_key(key)
         local_path = os.fspath(local_path)
@@ -118,7 +119,15 @@ class Store(ABC):
                     )
                 if not self.sends_from_memory:
                     memory.give_back()
-            self._run("upload", key, lambda: self._upload(local_path, key, memory))
+
+            def attempt() -> None:
+                try:
+                    self._upload(local_path, key, memory)
+                finally:
+                    if memory is not None:
+                        memory.give_back()  # lent to the first attempt only
+
+            self._run("upload", key, attempt)
         finally:
             if memory is not None:
                 memory.give_back()

@@ -30,7 +30,7 @@ class FileInMemory:
         self._taken = False
         self._lock = threading.Lock()
         self.sent_from_memory = False
-        """True once a store took the parts (it then wrote from them, not from the file)."""
+        """True once a store has read all the parts (and written them, not the file)."""
 
     @property
     def returned(self) -> bool:
@@ -42,14 +42,16 @@ class FileInMemory:
             if self._taken or self._parts is None:
                 return None
             self._taken = True
-            self.sent_from_memory = True
             return self._parts
 
-    def give_back(self) -> None:
-        """The parts are no longer read (idempotent); tells the lender once."""
+    def give_back(self, *, read_all: bool = False) -> None:
+        """The parts are no longer read (idempotent); tells the lender once.
+
+        ``read_all``: the taker read every part (sets ``sent_from_memory``)."""
         with self._lock:
             if self._parts is None:
                 return
             self._parts = None
+            self.sent_from_memory = read_all and self._taken
         if self._on_returned is not None:
             self._on_returned()

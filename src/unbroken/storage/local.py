@@ -73,10 +73,12 @@ class LocalStore(Store):
         if parts is not None:
 
             def fill(_key: str, tmp: str) -> None:
+                read_all = False
                 try:
                     write_parts(parts, tmp, direct=self.uncached_uploads)
+                    read_all = True
                 finally:
-                    memory.give_back()
+                    memory.give_back(read_all=read_all)
 
         else:
             copy = copy_file_uncached if self.uncached_uploads else copy_file
