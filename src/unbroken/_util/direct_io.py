@@ -19,11 +19,12 @@ second code path.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -197,11 +198,13 @@ def copy_file_uncached(src: str, dst: str) -> None:
         os.close(fd)
 
 
-def write_parts(parts: Sequence[object], path: str, *, direct: bool = True) -> int:
-    """Write the concatenation of ``parts`` to a new file at ``path``; returns its size.
+@contextlib.contextmanager
+def new_file_writer(path: str, *, direct: bool = True) -> Iterator[DirectFileWriter]:
+    """A ``DirectFileWriter`` on a new (or truncated) file at ``path``.
 
-    ``direct``: with O_DIRECT where the file system allows it (page-aligned parts then go
-    to the device from their own memory, the rest through the bounce buffer)."""
+    ``direct``: with O_DIRECT where the file system allows it. The caller calls
+    ``close()`` for a whole file; on the way out the bounce buffer is freed and the file
+    descriptor closed, after a failure too."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     if direct:
         fd, on = open_direct(path, flags)
@@ -210,13 +213,22 @@ def write_parts(parts: Sequence[object], path: str, *, direct: bool = True) -> i
     try:
         writer = DirectFileWriter(fd, direct=on)
         try:
-            for part in parts:
-                writer.write(part)
-            return writer.close()
+            yield writer
         finally:
             writer.release()
     finally:
         os.close(fd)
+
+
+def write_parts(parts: Sequence[object], path: str, *, direct: bool = True) -> int:
+    """Write the concatenation of ``parts`` to a new file at ``path``; returns its size.
+
+    ``direct``: with O_DIRECT where the file system allows it (page-aligned parts then go
+    to the device from their own memory, the rest through the bounce buffer)."""
+    with new_file_writer(path, direct=direct) as writer:
+        for part in parts:
+            writer.write(part)
+        return writer.close()
 
 
 def _copy(fd: int, writer: DirectFileWriter) -> None:

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from unbroken._util.crc32c_combine import crc32c_combine
-from unbroken._util.direct_io import DirectFileWriter, open_direct
+from unbroken._util.direct_io import DirectFileWriter, new_file_writer
 from unbroken.checkpoint.dcp_json import (
     ItemLocation,
     dtype_name,
@@ -249,16 +249,10 @@ class TierWriter(StorageWriter):
         parts: list[Any] | None = [] if self.keep_parts else None
 
         def fill_path(_key: str, tmp: str) -> None:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-            fd, on = open_direct(tmp, flags) if direct else (os.open(tmp, flags, 0o666), False)
-            sink = DirectFileWriter(fd, direct=on)
-            try:
+            with new_file_writer(tmp, direct=direct) as sink:
                 out = _ChecksummedOutput(sink, parts)
                 fill(out)
                 written.append((sink.close(), out.crc))
-            finally:
-                sink.release()  # a failed fill must not keep the bounce buffer alive
-                os.close(fd)
             if direct:
                 self.direct_bytes += sink.direct_bytes
                 self.page_cache_used |= not sink.direct
