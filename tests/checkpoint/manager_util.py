@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -106,3 +107,12 @@ def plant_value(step_path, fqn: str, payload: bytes) -> None:
             path = step_path / rec["name"]
             rec.update(size=path.stat().st_size, crc32c=crc32c_file(path))
     (step_path / "manifest.json").write_bytes(json.dumps(manifest).encode())
+
+
+def shared_rss() -> int:
+    """Bytes of shared memory this process has resident (the staging pool's segments)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    pytest.skip("no RssShmem in /proc/self/status")

@@ -24,6 +24,7 @@ from .manager_util import (
     make_state,
     plant_value,
     rng_draws,
+    shared_rss,
     snapshot,
     train,
 )
@@ -594,3 +595,14 @@ def test_staging_shards_are_written_with_o_direct_from_the_host_buffers(tmp_path
         assert mgr.last_restore.tier == "staging"
         assert torch.equal(fresh["w"], torch.full((300_000,), 2.0))
         assert torch.equal(fresh["b"], torch.arange(10.0)) and fresh["n"] == 3
+
+
+def test_close_returns_the_staging_buffers_while_the_manager_is_referenced(tmp_path):
+    mgr = manager(tmp_path)
+    before = shared_rss()
+    weights = {"w": torch.ones(8 * 2**20)}  # 32 MiB
+    mgr.save(2, weights)
+    mgr.wait()
+    assert shared_rss() - before >= 16 * 2**20
+    mgr.close()
+    assert shared_rss() - before < 4 * 2**20

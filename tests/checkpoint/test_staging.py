@@ -21,6 +21,7 @@ from unbroken.checkpoint.staging import (
 )
 
 from .distributed import check, torchrun
+from .manager_util import shared_rss
 
 
 def _model(width: int = 64) -> torch.nn.Module:
@@ -185,6 +186,21 @@ def test_rss_does_not_grow_over_20_stages(stager):
     # 20 fresh copies would add 20 * 16 MB; reuse keeps growth well under one copy.
     assert growth < nbytes // 2, (growth, nbytes)
     assert stager.pool.nbytes == nbytes
+
+
+def test_close_returns_the_buffers_while_the_stager_is_still_referenced():
+    # A trainer keeps its manager as an attribute after close(): the pool must not
+    # stay resident until that object happens to be collected.
+    nbytes = 32 * 2**20
+    stager = StateStager()
+    before = shared_rss()
+    with stager.stage({"w": torch.ones(nbytes // 4)}) as staged:
+        staged.wait()
+    del staged
+    assert shared_rss() - before >= nbytes // 2
+    stager.close()
+    assert shared_rss() - before < nbytes // 8
+    assert stager.pool.nbytes == 0
 
 
 def test_training_overlaps_the_copy_and_the_snapshot_is_the_state_at_stage_time():

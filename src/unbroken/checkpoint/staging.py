@@ -267,6 +267,7 @@ class StateStager:
             if not current.done:
                 current._job.abort()
             current._job.seal()
+            self._current = None  # the staged views would keep the buffers alive
         for handle in list(self._hooks.values()):
             handle.remove()
         self._hooks.clear()
