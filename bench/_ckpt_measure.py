@@ -166,6 +166,39 @@ def excess_over_median(durations: Sequence[float], flagged: Sequence[bool]) -> f
     return sum(max(0.0, d - median) for d, f in zip(durations, flagged) if f)
 
 
+@dataclass
+class StepSplit:
+    """A saving run's steps, split by where they fall relative to its saves."""
+
+    before: list[float]
+    """Steps before the first save."""
+    quiet: list[float]
+    """Steps starting at least ``settle_s`` after the latest save was due."""
+    busy: list[float]
+    """Save steps, and steps with a save in flight."""
+    saves: int
+
+
+def split_steps(step_ends: Sequence[float], every: int, settle_s: float) -> StepSplit:
+    """Each step's duration, sorted into before / quiet / busy (a save every ``every``)."""
+    split = StepSplit([], [], [], 0)
+    due: float | None = None  # when the latest save was due (the end of its step)
+    start = 0.0
+    for step, end in enumerate(step_ends, start=1):
+        if step % every == 0:
+            split.saves += 1
+            due = end
+            split.busy.append(end - start)
+        elif due is None:
+            split.before.append(end - start)
+        elif start >= due + settle_s:
+            split.quiet.append(end - start)
+        else:
+            split.busy.append(end - start)
+        start = end
+    return split
+
+
 def in_row_extra(step_ends: Sequence[float], every: int, settle_s: float) -> float | None:
     """Extra wall seconds per save, against the quiet steps of the same run.
 
@@ -176,37 +209,38 @@ def in_row_extra(step_ends: Sequence[float], every: int, settle_s: float) -> flo
     commit time) after the latest save was due. The figure is what the other steps (save
     steps, and steps with a save in flight) take beyond that mean, per save. Applied to a
     run without saves it shows its own noise. What outlasts a save's window (a lasting
-    slowdown) is not seen here; the row-level figure sees it. None without quiet steps
-    or saves.
+    slowdown) is not seen here: :func:`lasting_extra` is that part.
 
     The steps before the first save count as quiet only when there are no others (saves
     closer together than their commit time): the first steps of a row often run slow
     (30 Nov: 0.5-1.9 s per step in three of six unbroken rows), and a yardstick that
     includes them makes the saves look cheaper than they are.
     """
-    before: list[float] = []
-    quiet: list[float] = []
-    busy: list[float] = []
-    saves = 0
-    due: float | None = None  # when the latest save was due (the end of its step)
-    start = 0.0
-    for step, end in enumerate(step_ends, start=1):
-        if step % every == 0:
-            saves += 1
-            due = end
-            busy.append(end - start)
-        elif due is None:
-            before.append(end - start)
-        elif start >= due + settle_s:
-            quiet.append(end - start)
-        else:
-            busy.append(end - start)
-        start = end
-    quiet = quiet or before
-    if not quiet or not saves:
+    split = split_steps(step_ends, every, settle_s)
+    quiet = split.quiet or split.before
+    if not quiet or not split.saves:
         return None
     mean = sum(quiet) / len(quiet)
-    return sum(d - mean for d in busy) / saves
+    return sum(d - mean for d in split.busy) / split.saves
+
+
+def lasting_extra(
+    step_ends: Sequence[float], every: int, settle_s: float, base_step_s: float
+) -> float | None:
+    """Seconds per save by which a run's quiet steps exceed the no-saves runs' mean step.
+
+    The part of the extra wall time that outlasts each save's window: if the steps after
+    a save has committed still run slower than steps in a run that never saves, every step
+    from the first save on pays that difference (the in-row figure measures the busy steps
+    against these quiet ones, so the two add up). It compares runs minutes apart, so the
+    drift between the two no-saves runs bounds what it can resolve. None without quiet
+    steps or saves.
+    """
+    split = split_steps(step_ends, every, settle_s)
+    if not split.quiet or not split.saves:
+        return None
+    excess = sum(split.quiet) / len(split.quiet) - base_step_s
+    return excess * (len(split.quiet) + len(split.busy)) / split.saves
 
 
 # -- the report ---------------------------------------------------------------------------
@@ -224,6 +258,7 @@ COLUMNS = [
     Column("blocked_s", "blocked s/save"),
     Column("extra_s", "extra wall s/save"),
     Column("in_row_extra_s", "in-row s/save"),
+    Column("lasting_extra_s", "lasting s/save"),
     Column("commit_s", "commit s"),
     Column("extra_cpu_s", "CPU s/save"),
     Column("off_main_cpu_s", "off-loop CPU s/save"),
@@ -304,7 +339,10 @@ def evaluate(rows: dict[str, dict], env: dict) -> tuple[list[Target], dict]:
 
     ub_extra = get("unbroken", "extra_s")
     ub_in_row = get("unbroken", "in_row_extra_s")
+    ub_lasting = get("unbroken", "lasting_extra_s")
     in_row_aside = "" if ub_in_row is None else f"in-row {ub_in_row:.3f}"
+    if in_row_aside and ub_lasting is not None:
+        in_row_aside += f", lasting {ub_lasting:.3f}"
     asyncs = [
         v
         for v in (get("dcp_async_default", "extra_s"), get("dcp_async_best", "extra_s"))

@@ -34,6 +34,7 @@ from _ckpt_measure import (
     format_targets,
     in_row_extra,
     json_line,
+    lasting_extra,
 )
 from _ckpt_rows import BASELINES
 from unbroken.storage.link import discard_link
@@ -108,6 +109,10 @@ def baseline_loop(results: dict[str, dict]) -> tuple[float | None, float | None]
     return baseline_mean(results, "loop_s"), spread
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
 def report(cfg: Config, results: dict[str, dict], started: float) -> str:
     base_loop, spread = baseline_loop(results)
     base_cpu = baseline_mean(results, "machine_cpu_s")
@@ -132,6 +137,11 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
             # The no-saves runs, split as if they saved like unbroken: the figure's noise.
             settle = r.get("commit_s") if key not in BASELINES else settle_for_baselines
             r["in_row_extra_s"] = in_row_extra(r["step_ends_s"], r["every"], settle or 0.0)
+            if base_loop is not None:  # every row runs the same number of steps
+                base_step = base_loop / len(r["step_ends_s"])
+                r["lasting_extra_s"] = lasting_extra(
+                    r["step_ends_s"], r["every"], settle or 0.0, base_step
+                )
         rows.append(r)
         results[key] = r
     any_row = next((r for r in rows if r.get("state_bytes")), {})
@@ -160,6 +170,10 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
         "in-row: a row's save steps and steps with a save in flight against the mean of its "
         "own quiet steps; on the no-saves runs, the same split (as if saving like unbroken) "
         "shows that figure's noise",
+        "lasting: how much a row's quiet steps (after a save has committed) exceed the "
+        "no-saves runs' mean step, over the steps from the first save on, per save; "
+        "in-row + lasting is the part of extra wall that the saves' windows and their "
+        "aftermath make up",
         "",
     ]
     error = (results.get("unbroken") or {}).get("error")
@@ -172,6 +186,9 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
         "seconds": round(time.time() - started, 1),
         "noise_s_per_save": None if spread is None else round(spread / cfg.saves, 4),
         "unbroken_error": error,
+        "unbroken_lasting_s_per_save": _rounded(
+            (results.get("unbroken") or {}).get("lasting_extra_s")
+        ),
     }
     return "\n".join(
         [*head, format_table(rows), "", format_targets(targets), json_line(ratios, extra)]

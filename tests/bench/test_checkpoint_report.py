@@ -17,6 +17,8 @@ from _ckpt_measure import (
     format_targets,
     in_row_extra,
     json_line,
+    lasting_extra,
+    split_steps,
 )
 from checkpoint import baseline_loop, parse_args, report
 
@@ -61,6 +63,24 @@ def test_in_row_extra_measures_against_the_runs_own_quiet_steps():
     # slow first steps (before any save) do not make the saves look cheaper
     slow_start = [2.0, 2.0, 2.0, *durations[3:]]
     assert in_row_extra(_ends(slow_start), 4, settle_s=2.0) == pytest.approx(0.9)
+
+
+def test_lasting_extra_is_the_quiet_steps_slowdown_from_the_first_save_on():
+    # quiet steps 10 % slower than a run without saves: 0.1 s on each of the 8 steps
+    # from the first save on, over 2 saves
+    durations = [1.0, 1.0, 1.0, 1.6, 1.3, 1.3, 1.1, 1.6, 1.3, 1.3, 1.1]
+    split = split_steps(_ends(durations), 4, settle_s=2.0)
+    assert (len(split.before), len(split.quiet), len(split.busy), split.saves) == (3, 2, 6, 2)
+    assert lasting_extra(_ends(durations), 4, 2.0, base_step_s=1.0) == pytest.approx(0.4)
+    # in-row + lasting make up the row-level figure when the first steps run at base pace
+    row_level = (sum(durations) - len(durations) * 1.0) / 2
+    in_row = in_row_extra(_ends(durations), 4, settle_s=2.0)
+    assert in_row + lasting_extra(_ends(durations), 4, 2.0, 1.0) == pytest.approx(row_level)
+    # quiet steps as fast as the no-saves run: nothing lasts
+    assert lasting_extra(_ends(durations), 4, 2.0, base_step_s=1.1) == pytest.approx(0.0)
+    # no quiet steps (saves closer together than their commit time), or no saves: None
+    assert lasting_extra(_ends(durations), 4, 60.0, base_step_s=1.0) is None
+    assert lasting_extra(_ends([1.0, 1.0, 1.0]), 4, 0.0, base_step_s=1.0) is None
 
 
 def test_in_row_extra_needs_quiet_steps_and_saves():
@@ -248,7 +268,7 @@ def test_report_judges_the_targets_on_the_per_save_figures_it_prints():
     ratios = json.loads(text.splitlines()[-1])
     assert ratios["extra_wall_unbroken_over_best_dcp_async"] == pytest.approx(0.1)
     unbroken_line = next(line for line in text.splitlines() if line.startswith("unbroken "))
-    assert unbroken_line.split()[1:6] == ["n/a", "0.400", "n/a", "18.000", "1.000"]
+    assert unbroken_line.split()[1:7] == ["n/a", "0.400", "n/a", "n/a", "18.000", "1.000"]
 
 
 def test_report_shows_the_in_row_figure_beside_the_extra_wall_verdicts():
@@ -263,8 +283,9 @@ def test_report_shows_the_in_row_figure_beside_the_extra_wall_verdicts():
     }
     text = report(cfg, results, started=0.0)
     unbroken_line = next(line for line in text.splitlines() if line.startswith("unbroken "))
-    assert unbroken_line.split()[1:4] == ["n/a", "0.900", "0.900"]
-    verdict = "bound 1.250: MET (in-row 0.900)"
+    # in-row 0.9; lasting: quiet steps of 1.0 s against the no-saves run's 1.0 s
+    assert unbroken_line.split()[1:5] == ["n/a", "0.900", "0.900", "0.000"]
+    verdict = "bound 1.250: MET (in-row 0.900, lasting 0.000)"
     assert verdict in text
     # the no-saves run split like unbroken's saves: steady steps, no noise to show
     baseline_line = next(line for line in text.splitlines() if line.startswith("no saves "))
