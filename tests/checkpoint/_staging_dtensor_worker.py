@@ -6,7 +6,6 @@ placements, that training overlaps the copy, and that vanilla DCP saves and load
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -17,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from tests.worker_exit import exit_after_checks
 from unbroken.checkpoint.staging import StateStager
 
 
@@ -93,12 +93,7 @@ def main(directory: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {dist.get_rank() if dist.is_initialized() else '-'} ok", flush=True)
-    # Everything is checked. Skip interpreter finalization: there, rarely (twice so far
-    # in this project's CI runs), torch's teardown aborts the process after "ok"
-    # ("terminate called without an active exception", SIGABRT; pytorch/pytorch#179291
-    # describes a gloo worker thread racing interpreter finalization). Not what this tests.
-    sys.stdout.flush()
-    os._exit(0)
+    exit_after_checks()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import unbroken as ub
+from tests.worker_exit import exit_after_checks
 from unbroken.checkpoint.errors import SaveFailedError
 
 
@@ -299,4 +299,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    exit_after_checks()

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from tests.worker_exit import exit_after_checks
 from unbroken import __version__, open_store
 from unbroken.checkpoint.manifest import FileRecord, Manifest, read_manifest, write_manifest
 from unbroken.checkpoint.reader import TierReader, load_state_dict
@@ -63,6 +64,7 @@ def main(root: str) -> None:
     assert target["meta"] == {"epoch": 3}
     dist.barrier()
     dist.destroy_process_group()
+    exit_after_checks()
 
 
 if __name__ == "__main__":
