@@ -447,4 +447,5 @@ def json_line(ratios: dict, extra: dict) -> str:
             return None if math.isnan(v) else round(v, 4)
         return v
 
-    return json.dumps({**{k: clean(v) for k, v in ratios.items()}, **extra}, sort_keys=True)
+    merged = {**ratios, **extra}
+    return json.dumps({k: clean(v) for k, v in merged.items()}, sort_keys=True)

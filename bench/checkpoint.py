@@ -109,10 +109,6 @@ def baseline_loop(results: dict[str, dict]) -> tuple[float | None, float | None]
     return baseline_mean(results, "loop_s"), spread
 
 
-def _rounded(value: float | None) -> float | None:
-    return None if value is None else round(value, 4)
-
-
 def report(cfg: Config, results: dict[str, dict], started: float) -> str:
     base_loop, spread = baseline_loop(results)
     base_cpu = baseline_mean(results, "machine_cpu_s")
@@ -186,9 +182,7 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
         "seconds": round(time.time() - started, 1),
         "noise_s_per_save": None if spread is None else round(spread / cfg.saves, 4),
         "unbroken_error": error,
-        "unbroken_lasting_s_per_save": _rounded(
-            (results.get("unbroken") or {}).get("lasting_extra_s")
-        ),
+        "unbroken_lasting_s_per_save": (results.get("unbroken") or {}).get("lasting_extra_s"),
     }
     return "\n".join(
         [*head, format_table(rows), "", format_targets(targets), json_line(ratios, extra)]

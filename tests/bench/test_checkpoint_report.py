@@ -160,9 +160,9 @@ def test_a_missing_unbroken_row_reports_na_and_keeps_the_baselines():
 
 
 def test_json_line_is_one_line_with_nulls_for_nan():
-    line = json_line({"a": math.nan, "b": 1.234567, "c": None}, {"quick": True})
+    line = json_line({"a": math.nan, "b": 1.234567, "c": None}, {"quick": True, "d": 0.123456})
     assert "\n" not in line
-    assert json.loads(line) == {"a": None, "b": 1.2346, "c": None, "quick": True}
+    assert json.loads(line) == {"a": None, "b": 1.2346, "c": None, "quick": True, "d": 0.1235}
 
 
 def test_model_shape_sizes():
