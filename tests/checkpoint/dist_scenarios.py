@@ -142,6 +142,10 @@ def scenario_fsdp_save(a: argparse.Namespace) -> None:
         train_step(model, optim, sched, step)
         mgr.maybe_save(step, state)
     mgr.close()
+    # The local shards (parameters, both Adam moments) of both saves were checksummed by
+    # the staging copy, not read again by the local write.
+    shards = sum(p.to_local().nbytes for p in model.parameters())
+    assert mgr.stats.bytes_checksummed_in_copy >= 2 * 3 * shards, mgr.stats
     expected = full_state(model, optim)
     if dist.get_rank() == 0:
         torch.save(expected, a.expected)

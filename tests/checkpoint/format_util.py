@@ -22,10 +22,12 @@ from unbroken.storage import Store
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
-def save_step(root: Path, step: int, state_dict: dict[str, Any]) -> tuple[Path, Manifest]:
+def save_step(
+    root: Path, step: int, state_dict: dict[str, Any], **writer_kw: Any
+) -> tuple[Path, Manifest]:
     """Save with TierWriter into ``root/step-...``; return the directory and its manifest."""
     directory = root / step_dir(step)
-    writer = TierWriter(directory)
+    writer = TierWriter(directory, **writer_kw)
     dcp.save(state_dict, storage_writer=writer, no_dist=True)
     files = {r.name: r for r in writer.records}
     manifest = Manifest(step, 1, files, __version__, torch.__version__, time.time(), {})

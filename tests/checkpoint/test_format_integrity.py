@@ -15,6 +15,8 @@ from unbroken import open_store
 from unbroken.checkpoint.dcp_json import metadata_from_json
 from unbroken.checkpoint.errors import CheckpointCorruptError
 from unbroken.checkpoint.manifest import FileRecord, Manifest, crc32c_bytes, crc32c_file, step_dir
+from unbroken.checkpoint.staging_copy import buffer_key
+from unbroken.checkpoint.tensor_record import raw_view
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -70,6 +72,26 @@ def test_flipped_byte_in_a_tensor_is_detected(store, tmp_path):
     assert err.step == 9 and err.file == SHARD
     assert SHARD in str(err) and "crc32c mismatch" in str(err) and "step 9" in str(err)
     assert err.url == store.url_for(f"{step_dir(9)}/{SHARD}")
+
+
+def test_a_checksum_taken_while_staging_is_written_as_is_and_a_wrong_one_is_caught(tmp_path):
+    """The shard writer records a payload checksum the staging copy took without reading
+    the bytes again. The right one gives the very shard a plain save gives; a wrong one
+    (a bug in staging) fails the load, instead of restoring bytes nobody checked."""
+    sd = state()
+    w = raw_view(sd["w"])
+    key = buffer_key(w.ctypes.data, w.nbytes)
+    right = crc32c_bytes(memoryview(w))
+    _, plain = save_step(tmp_path / "plain", 9, sd)
+    _, known = save_step(tmp_path / "known", 9, sd, known_checksums={key: right})
+    assert known.files[SHARD] == plain.files[SHARD]  # (the metadata names its directory)
+    directory, wrong = save_step(tmp_path / "wrong", 9, sd, known_checksums={key: right ^ 1})
+    assert wrong.files[SHARD].crc32c != plain.files[SHARD].crc32c
+    store = open_store(tmp_path / "durable")
+    publish(directory, store, wrong)
+    with pytest.raises(CheckpointCorruptError, match="crc32c") as info:
+        load_from(store, wrong, blank())
+    assert info.value.file == SHARD and info.value.step == 9
 
 
 def test_without_verify_a_flip_goes_unnoticed(tmp_path):

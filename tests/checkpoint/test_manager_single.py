@@ -597,6 +597,22 @@ def test_staging_shards_are_written_with_o_direct_from_the_host_buffers(tmp_path
         assert torch.equal(fresh["b"], torch.arange(10.0)) and fresh["n"] == 3
 
 
+def test_the_local_write_reuses_the_checksums_taken_while_staging(tmp_path):
+    """Every tensor byte is read once for its checksum, during the staging copy, and the
+    checkpoint that results verifies byte for byte."""
+    state = {"w": torch.randn(300_000), "b": torch.arange(10.0), "n": 3}
+    with manager(tmp_path, keep_last=1) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state)
+            mgr.wait()
+        tensor_bytes = state["w"].nbytes + state["b"].nbytes
+        assert mgr.stats.bytes_checksummed_in_copy == 2 * tensor_bytes
+        assert verify_checkpoint(ub.open_store(str(tmp_path / "durable")), 2, deep=True) == []
+        fresh = {"w": torch.zeros(300_000), "b": torch.zeros(10), "n": 0}
+        assert mgr.restore(fresh) == 2
+    assert torch.equal(fresh["w"], state["w"]) and torch.equal(fresh["b"], state["b"])
+
+
 def test_close_returns_the_staging_buffers_while_the_manager_is_referenced(tmp_path):
     mgr = manager(tmp_path)
     before = shared_rss()

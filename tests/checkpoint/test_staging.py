@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import crc32c
 import psutil
 import pytest
 import torch
@@ -19,6 +20,8 @@ from unbroken.checkpoint.staging import (
     TornSnapshotError,
     buffer_keys,
 )
+from unbroken.checkpoint.staging_copy import CHECKSUM_SLICE_BYTES, buffer_key
+from unbroken.checkpoint.tensor_record import raw_view
 
 from .distributed import check, torchrun
 from .manager_util import shared_rss
@@ -95,6 +98,55 @@ def test_values_copied_exactly_for_every_dtype_and_layout(stager):
         for key in ("f32", "bf16", "strided", "view"):
             assert staged.state_dict[key].data_ptr() != state[key].data_ptr(), key
         assert staged.stats["bytes_copied"] == staged.stats["bytes"]
+
+
+def test_the_background_copy_checksums_each_buffer_it_copies(stager):
+    """The local write reuses these instead of reading the buffers again, so each must be
+    the crc32c of the buffer's bytes exactly: across slices, for strided sources, empty
+    and 0-d tensors, and any dtype. Keys copied on the training thread have none."""
+    state = {
+        "big": torch.randn(CHECKSUM_SLICE_BYTES // 4 * 2 + 1000),  # three slices
+        "chunked": torch.randn(300, 200),  # more than a chunk, less than a slice
+        "bf16": torch.randn(17, 3).to(torch.bfloat16),
+        "strided": torch.arange(60, dtype=torch.float64).reshape(6, 10).t(),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 7),
+        "bn": torch.ones(5),
+    }
+    with stager.stage(state, first=["bn"]) as staged:
+        assert staged.checksums == {}  # nothing is vouched for before wait()
+        staged.wait()
+        sums = staged.checksums
+        for key, value in staged.state_dict.items():
+            raw = raw_view(value)
+            got = sums.get(buffer_key(value.data_ptr(), raw.nbytes))
+            if key == "bn":
+                assert got is None
+            else:
+                assert got == crc32c.crc32c(memoryview(raw)), key
+        assert len(sums) == len(state) - 1
+    assert staged.checksums == {}  # released: the buffers are the next save's
+
+
+def test_a_torn_snapshot_vouches_for_no_checksum():
+    stager = StateStager(chunk_bytes=4096)
+    state = _slow_copy_state()
+    state["z.last"] = torch.zeros(4)
+    staged = stager.stage(state)
+    state["z.last"].add_(1.0)
+    with pytest.raises(TornSnapshotError):
+        staged.wait()
+    assert staged.checksums == {}
+    staged.release()
+    stager.close()
+
+
+def test_checksums_can_be_turned_off():
+    stager = StateStager(checksum=False)
+    with stager.stage({"w": torch.ones(1000)}) as staged:
+        staged.wait()
+        assert staged.checksums == {}
+    stager.close()
 
 
 def test_non_tensor_values_are_deep_copied_at_stage_time(stager):

@@ -120,6 +120,9 @@ class SaveStats:
     """This rank's bytes uploaded straight from the host buffers instead of being read
     back from the staging tier, summed over saves; stays 0 where the durable store reads
     files (object stores, for now)."""
+    bytes_checksummed_in_copy: int = 0
+    """This rank's shard bytes whose crc32c the staging copy took as it copied them (from
+    the cache), so that the local write did not read them again; summed over saves."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -291,6 +294,7 @@ class CheckpointManager:
             self.stats.last_phase_seconds = dict(job.seconds)
             self.stats.bytes_direct += job.direct_bytes
             self.stats.bytes_from_memory += job.memory_bytes
+            self.stats.bytes_checksummed_in_copy += job.checksummed_in_copy_bytes
             if job.error is not None:
                 self.stats.failed += 1
                 self._failures.append(job.error)

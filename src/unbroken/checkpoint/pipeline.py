@@ -87,6 +87,8 @@ class SaveJob:
     memory_bytes: int = 0
     """Bytes of this rank's files uploaded from the host buffers instead of being read
     back from the staging tier (0 where the durable store reads files)."""
+    checksummed_in_copy_bytes: int = 0
+    """Bytes of this rank's shard whose crc32c the staging copy had taken."""
 
 
 def lend_until_read(
@@ -285,7 +287,12 @@ class SavePipeline:
         job.seconds["blocking"] = float(job.staged.stats.get("blocking_seconds", 0.0))
 
         # sync=False: the durable tier is what must survive.
-        writer = TierWriter(local_dir, sync=False, keep_parts=self.durable.sends_from_memory)
+        writer = TierWriter(
+            local_dir,
+            sync=False,
+            keep_parts=self.durable.sends_from_memory,
+            known_checksums=job.staged.checksums,
+        )
         try:
             dcp.save(
                 job.staged.state_dict,
@@ -304,6 +311,7 @@ class SavePipeline:
         t2 = time.monotonic()
         job.seconds["local"] = t2 - t1
         job.direct_bytes = writer.direct_bytes
+        job.checksummed_in_copy_bytes = writer.reused_checksum_bytes
         self._note_page_cache_writes(writer)
 
         problem, exc, records = None, None, []

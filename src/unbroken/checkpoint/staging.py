@@ -74,6 +74,17 @@ class StagedState:
         self._lock = threading.Lock()
 
     @property
+    def checksums(self) -> dict[tuple[int, int], int]:
+        """crc32c of each host buffer the background copy checksummed, by
+        ``buffer_key(address, nbytes)``; empty until ``wait()`` has passed and after
+        ``release()``.
+
+        Buffers copied on the training thread (``first``) or from a device are not in it:
+        their bytes are checksummed where they are written.
+        """
+        return {} if self._released else self._job.checksums
+
+    @property
     def done(self) -> bool:
         """Every copy has ended (successfully or not); ``wait()`` will not block."""
         return self._job.finished.is_set()
@@ -147,7 +158,8 @@ class StateStager:
     buffers in shared memory so another process can write them without a copy;
     ``chunk_bytes`` is the CPU copy's step between tearing/abort checks; ``copy_threads``
     the intra-op threads of the background copy (kept apart from the training loop's);
-    ``copy_nice`` how far that copy's thread is reniced (0: training's priority).
+    ``copy_nice`` how far that copy's thread is reniced (0: training's priority);
+    ``checksum`` has that copy take each buffer's crc32c too (``StagedState.checksums``).
     """
 
     def __init__(
@@ -159,6 +171,7 @@ class StateStager:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         copy_threads: int = 1,
         copy_nice: int = 10,
+        checksum: bool = True,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -168,6 +181,7 @@ class StateStager:
             raise ValueError(f"copy_nice must be between 0 and 19, got {copy_nice}")
         self.copy_threads = copy_threads
         self.copy_nice = copy_nice
+        self.checksum = checksum
         self.pool = HostBufferPool(
             max_bytes=max_bytes, shared_memory=shared_memory, pin_memory=pin_memory
         )
@@ -242,6 +256,7 @@ class StateStager:
                 chunk_bytes=self.chunk_bytes,
                 threads=self.copy_threads,
                 nice=self.copy_nice,
+                checksum=self.checksum,
                 events=first_events,
             )
             stats = {

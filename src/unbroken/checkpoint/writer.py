@@ -7,8 +7,9 @@ chunks, no copy for a contiguous CPU tensor) inside a torch.load-able envelope (
 file system allows it: a large payload starts on a 4 KiB file offset and, when its memory
 is page-aligned (the staging buffers are), goes to the device from that memory without
 taking page-cache pages (:mod:`unbroken._util.direct_io` says why that matters).
-crc32c is computed as bytes go out, for each payload (what the reader checks); the
-whole file's (the manifest's checksum) is folded from those.
+crc32c is computed as bytes go out, for each payload (what the reader checks), unless
+the staging copy already took it (``known_checksums``); the whole file's (the
+manifest's checksum) is folded from those.
 Files appear by temp name + fsync + rename + directory fsync (fsync optional). The coordinator's
 ``finish`` writes ``metadata.json`` (what our reader uses) and ``.metadata`` (pickle, for
 vanilla ``dcp.load`` only).
@@ -21,7 +22,7 @@ import io
 import os
 import pickle
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from unbroken.checkpoint.manifest import (
     FileRecord,
     crc32c_bytes,
 )
+from unbroken.checkpoint.staging_copy import buffer_key
 from unbroken.checkpoint.tensor_record import envelope, padding, raw_view, record_start
 from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
 from unbroken.storage.base import atomic_local_write
@@ -68,15 +70,26 @@ class TierWriter(StorageWriter):
     """
 
     def __init__(
-        self, directory: str | os.PathLike, *, sync: bool = True, keep_parts: bool = False
+        self,
+        directory: str | os.PathLike,
+        *,
+        sync: bool = True,
+        keep_parts: bool = False,
+        known_checksums: Mapping[tuple[int, int], int] | None = None,
     ) -> None:
         """``sync=False`` skips fsync: for the staging tier, whose copy is used only when
         its manifest matches the durable one and every byte read is checksummed.
-        ``keep_parts``: remember each file as the buffers it was written from (``parts``)."""
+        ``keep_parts``: remember each file as the buffers it was written from (``parts``).
+        ``known_checksums``: crc32c of tensor memory already taken, by ``buffer_key``
+        (``StagedState.checksums``); such a payload is written without reading it again.
+        """
         super().__init__()
         self.directory = os.fspath(directory)
         self.sync = sync
         self.keep_parts = keep_parts
+        self.known_checksums: Mapping[tuple[int, int], int] = known_checksums or {}
+        self.reused_checksum_bytes = 0
+        """Payload bytes written with a checksum from ``known_checksums``."""
         self.records: list[FileRecord] = []
         self.parts: dict[str, list[Any]] = {}
         """With ``keep_parts``: per file written, the buffers whose concatenation is its
@@ -101,6 +114,7 @@ class TierWriter(StorageWriter):
         self.parts = {}
         self.direct_bytes = 0
         self.page_cache_used = False
+        self.reused_checksum_bytes = 0
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -206,7 +220,8 @@ class TierWriter(StorageWriter):
             start = out.pos
             out.write(header)
             payload_start = out.pos
-            payload_crc = out.write(raw, payload=True)
+            known = self._known_checksum(raw)
+            payload_crc = out.write(raw, payload=True, crc=known)
             out.write(trailer)
             loc = ItemLocation(
                 name,
@@ -219,6 +234,15 @@ class TierWriter(StorageWriter):
                 tuple(data.shape),
             )
         return WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc)
+
+    def _known_checksum(self, raw: Any) -> int | None:
+        """The checksum taken while staging these very bytes, if any."""
+        if not self.known_checksums or raw.nbytes == 0:
+            return None
+        crc = self.known_checksums.get(buffer_key(raw.ctypes.data, raw.nbytes))
+        if crc is not None:
+            self.reused_checksum_bytes += raw.nbytes
+        return crc
 
     @staticmethod
     def _check_tensor(item: WriteItem, tensor: torch.Tensor) -> None:
@@ -275,19 +299,25 @@ class _ChecksummedOutput:
         self.parts = parts
         """Where every buffer written is also appended, when given."""
 
-    def write(self, data: Any, *, payload: bool = False) -> int:
+    def write(self, data: Any, *, payload: bool = False, crc: int | None = None) -> int:
         """Write ``data`` (any buffer); return its own crc32c if ``payload`` else 0.
 
         Each byte is checksummed once: a payload's own crc32c is folded into the file's
-        with ``crc32c_combine``."""
+        with ``crc32c_combine``. A payload whose crc32c is already known (``crc``) is
+        not checksummed again."""
         view = memoryview(data).cast("B")
         if self.parts is not None:
             self.parts.append(view)
+        if crc is not None and not payload:
+            raise ValueError("a known crc32c is taken for a payload only")
         own = 0 if payload else self.crc
         for start in range(0, len(view), WRITE_CHUNK):
             chunk = view[start : start + WRITE_CHUNK]
-            own = crc32c_bytes(chunk, own)
+            if crc is None:
+                own = crc32c_bytes(chunk, own)
             self.sink.write(chunk)
+        if crc is not None:
+            own = crc
         self.pos += len(view)
         if not payload:
             self.crc = own
