@@ -4,29 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from _ckpt_measure import COLUMNS
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-SCRIPT = os.path.join(ROOT, "bench", "checkpoint.py")
+from .scripts import run_bench_script
 
 
 def run_bench(*args: str, timeout: float) -> tuple[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, proc.stderr
+    return run_bench_script("checkpoint.py", *args, timeout=timeout)
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:

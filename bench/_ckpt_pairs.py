@@ -1,0 +1,119 @@
+"""Arithmetic of the interleaved save probe (bench/checkpoint_pairs.py); pure, no I/O.
+
+A pair is two blocks of training steps from one job: one with a save issued after its
+first step, one without. Per step position, the block with the save minus the block
+without is what the save cost that step; averaged over pairs, with a standard error.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One pair's per-step seconds, position by position."""
+
+    with_save: tuple[float, ...]
+    """The block whose first step ends with the save call."""
+    without: tuple[float, ...]
+    """The block without a save (same number of steps)."""
+    in_flight: int
+    """Leading steps of ``with_save`` that ran while the save was in flight (the first
+    one, which makes the save call, included)."""
+
+    def __post_init__(self) -> None:
+        if len(self.with_save) != len(self.without) or not self.with_save:
+            raise ValueError(
+                f"a pair needs two blocks of the same, nonzero length; got "
+                f"{len(self.with_save)} and {len(self.without)} steps"
+            )
+        if not 1 <= self.in_flight <= len(self.with_save):
+            raise ValueError(f"in_flight must be 1..{len(self.with_save)}, got {self.in_flight}")
+
+    @property
+    def deltas(self) -> list[float]:
+        return [a - b for a, b in zip(self.with_save, self.without)]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A mean over pairs, its standard error (None from a single pair), and the median:
+    one pair disturbed by something else on the machine moves the mean, not the median."""
+
+    mean: float
+    se: float | None
+    median: float
+    n: int
+
+    def __str__(self) -> str:
+        se = "n/a" if self.se is None else f"{self.se:.3f}"
+        return f"{self.mean:+.3f} ± {se} (median {self.median:+.3f})"
+
+
+def estimate(values: Sequence[float]) -> Estimate:
+    if not values:
+        raise ValueError("no values to estimate from")
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+    return Estimate(statistics.fmean(values), se, statistics.median(values), len(values))
+
+
+def steps_in_flight(step_seconds: Sequence[float], save_at: float, commit_s: float) -> int:
+    """How many leading steps of a block started before its save committed.
+
+    ``save_at``: seconds from the block's start to the end of the save call (the end of
+    the first step); ``commit_s``: from the save call to its commit."""
+    committed_at = save_at + commit_s
+    started = 0.0
+    count = 0
+    for seconds in step_seconds:
+        if started >= committed_at:
+            break
+        count += 1
+        started += seconds
+    return max(1, count)
+
+
+def summarize(pairs: Sequence[Pair]) -> dict[str, Estimate | list[Estimate]]:
+    """Seconds one save adds per save: while in flight, after its commit, over the block.
+
+    ``per_position`` is the mean difference at each step position."""
+    if not pairs:
+        raise ValueError("no pairs to summarize")
+    width = len(pairs[0].with_save)
+    if any(len(p.with_save) != width for p in pairs):
+        raise ValueError("every pair's blocks must have the same number of steps")
+    deltas = [p.deltas for p in pairs]
+    return {
+        "in_flight": estimate([sum(d[: p.in_flight]) for d, p in zip(deltas, pairs)]),
+        "after_commit": estimate([sum(d[p.in_flight :]) for d, p in zip(deltas, pairs)]),
+        "whole_block": estimate([sum(d) for d in deltas]),
+        "per_position": [estimate([d[i] for d in deltas]) for i in range(width)],
+    }
+
+
+def pairs_from_records(records: Sequence[dict], skip: int = 1) -> list[Pair]:
+    """Pairs from the probe's JSON records (one per block), dropping the first ``skip``
+    pairs (the job's first blocks run while the machine settles)."""
+    blocks: dict[int, dict[str, dict]] = {}
+    for rec in records:
+        blocks.setdefault(int(rec["pair"]), {})[rec["kind"]] = rec
+    pairs = []
+    for index in sorted(blocks):
+        both = blocks[index]
+        if index < skip or set(both) != {"save", "none"}:
+            continue
+        save = both["save"]
+        if save.get("commit") is None or save.get("save_at") is None:
+            raise ValueError(f"pair {index}: its save has no save or commit time (it failed?)")
+        pairs.append(
+            Pair(
+                tuple(save["steps"]),
+                tuple(both["none"]["steps"]),
+                steps_in_flight(save["steps"], save["save_at"], save["commit"]),
+            )
+        )
+    return pairs

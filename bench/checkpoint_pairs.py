@@ -1,0 +1,228 @@
+"""What one unbroken save costs the training steps around it, measured in pairs.
+
+bench/checkpoint.py compares rows run minutes apart, and on these machines the training
+loop drifts between them by more than a save costs. This probe keeps everything in one
+job: the checkpoint benchmark's model and step on 2 gloo ranks, one CheckpointManager
+throughout (as in its unbroken row), training in blocks of ``--block`` steps. Each pair
+is one block with a save issued after its first step, while training goes on, and one
+block without, in the order ABBA (save/none, none/save, ...) so that a steady drift
+cancels. Per step position the difference between the two blocks is what the save
+cost; over pairs the report gives it with a standard error:
+
+- in flight: the steps from the save call to its commit (the in-row figure);
+- after the commit: the rest of the block (a lasting cost would show here);
+- the whole block: all of it, the figure to hold against torch.save / 50.
+
+    python bench/checkpoint_pairs.py --quick            # tiny state, about a minute
+    python bench/checkpoint_pairs.py --minutes 60       # full size until an hour is up
+    python bench/checkpoint_pairs.py --from-log F.jsonl # report again from a kept log
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _ckpt_job import Config, build, train_step, train_untimed
+from _ckpt_pairs import Estimate, Pair, pairs_from_records, summarize
+from _ckpt_rows import RowContext, Unbroken
+from checkpoint import free_port
+from unbroken.storage.link import discard_link
+
+WARM_UP_SAVES = 2
+SETTLE_STEPS = 3
+NEVER_DUE = 10**9
+
+
+def _block(
+    kind: str,
+    row: Unbroken,
+    model: Any,
+    optim: Any,
+    width: int,
+    cfg: Config,
+    gen: Any,
+    first_step: int,
+    block: int,
+) -> dict[str, Any]:
+    """Train ``block`` steps (a save after the first when ``kind`` is "save"); the times."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    ends: list[float] = []
+    save_at = None
+    for i in range(block):
+        train_step(model, width, cfg.batch, gen)
+        row.before_optim_step()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        if kind == "save" and i == 0:
+            row.save(first_step)
+            save_at = time.perf_counter() - t0
+        ends.append(time.perf_counter() - t0)
+    dist.barrier()
+    commit = None
+    if kind == "save":
+        row.drain()  # outside the timed steps: a block shorter than the commit waits here
+        commit = row.mgr.stats.last_commit_seconds
+    steps = [b - a for a, b in zip([0.0, *ends[:-1]], ends)]
+    return {"kind": kind, "steps": steps, "save_at": save_at, "commit": commit}
+
+
+def rank_main(
+    rank: int, cfg: Config, pairs: int, block: int, stop_at: float, log: str, port: int
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=cfg.ranks,
+        timeout=datetime.timedelta(seconds=cfg.pg_timeout_s),
+    )
+    try:
+        model, optim, width = build(cfg)
+        gen = torch.Generator().manual_seed(100 + rank)
+        train_untimed(model, optim, width, cfg.batch, gen, 2)  # creates Adam's state
+        remote = os.path.join(cfg.remote_dir, "unbroken")
+        os.makedirs(remote, exist_ok=True)
+        ctx = RowContext(
+            model,
+            optim,
+            rank,
+            NEVER_DUE,
+            remote,
+            os.path.join(cfg.work_dir, "unbroken"),
+            cfg.remote_options,
+        )
+        row = Unbroken(ctx)
+        for step in range(WARM_UP_SAVES):
+            row.save(step)
+            row.drain()
+        train_untimed(model, optim, width, cfg.batch, gen, SETTLE_STEPS)
+        step = WARM_UP_SAVES
+        stop = torch.zeros(1)
+        for index in range(pairs):
+            stop[0] = float(rank == 0 and time.time() > stop_at)
+            dist.broadcast(stop, 0)
+            if stop[0]:
+                break
+            for kind in ("save", "none") if index % 2 == 0 else ("none", "save"):
+                rec = _block(kind, row, model, optim, width, cfg, gen, step + 1, block)
+                step += block
+                if rank == 0:
+                    with open(log, "a") as f:
+                        f.write(json.dumps({"pair": index, **rec}) + "\n")
+                    print(
+                        f"[pairs] pair {index} {kind}: {sum(rec['steps']):.1f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        row.mgr.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def report(pairs: list[Pair], skipped: int) -> str:
+    s = summarize(pairs)
+    per = s["per_position"]
+    plain = [x for pair in pairs for x in pair.without]
+    lines = [
+        f"save cost, block with a save minus block without, over {len(pairs)} pairs "
+        f"(first {skipped} dropped); mean ± standard error (median), seconds per save",
+        f"a step without a save: {sum(plain) / len(plain):.3f} s on average",
+        "per step position: " + "  ".join(f"{i}: {e}" for i, e in enumerate(per)),
+        f"  in flight (save call to commit): {s['in_flight']}",
+        f"  after the commit:                {s['after_commit']}",
+        f"  whole block:                     {s['whole_block']}",
+    ]
+    out: dict[str, Any] = {
+        k: {
+            "mean": round(v.mean, 4),
+            "se": None if v.se is None else round(v.se, 4),
+            "median": round(v.median, 4),
+        }
+        for k, v in s.items()
+        if isinstance(v, Estimate)
+    }
+    out["pairs"] = len(pairs)
+    lines.append(json.dumps(out, sort_keys=True))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params-gb", type=float, default=1.0, help="GiB of fp32 parameters (1)")
+    p.add_argument("--pairs", type=int, default=20, help="pairs of blocks, at most (20)")
+    p.add_argument("--block", type=int, default=10, help="steps per block (10)")
+    p.add_argument("--minutes", type=float, default=None, help="start no pair after this")
+    p.add_argument("--skip", type=int, default=1, help="first pairs left out of the report (1)")
+    p.add_argument("--work-dir", default="", help="scratch directory (a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    p.add_argument("--quick", action="store_true", help="tiny state, 2 pairs of 3 steps")
+    p.add_argument("--from-log", default="", help="report from a kept log, run nothing")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.params_gb, a.pairs, a.block, a.skip = 0.02, 2, 3, 0
+    for name in ("pairs", "block"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if a.skip < 0 or (not a.from_log and a.skip >= a.pairs):
+        p.error(f"--skip must be 0..{a.pairs - 1} (fewer than --pairs)")
+    if a.params_gb <= 0:
+        p.error("--params-gb must be positive")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.from_log:
+        with open(a.from_log) as f:
+            records = [json.loads(line) for line in f if line.startswith("{")]
+        print(report(pairs_from_records(records, a.skip), a.skip))
+        return 0
+    work = a.work_dir or tempfile.mkdtemp(prefix="ckpt-pairs-")
+    os.makedirs(work, exist_ok=True)
+    log = os.path.join(work, "pairs.jsonl")
+    if os.path.exists(log):
+        raise SystemExit(f"{log} exists: pick another --work-dir, or report it with --from-log")
+    cfg = Config(
+        params_gb=a.params_gb,
+        quick=a.quick,
+        work_dir=work,
+        remote_dir=os.path.join(work, "remote"),
+        link=f"ckpt-pairs-{os.getpid()}",
+    )
+    stop_at = time.time() + a.minutes * 60 if a.minutes else float("inf")
+    try:
+        mp.start_processes(
+            rank_main,
+            args=(cfg, a.pairs, a.block, stop_at, log, free_port()),
+            nprocs=cfg.ranks,
+            start_method="spawn",
+        )
+        with open(log) as f:
+            records = [json.loads(line) for line in f]
+        print(f"log: {log}" if a.keep else "log: not kept (--keep keeps it)")
+        print(report(pairs_from_records(records, a.skip), a.skip))
+    finally:
+        discard_link(cfg.link)
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""bench/checkpoint_pairs.py: the pair arithmetic, the CLI, and a quick run on real ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from _ckpt_pairs import Pair, estimate, pairs_from_records, steps_in_flight, summarize
+from checkpoint_pairs import parse_args
+
+from .scripts import run_bench_script
+
+COST = [0.0, 0.7, 0.1, 0.0, 0.0, 0.0]
+"""What a save adds at each step position of its block, in the synthetic runs below."""
+
+
+def abba(pairs: int, drift_per_step: float, base: float = 6.0) -> list[dict]:
+    """Records of a run whose every step is ``drift_per_step`` slower than the one before,
+    with blocks in the probe's order: save/none, none/save, ..."""
+    records, t = [], 0
+    for index in range(pairs):
+        for kind in ("save", "none") if index % 2 == 0 else ("none", "save"):
+            steps = []
+            for cost in COST:
+                steps.append(base + drift_per_step * t + (cost if kind == "save" else 0.0))
+                t += 1
+            save = kind == "save"
+            records.append(
+                {
+                    "pair": index,
+                    "kind": kind,
+                    "steps": steps,
+                    "save_at": steps[0] if save else None,
+                    "commit": 2 * base if save else None,
+                }
+            )
+    return records
+
+
+def test_abba_order_cancels_a_steady_drift():
+    pairs = pairs_from_records(abba(4, drift_per_step=0.05), skip=0)
+    s = summarize(pairs)
+    # The save call and two more steps start before the commit 12 s after the call.
+    assert [p.in_flight for p in pairs] == [3, 3, 3, 3]
+    assert s["in_flight"].mean == pytest.approx(0.8)
+    assert s["after_commit"].mean == pytest.approx(0.0, abs=1e-9)
+    assert s["whole_block"].mean == pytest.approx(0.8)
+    assert s["whole_block"].median == pytest.approx(0.8)
+    assert [e.mean for e in s["per_position"]] == pytest.approx(COST)
+    # Each order alone is off by the drift over one block (6 positions x 6 steps x 0.05 s
+    # = 1.8 s), one way or the other: that spread is what the standard error shows.
+    assert s["whole_block"].se == pytest.approx(1.8 * (4 / 3) ** 0.5 / 2)
+
+
+def test_without_drift_the_cost_is_exact_and_the_error_zero():
+    s = summarize(pairs_from_records(abba(3, drift_per_step=0.0), skip=1))
+    assert s["whole_block"].mean == pytest.approx(0.8) and s["whole_block"].n == 2
+    assert s["whole_block"].se == pytest.approx(0.0, abs=1e-12)
+
+
+def test_steps_in_flight_counts_the_steps_started_before_the_commit():
+    assert steps_in_flight([6.0] * 6, save_at=6.0, commit_s=13.0) == 4  # 0, 6, 12, 18 < 19
+    assert steps_in_flight([6.0] * 6, save_at=6.0, commit_s=12.0) == 3  # 18 is not < 18
+    assert steps_in_flight([6.0] * 3, save_at=6.0, commit_s=100.0) == 3
+    assert steps_in_flight([6.0] * 3, save_at=0.0, commit_s=0.0) == 1
+
+
+def test_bad_pairs_and_records_are_refused():
+    with pytest.raises(ValueError, match="same, nonzero length"):
+        Pair((1.0, 2.0), (1.0,), 1)
+    with pytest.raises(ValueError, match=r"in_flight must be 1\.\.2"):
+        Pair((1.0, 2.0), (1.0, 2.0), 0)
+    with pytest.raises(ValueError, match="no pairs"):
+        summarize([])
+    with pytest.raises(ValueError, match="same number of steps"):
+        summarize([Pair((1.0,), (1.0,), 1), Pair((1.0, 2.0), (1.0, 2.0), 1)])
+    with pytest.raises(ValueError, match="no values"):
+        estimate([])
+    records = abba(2, 0.0)
+    records[-1 if records[-1]["kind"] == "save" else -2]["commit"] = None
+    with pytest.raises(ValueError, match="pair 1: its save has no save or commit time"):
+        pairs_from_records(records, skip=0)
+    # A pair cut short (the job stopped between its blocks) is left out.
+    assert len(pairs_from_records(abba(2, 0.0)[:-1], skip=0)) == 1
+
+
+def test_cli_defaults_and_bad_arguments():
+    a = parse_args([])
+    assert (a.params_gb, a.pairs, a.block, a.skip, a.minutes) == (1.0, 20, 10, 1, None)
+    q = parse_args(["--quick"])
+    assert (q.pairs, q.block, q.skip) == (2, 3, 0) and q.params_gb < 0.1
+    for bad in (["--pairs", "0"], ["--block", "0"], ["--skip", "20"], ["--params-gb", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_report_from_a_kept_log(tmp_path):
+    log = tmp_path / "pairs.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in abba(3, 0.01)))
+    out = run_pairs("--from-log", str(log), timeout=60)
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["pairs"] == 2
+    assert last["whole_block"]["mean"] == pytest.approx(0.8, abs=0.01)
+
+
+def run_pairs(*args: str, timeout: float) -> str:
+    return run_bench_script("checkpoint_pairs.py", *args, timeout=timeout)[0]
+
+
+@pytest.mark.multiprocess
+def test_quick_run_on_two_ranks(tmp_path):
+    out = run_pairs("--quick", "--keep", "--work-dir", str(tmp_path / "w"), timeout=300)
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["pairs"] == 2
+    for key in ("in_flight", "after_commit", "whole_block"):
+        assert isinstance(last[key]["mean"], float)
+    records = [json.loads(line) for line in (tmp_path / "w" / "pairs.jsonl").open()]
+    assert [(r["pair"], r["kind"]) for r in records] == [
+        (0, "save"),
+        (0, "none"),
+        (1, "none"),
+        (1, "save"),
+    ]
+    saves = [r for r in records if r["kind"] == "save"]
+    assert all(r["commit"] > 0 and len(r["steps"]) == 3 for r in saves)
+    # Each save committed a checkpoint of its own, kept by the row's retention.
+    assert len(os.listdir(tmp_path / "w" / "remote" / "unbroken")) >= 2
