@@ -76,7 +76,8 @@ class StagedState:
     @property
     def checksums(self) -> dict[tuple[int, int], int]:
         """crc32c of each host buffer the background copy checksummed, by
-        ``buffer_key(address, nbytes)``; empty until ``wait()`` has passed and after
+        ``buffer_key(address, nbytes)``; empty until the copy is sealed whole (in the
+        optimizer's step pre-hook or ``wait()``), for a torn or aborted copy, and after
         ``release()``.
 
         Buffers copied on the training thread (``first``) or from a device are not in it:
