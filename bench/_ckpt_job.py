@@ -307,17 +307,22 @@ def _local_tier_bandwidth(row: Any, rank: int) -> float:
     return -1.0 if bps is None else bps
 
 
-def rank_main(rank: int, cfg: Config, keys: list[str], port: int) -> None:
+def join_ranks(rank: int, cfg: Config, port: int) -> None:
+    """One rank's setup: its share of the cores, the gloo group on ``port``."""
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid>: where is a hung rank?
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
-    t0 = time.monotonic()
     dist.init_process_group(
         "gloo",
         rank=rank,
         world_size=cfg.ranks,
         timeout=datetime.timedelta(seconds=cfg.pg_timeout_s),
     )
+
+
+def rank_main(rank: int, cfg: Config, keys: list[str], port: int) -> None:
+    t0 = time.monotonic()
+    join_ranks(rank, cfg, port)
     if rank == 0:
         print(f"[checkpoint bench] ranks up ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
     try:

@@ -21,7 +21,6 @@ cost; over pairs the report gives it with a standard error:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -36,14 +35,15 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _ckpt_job import Config, build, train_step, train_untimed
+from _ckpt_job import WARM_UP_SAVES, Config, build, join_ranks, train_step, train_untimed
 from _ckpt_pairs import Estimate, Pair, pairs_from_records, summarize
 from _ckpt_rows import RowContext, Unbroken
 from checkpoint import free_port
 from unbroken.storage.link import discard_link
 
-WARM_UP_SAVES = 2
 SETTLE_STEPS = 3
+"""Untimed steps between the warm-up saves and the first pair (as in the probe whose log
+docs/arch/data/pairs-6366f39.jsonl is)."""
 NEVER_DUE = 10**9
 
 
@@ -84,14 +84,7 @@ def _block(
 def rank_main(
     rank: int, cfg: Config, pairs: int, block: int, stop_at: float, log: str, port: int
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=cfg.ranks,
-        timeout=datetime.timedelta(seconds=cfg.pg_timeout_s),
-    )
+    join_ranks(rank, cfg, port)
     try:
         model, optim, width = build(cfg)
         gen = torch.Generator().manual_seed(100 + rank)
@@ -162,6 +155,17 @@ def report(pairs: list[Pair], skipped: int) -> str:
     return "\n".join(lines)
 
 
+def report_log(path: str, skip: int) -> str:
+    """The report of a probe's log; a log that cannot give one is refused by name."""
+    try:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        return report(pairs_from_records(records, skip), skip)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        raise SystemExit(f"checkpoint_pairs: cannot report {path}: {detail}") from e
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params-gb", type=float, default=1.0, help="GiB of fp32 parameters (1)")
@@ -189,9 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.from_log:
-        with open(a.from_log) as f:
-            records = [json.loads(line) for line in f if line.startswith("{")]
-        print(report(pairs_from_records(records, a.skip), a.skip))
+        print(report_log(a.from_log, a.skip))
         return 0
     work = a.work_dir or tempfile.mkdtemp(prefix="ckpt-pairs-")
     os.makedirs(work, exist_ok=True)
@@ -213,10 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             nprocs=cfg.ranks,
             start_method="spawn",
         )
-        with open(log) as f:
-            records = [json.loads(line) for line in f]
         print(f"log: {log}" if a.keep else "log: not kept (--keep keeps it)")
-        print(report(pairs_from_records(records, a.skip), a.skip))
+        print(report_log(log, a.skip))
     finally:
         discard_link(cfg.link)
         if not a.keep:

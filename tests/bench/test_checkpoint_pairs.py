@@ -105,6 +105,32 @@ def test_report_from_a_kept_log(tmp_path):
     assert last["whole_block"]["mean"] == pytest.approx(0.8, abs=0.01)
 
 
+def test_a_log_that_cannot_be_reported_is_refused_by_name(tmp_path):
+    from checkpoint_pairs import report_log
+
+    cases = {
+        "missing.jsonl": None,
+        "garbled.jsonl": '{"pair": 0, "kind": "save", "steps": [1.0\n',
+        "no-fields.jsonl": '{"pair": 0}\n',
+        "no-pairs.jsonl": json.dumps(abba(1, 0.0)[0]) + "\n",
+    }
+    for name, text in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(SystemExit, match=f"cannot report {path}: ") as info:
+            report_log(str(path), skip=0)
+        assert "Traceback" not in str(info.value)
+    assert "missing field 'kind'" in _refusal(report_log, tmp_path / "no-fields.jsonl")
+    assert "no pairs" in _refusal(report_log, tmp_path / "no-pairs.jsonl")
+
+
+def _refusal(report_log, path) -> str:
+    with pytest.raises(SystemExit) as info:
+        report_log(str(path), skip=0)
+    return str(info.value)
+
+
 def run_pairs(*args: str, timeout: float) -> str:
     return run_bench_script("checkpoint_pairs.py", *args, timeout=timeout)[0]
 

@@ -125,6 +125,8 @@ def test_the_background_copy_checksums_each_buffer_it_copies(stager):
             else:
                 assert got == crc32c.crc32c(memoryview(raw)), key
         assert len(sums) == len(state) - 1
+        with pytest.raises(TypeError):  # the writer's to read, nobody's to change
+            sums[next(iter(sums))] = 0
     assert staged.checksums == {}  # released: the buffers are the next save's
 
 

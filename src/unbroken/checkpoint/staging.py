@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Collection, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -74,7 +75,7 @@ class StagedState:
         self._lock = threading.Lock()
 
     @property
-    def checksums(self) -> dict[tuple[int, int], int]:
+    def checksums(self) -> Mapping[tuple[int, int], int]:
         """crc32c of each host buffer the background copy checksummed, by
         ``buffer_key(address, nbytes)``; empty until the copy is sealed whole (in the
         optimizer's step pre-hook or ``wait()``), for a torn or aborted copy, and after
@@ -83,7 +84,7 @@ class StagedState:
         Buffers copied on the training thread (``first``) or from a device are not in it:
         their bytes are checksummed where they are written.
         """
-        return {} if self._released else self._job.checksums
+        return MappingProxyType({} if self._released else self._job.checksums)
 
     @property
     def done(self) -> bool:
