@@ -328,9 +328,9 @@ def evaluate(rows: dict[str, dict], env: dict) -> tuple[list[Target], dict]:
     """The issue's targets for the unbroken row, and the ratios of the final JSON line.
 
     ``rows`` maps row keys (``torch_save``, ``dcp_async_default``, ``dcp_async_best``,
-    ``unbroken``, ``floor``) to their results; ``env`` holds ``state_bytes`` (all ranks),
-    ``rank_bytes`` (the largest rank), ``bandwidth``, ``latency`` and
-    ``local_tier_bps`` (measured, may be None).
+    ``unbroken``, ``floor``, ``floor_2tier``) to their results; ``env`` holds
+    ``state_bytes`` (all ranks), ``rank_bytes`` (the largest rank), ``bandwidth``,
+    ``latency`` and ``local_tier_bps`` (measured, may be None).
     """
 
     def get(row: str, key: str) -> float | None:
@@ -416,6 +416,11 @@ def evaluate(rows: dict[str, dict], env: dict) -> tuple[list[Target], dict]:
         "restore_durable_fraction_of_link_bw": durable_frac,
         "blocked_unbroken_over_floor": _ratio(
             get("unbroken", "blocked_s"), get("floor", "blocked_s")
+        ),
+        # What this machine's disk charges any save that writes both tiers, side by side.
+        "extra_wall_unbroken_over_floor_2tier": _ratio(ub_extra, get("floor_2tier", "extra_s")),
+        "extra_wall_torch_save_over_floor_2tier": _ratio(
+            torch_extra, get("floor_2tier", "extra_s")
         ),
         "targets_met": sum(1 for t in targets if t.met),
         "targets_total": len(targets),

@@ -95,25 +95,55 @@ def summarize(pairs: Sequence[Pair]) -> dict[str, Estimate | list[Estimate]]:
     }
 
 
-def pairs_from_records(records: Sequence[dict], skip: int = 1) -> list[Pair]:
-    """Pairs from the probe's JSON records (one per block), dropping the first ``skip``
-    pairs (the job's first blocks run while the machine settles)."""
+def _rounds(records: Sequence[dict]) -> dict[int, dict[str, dict]]:
+    """The records by pair index, then by kind."""
     blocks: dict[int, dict[str, dict]] = {}
     for rec in records:
         blocks.setdefault(int(rec["pair"]), {})[rec["kind"]] = rec
+    return blocks
+
+
+def whole_rounds(records: Sequence[dict]) -> list[dict]:
+    """The records of the rounds that hold a block of every kind in the log: a report then
+    compares every way of saving over the same rounds (a job stopped mid-round leaves
+    its last one short)."""
+    kinds = {rec["kind"] for rec in records}
+    whole = {index for index, group in _rounds(records).items() if set(group) == kinds}
+    return [rec for rec in records if int(rec["pair"]) in whole]
+
+
+def pairs_from_records(records: Sequence[dict], skip: int = 1, kind: str = "save") -> list[Pair]:
+    """Pairs of ``kind``'s block and the block without a save from the probe's JSON
+    records (one per block), dropping the first ``skip`` pairs (the job's first blocks run
+    while the machine settles). A pair is one index: every kind's block of one round."""
+    blocks = _rounds(records)
     pairs = []
     for index in sorted(blocks):
-        both = blocks[index]
-        if index < skip or set(both) != {"save", "none"}:
+        group = blocks[index]
+        if index < skip or kind not in group or "none" not in group:
             continue
-        save = both["save"]
+        save = group[kind]
         if save.get("commit") is None or save.get("save_at") is None:
-            raise ValueError(f"pair {index}: its save has no save or commit time (it failed?)")
+            raise ValueError(f"pair {index}: its {kind} has no save or commit time (it failed?)")
         pairs.append(
             Pair(
                 tuple(save["steps"]),
-                tuple(both["none"]["steps"]),
+                tuple(group["none"]["steps"]),
                 steps_in_flight(save["steps"], save["save_at"], save["commit"]),
             )
         )
     return pairs
+
+
+def difference(records: Sequence[dict], skip: int, kind: str, other: str) -> Estimate:
+    """Whole-block seconds of ``kind`` minus ``other``, round by round: two ways of saving
+    compared directly. Over the rounds their pairs come from (those that also hold the
+    block without a save), so the three figures of a report describe the same rounds."""
+    blocks = _rounds(records)
+    return estimate(
+        [
+            sum(group[kind]["steps"]) - sum(group[other]["steps"])
+            for index, group in sorted(blocks.items())
+            if index >= skip and {kind, other, "none"} <= set(group)
+        ]
+    )

@@ -12,6 +12,8 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from _store_fs import PROTOCOL
+from unbroken._util.direct_io import aligned_buffer, write_parts
+from unbroken._util.priority import lower_thread_priority
 
 
 @dataclass
@@ -125,6 +129,11 @@ class Row:
         """Row-specific facts for the report (e.g. saves the library skipped)."""
         return {}
 
+    @property
+    def last_commit_seconds(self) -> float | None:
+        """From the newest save call until it was whole in every tier; None: not known."""
+        return None
+
     def _prune(self, keep: int = 2) -> None:
         """Keep the durable tier small: rank 0 drops all but the newest ``keep`` saves."""
         while len(self.saved_steps) > keep:
@@ -164,7 +173,10 @@ class MemcpyFloor(Row):
     def __init__(self, ctx: RowContext) -> None:
         super().__init__(ctx)
         self.src = local_tensors(ctx.model, ctx.optim)
-        self.buffers = [torch.empty_like(t) for t in self.src]
+        self.buffers = self._new_buffers()
+
+    def _new_buffers(self) -> list[torch.Tensor]:
+        return [torch.empty_like(t) for t in self.src]
 
     def save(self, step: int) -> None:
         for b, t in zip(self.buffers, self.src):
@@ -175,6 +187,74 @@ class MemcpyFloor(Row):
         for b, t in zip(self.buffers, self.src):
             t.copy_(b)
         return True
+
+    @property
+    def last_commit_seconds(self) -> float | None:
+        return 0.0  # whole when save() returns
+
+
+class TwoTierFloor(MemcpyFloor):
+    """The floor plus the bytes every two-tier save here must put on disk: the buffers
+    written once to a local file and once to the remote's directory (this machine's disk
+    too), both with O_DIRECT, on one background thread at the checkpoint worker's lowered
+    priority. No checksums, no link, no commit: what any library's save to both tiers
+    costs at least on this machine, to hold the unbroken row against."""
+
+    key, title = "floor_2tier", "floor + 2 disk writes"
+
+    def __init__(self, ctx: RowContext) -> None:
+        self.maps: list[Any] = []
+        super().__init__(ctx)
+        self.local_dir = os.path.join(ctx.work_dir, "floor-2tier")
+        os.makedirs(self.local_dir, exist_ok=True)
+        self.writing: threading.Thread | None = None
+        self.failure: list[BaseException] = []
+        self.save_began = 0.0
+        self.written_at = 0.0
+
+    def _new_buffers(self) -> list[torch.Tensor]:
+        """Page-aligned, as unbroken's staging buffers are: O_DIRECT writes them in place."""
+        self.maps = [aligned_buffer(max(1, t.numel() * t.element_size())) for t in self.src]
+        return [
+            torch.frombuffer(m, dtype=t.dtype, count=t.numel()).view(t.shape)
+            for m, t in zip(self.maps, self.src)
+        ]
+
+    def save(self, step: int) -> None:
+        self.drain()  # a save in flight is waited for, as in every other row
+        self.save_began = time.perf_counter()
+        super().save(step)
+        name = f"step-{step:09d}-rank{self.ctx.rank}.bin"
+        paths = [os.path.join(self.local_dir, name), os.path.join(self.ctx.row_dir, name)]
+        self.writing = threading.Thread(target=self._write, args=(paths,), daemon=True)
+        self.writing.start()
+
+    def _write(self, paths: list[str]) -> None:
+        lower_thread_priority()
+        try:
+            for path in paths:
+                write_parts(self.maps, path)
+        except BaseException as e:  # raised again on the training thread by drain()
+            self.failure.append(e)
+        self.written_at = time.perf_counter()
+
+    def drain(self) -> None:
+        if self.writing is not None:
+            self.writing.join()
+            self.writing = None
+        if self.failure:
+            raise RuntimeError("floor + 2 disk writes: a write failed") from self.failure.pop()
+        self._prune()
+        mine = sorted(glob.glob(os.path.join(self.local_dir, f"*-rank{self.ctx.rank}.bin")))
+        for old in mine[:-1]:  # the newest local file stays, as a staging tier's would
+            os.unlink(old)
+
+    def restore_local(self) -> bool | None:
+        return None  # the files are a cost, not a format anything restores from
+
+    @property
+    def last_commit_seconds(self) -> float | None:
+        return self.written_at - self.save_began if self.written_at else None
 
 
 class TorchSaveRank0(Row):
@@ -369,6 +449,10 @@ class Unbroken(Row):
         self.mgr.save(step, self.state)
         self.saved_steps.append(step)
 
+    @property
+    def last_commit_seconds(self) -> float | None:
+        return self.mgr.stats.last_commit_seconds
+
     def drain(self) -> None:
         self.mgr.wait()
 
@@ -410,6 +494,7 @@ class Unbroken(Row):
 ROWS: list[type[Row]] = [
     NoSaves,
     MemcpyFloor,
+    TwoTierFloor,
     TorchSaveRank0,
     DcpSave,
     DcpAsyncDefault,

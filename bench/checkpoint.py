@@ -2,7 +2,8 @@
 
 Rows, measured side by side in one run on real gloo ranks (FSDP2, Adam), every remote
 byte through the same emulated remote (20 ms/request, 200 MB/s node-wide link):
-no saves (the baseline), a memcpy floor, torch.save on rank 0, dcp.save,
+no saves (the baseline), a memcpy floor, that floor plus both tiers' disk writes,
+torch.save on rank 0, dcp.save,
 dcp.async_save with its defaults, dcp.async_save with its best working options, and
 unbroken.CheckpointManager. Prints one table, the targets, and a final JSON line of
 ratios. See bench/README.md, section bench/checkpoint.py.

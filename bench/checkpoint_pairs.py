@@ -13,6 +13,11 @@ cost; over pairs the report gives it with a standard error:
 - after the commit: the rest of the block (a lasting cost would show here);
 - the whole block: all of it, the figure to hold against torch.save / 50.
 
+``--also floor_2tier`` adds a third block to every round, saved by the checkpoint
+benchmark's "floor + 2 disk writes" row (a memcpy, then the bytes written once to each
+tier's disk): the least a two-tier save costs on this machine, measured in the same
+rounds, with unbroken's difference from it. Orders alternate forward and backward.
+
     python bench/checkpoint_pairs.py --quick            # tiny state, about a minute
     python bench/checkpoint_pairs.py --minutes 60       # full size until an hour is up
     python bench/checkpoint_pairs.py --from-log F.jsonl # report again from a kept log
@@ -21,6 +26,7 @@ cost; over pairs the report gives it with a standard error:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -36,8 +42,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _ckpt_job import WARM_UP_SAVES, Config, build, join_ranks, train_step, train_untimed
-from _ckpt_pairs import Estimate, Pair, pairs_from_records, summarize
-from _ckpt_rows import RowContext, Unbroken
+from _ckpt_pairs import Estimate, difference, pairs_from_records, summarize, whole_rounds
+from _ckpt_rows import MemcpyFloor, Row, RowContext, TwoTierFloor, Unbroken
 from checkpoint import free_port
 from unbroken.storage.link import discard_link
 
@@ -45,11 +51,13 @@ SETTLE_STEPS = 3
 """Untimed steps between the warm-up saves and the first pair (as in the probe whose log
 docs/arch/data/pairs-6366f39.jsonl is)."""
 NEVER_DUE = 10**9
+ALSO = {cls.key: cls for cls in (MemcpyFloor, TwoTierFloor)}
+"""Other ways of saving a round can also hold, by the benchmark's row keys."""
 
 
 def _block(
     kind: str,
-    row: Unbroken,
+    row: Row | None,
     model: Any,
     optim: Any,
     width: int,
@@ -58,31 +66,40 @@ def _block(
     first_step: int,
     block: int,
 ) -> dict[str, Any]:
-    """Train ``block`` steps (a save after the first when ``kind`` is "save"); the times."""
+    """Train ``block`` steps, with ``row`` saving after the first (None: no save); the
+    times."""
     dist.barrier()
     t0 = time.perf_counter()
     ends: list[float] = []
     save_at = None
     for i in range(block):
         train_step(model, width, cfg.batch, gen)
-        row.before_optim_step()
+        if row is not None:
+            row.before_optim_step()
         optim.step()
         optim.zero_grad(set_to_none=True)
-        if kind == "save" and i == 0:
+        if row is not None and i == 0:
             row.save(first_step)
             save_at = time.perf_counter() - t0
         ends.append(time.perf_counter() - t0)
     dist.barrier()
     commit = None
-    if kind == "save":
+    if row is not None:
         row.drain()  # outside the timed steps: a block shorter than the commit waits here
-        commit = row.mgr.stats.last_commit_seconds
+        commit = row.last_commit_seconds
     steps = [b - a for a, b in zip([0.0, *ends[:-1]], ends)]
     return {"kind": kind, "steps": steps, "save_at": save_at, "commit": commit}
 
 
 def rank_main(
-    rank: int, cfg: Config, pairs: int, block: int, stop_at: float, log: str, port: int
+    rank: int,
+    cfg: Config,
+    pairs: int,
+    block: int,
+    stop_at: float,
+    log: str,
+    port: int,
+    also: tuple[str, ...] = (),
 ) -> None:
     join_ranks(rank, cfg, port)
     try:
@@ -101,9 +118,16 @@ def rank_main(
             cfg.remote_options,
         )
         row = Unbroken(ctx)
+        rows: dict[str, Row | None] = {"save": row, "none": None}
+        for key in also:
+            other = dataclasses.replace(ctx, row_dir=os.path.join(cfg.remote_dir, key))
+            os.makedirs(other.row_dir, exist_ok=True)
+            rows[key] = ALSO[key](other)
         for step in range(WARM_UP_SAVES):
-            row.save(step)
-            row.drain()
+            for saver in rows.values():
+                if saver is not None:
+                    saver.save(step)
+                    saver.drain()
         train_untimed(model, optim, width, cfg.batch, gen, SETTLE_STEPS)
         step = WARM_UP_SAVES
         stop = torch.zeros(1)
@@ -112,8 +136,9 @@ def rank_main(
             dist.broadcast(stop, 0)
             if stop[0]:
                 break
-            for kind in ("save", "none") if index % 2 == 0 else ("none", "save"):
-                rec = _block(kind, row, model, optim, width, cfg, gen, step + 1, block)
+            kinds = list(rows)
+            for kind in kinds if index % 2 == 0 else kinds[::-1]:
+                rec = _block(kind, rows[kind], model, optim, width, cfg, gen, step + 1, block)
                 step += block
                 if rank == 0:
                     with open(log, "a") as f:
@@ -123,12 +148,27 @@ def rank_main(
                         file=sys.stderr,
                         flush=True,
                     )
-        row.mgr.close()
+        for saver in rows.values():
+            if saver is not None:
+                saver.close()
     finally:
         dist.destroy_process_group()
 
 
-def report(pairs: list[Pair], skipped: int) -> str:
+def _rounded(e: Estimate) -> dict[str, float | None]:
+    return {
+        "mean": round(e.mean, 4),
+        "se": None if e.se is None else round(e.se, 4),
+        "median": round(e.median, 4),
+    }
+
+
+def report(records: list[dict], skipped: int) -> str:
+    """unbroken's cost per save from a probe's records, then that of every other way of
+    saving the rounds also held, and unbroken's difference from it; all of them over the
+    rounds that hold every kind of block."""
+    records = whole_rounds(records)
+    pairs = pairs_from_records(records, skipped)
     s = summarize(pairs)
     per = s["per_position"]
     plain = [x for pair in pairs for x in pair.without]
@@ -141,16 +181,21 @@ def report(pairs: list[Pair], skipped: int) -> str:
         f"  after the commit:                {s['after_commit']}",
         f"  whole block:                     {s['whole_block']}",
     ]
-    out: dict[str, Any] = {
-        k: {
-            "mean": round(v.mean, 4),
-            "se": None if v.se is None else round(v.se, 4),
-            "median": round(v.median, 4),
-        }
-        for k, v in s.items()
-        if isinstance(v, Estimate)
-    }
+    out: dict[str, Any] = {k: _rounded(v) for k, v in s.items() if isinstance(v, Estimate)}
     out["pairs"] = len(pairs)
+    others = dict.fromkeys(r["kind"] for r in records if r["kind"] not in ("save", "none"))
+    for kind in others:
+        title = ALSO[kind].title if kind in ALSO else kind
+        theirs = summarize(pairs_from_records(records, skipped, kind))
+        gap = difference(records, skipped, "save", kind)
+        lines += [
+            f"{title}, the same way:",
+            f"  in flight:                       {theirs['in_flight']}",
+            f"  whole block:                     {theirs['whole_block']}",
+            f"  unbroken minus {title}, whole block: {gap}",
+        ]
+        out[kind] = {k: _rounded(theirs[k]) for k in ("in_flight", "whole_block")}
+        out[f"save_minus_{kind}"] = _rounded(gap)
     lines.append(json.dumps(out, sort_keys=True))
     return "\n".join(lines)
 
@@ -160,7 +205,7 @@ def report_log(path: str, skip: int) -> str:
     try:
         with open(path) as f:
             records = [json.loads(line) for line in f if line.strip()]
-        return report(pairs_from_records(records, skip), skip)
+        return report(records, skip)
     except (OSError, ValueError, KeyError, TypeError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         raise SystemExit(f"checkpoint_pairs: cannot report {path}: {detail}") from e
@@ -177,6 +222,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--quick", action="store_true", help="tiny state, 2 pairs of 3 steps")
     p.add_argument("--from-log", default="", help="report from a kept log, run nothing")
+    p.add_argument(
+        "--also",
+        default="",
+        help=f"comma-separated other savers each round also holds: {', '.join(ALSO)}",
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.params_gb, a.pairs, a.block, a.skip = 0.02, 2, 3, 0
@@ -187,6 +237,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--skip must be 0..{a.pairs - 1} (fewer than --pairs)")
     if a.params_gb <= 0:
         p.error("--params-gb must be positive")
+    a.also = tuple(k for k in a.also.split(",") if k)
+    unknown = [k for k in a.also if k not in ALSO]
+    if unknown:
+        p.error(f"--also: no saver {', '.join(unknown)}; there are {', '.join(ALSO)}")
     return a
 
 
@@ -211,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mp.start_processes(
             rank_main,
-            args=(cfg, a.pairs, a.block, stop_at, log, free_port()),
+            args=(cfg, a.pairs, a.block, stop_at, log, free_port(), a.also),
             nprocs=cfg.ranks,
             start_method="spawn",
         )

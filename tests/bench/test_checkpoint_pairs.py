@@ -7,7 +7,15 @@ import os
 
 import pytest
 
-from _ckpt_pairs import Pair, estimate, pairs_from_records, steps_in_flight, summarize
+from _ckpt_pairs import (
+    Pair,
+    difference,
+    estimate,
+    pairs_from_records,
+    steps_in_flight,
+    summarize,
+    whole_rounds,
+)
 from checkpoint_pairs import parse_args
 
 from .scripts import run_bench_script
@@ -91,9 +99,44 @@ def test_cli_defaults_and_bad_arguments():
     assert (a.params_gb, a.pairs, a.block, a.skip, a.minutes) == (1.0, 20, 10, 1, None)
     q = parse_args(["--quick"])
     assert (q.pairs, q.block, q.skip) == (2, 3, 0) and q.params_gb < 0.1
-    for bad in (["--pairs", "0"], ["--block", "0"], ["--skip", "20"], ["--params-gb", "0"]):
+    assert a.also == () and parse_args(["--also", "floor_2tier"]).also == ("floor_2tier",)
+    for bad in (
+        ["--pairs", "0"],
+        ["--block", "0"],
+        ["--skip", "20"],
+        ["--params-gb", "0"],
+        ["--also", "floor_2tier,torch_save"],  # not a saver a round can hold
+    ):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def with_another_saver(records: list[dict], extra: float) -> list[dict]:
+    """``records`` plus, in every round, a block saved another way that costs ``extra``
+    more than the save at each position."""
+    out = list(records)
+    for rec in records:
+        if rec["kind"] == "save":
+            other = dict(rec, kind="floor_2tier", steps=[x + extra for x in rec["steps"]])
+            out.append(other)
+    return out
+
+
+def test_another_saver_is_reported_beside_unbroken_and_against_it():
+    records = with_another_saver(abba(3, 0.0), extra=0.1)
+    theirs = summarize(pairs_from_records(records, skip=0, kind="floor_2tier"))
+    assert theirs["whole_block"].mean == pytest.approx(0.8 + 6 * 0.1)
+    gap = difference(records, 0, "save", "floor_2tier")
+    assert gap.mean == pytest.approx(-0.6) and gap.n == 3
+    # A round cut short (here: before its block without a save) is left out of all three.
+    cut = [r for r in records if not (r["pair"] == 2 and r["kind"] == "none")]
+    assert difference(cut, 0, "save", "floor_2tier").n == 2
+    kept = whole_rounds(cut)
+    assert {r["pair"] for r in kept} == {0, 1} and len(kept) == 6
+    assert len(pairs_from_records(kept, 0, "floor_2tier")) == 2
+    # unbroken's own pairs do not change with a third block in the round
+    ours = summarize(pairs_from_records(records, skip=0))
+    assert ours["whole_block"].mean == pytest.approx(0.8)
 
 
 def test_report_from_a_kept_log(tmp_path):
@@ -103,6 +146,10 @@ def test_report_from_a_kept_log(tmp_path):
     last = json.loads(out.strip().splitlines()[-1])
     assert last["pairs"] == 2
     assert last["whole_block"]["mean"] == pytest.approx(0.8, abs=0.01)
+    log.write_text("".join(json.dumps(r) + "\n" for r in with_another_saver(abba(3, 0.0), 0.1)))
+    last = json.loads(run_pairs("--from-log", str(log), timeout=60).strip().splitlines()[-1])
+    assert last["floor_2tier"]["whole_block"]["mean"] == pytest.approx(1.4)
+    assert last["save_minus_floor_2tier"]["mean"] == pytest.approx(-0.6)
 
 
 def test_a_log_that_cannot_be_reported_is_refused_by_name(tmp_path):
@@ -136,20 +183,32 @@ def run_pairs(*args: str, timeout: float) -> str:
 
 
 @pytest.mark.multiprocess
-def test_quick_run_on_two_ranks(tmp_path):
-    out = run_pairs("--quick", "--keep", "--work-dir", str(tmp_path / "w"), timeout=300)
+def test_quick_run_on_two_ranks_with_the_two_tier_floor_alongside(tmp_path):
+    out = run_pairs(
+        "--quick", "--also", "floor_2tier", "--keep", "--work-dir", str(tmp_path / "w"), timeout=300
+    )
     last = json.loads(out.strip().splitlines()[-1])
     assert last["pairs"] == 2
     for key in ("in_flight", "after_commit", "whole_block"):
         assert isinstance(last[key]["mean"], float)
+    assert isinstance(last["floor_2tier"]["whole_block"]["mean"], float)
+    assert isinstance(last["save_minus_floor_2tier"]["mean"], float)
+    assert "unbroken minus floor + 2 disk writes, whole block:" in out
     records = [json.loads(line) for line in (tmp_path / "w" / "pairs.jsonl").open()]
+    # Rounds alternate forward and backward, so no way of saving always goes first.
     assert [(r["pair"], r["kind"]) for r in records] == [
         (0, "save"),
         (0, "none"),
+        (0, "floor_2tier"),
+        (1, "floor_2tier"),
         (1, "none"),
         (1, "save"),
     ]
-    saves = [r for r in records if r["kind"] == "save"]
-    assert all(r["commit"] > 0 and len(r["steps"]) == 3 for r in saves)
+    for r in records:
+        if r["kind"] != "none":
+            assert r["commit"] > 0 and len(r["steps"]) == 3
     # Each save committed a checkpoint of its own, kept by the row's retention.
     assert len(os.listdir(tmp_path / "w" / "remote" / "unbroken")) >= 2
+    # The floor wrote every rank's bytes to the remote's directory too.
+    floor = os.listdir(tmp_path / "w" / "remote" / "floor_2tier")
+    assert {name.rsplit("-", 1)[1] for name in floor} == {"rank0.bin", "rank1.bin"}

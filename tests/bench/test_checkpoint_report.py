@@ -95,6 +95,7 @@ def test_targets_met_and_not_met():
         "dcp_async_default": {"extra_s": 4.0},
         "dcp_async_best": {"extra_s": 2.0},
         "floor": {"blocked_s": 0.5},
+        "floor_2tier": {"extra_s": 0.4},
         "unbroken": {
             "extra_s": 0.5,
             "blocked_s": 0.6,
@@ -116,6 +117,8 @@ def test_targets_met_and_not_met():
     assert ratios["extra_wall_torch_save_over_unbroken"] == pytest.approx(60.0)
     assert ratios["restore_durable_fraction_of_link_bw"] == pytest.approx(0.5)
     assert ratios["blocked_unbroken_over_floor"] == pytest.approx(1.2)
+    assert ratios["extra_wall_unbroken_over_floor_2tier"] == pytest.approx(1.25)
+    assert ratios["extra_wall_torch_save_over_floor_2tier"] == pytest.approx(75.0)
     assert ratios["targets_met"] == 5
 
 

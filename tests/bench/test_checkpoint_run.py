@@ -35,7 +35,7 @@ def test_quick_floor_row(tmp_path):
         "--quick",
         "--baseline-twice",
         "--rows",
-        "floor",
+        "floor,floor_2tier",
         "--saves",
         "2",
         "--work-dir",
@@ -45,7 +45,12 @@ def test_quick_floor_row(tmp_path):
         timeout=240,
     )
     rows = table_rows(stdout)
-    assert set(rows) == {"no saves", "floor (memcpy)", "no saves (again)"}
+    assert set(rows) == {
+        "no saves",
+        "floor (memcpy)",
+        "floor + 2 disk writes",
+        "no saves (again)",
+    }
     assert "they differ by" in stdout  # the noise between the two baselines
     floor = rows["floor (memcpy)"]
     cell = dict(zip([c.key for c in COLUMNS], floor))
@@ -53,6 +58,9 @@ def test_quick_floor_row(tmp_path):
     assert cell["blocked_s"] != "n/a" and cell["restore_local_s"] != "n/a"
     assert cell["extra_cpu_s"] != "n/a" and cell["off_main_cpu_s"] != "n/a"
     assert cell["restore_durable_s"] == "n/a"  # a memcpy has no durable tier
+    two_tier = dict(zip([c.key for c in COLUMNS], rows["floor + 2 disk writes"]))
+    assert two_tier["blocked_s"] != "n/a" and two_tier["commit_s"] != "n/a"
+    assert two_tier["restore_local_s"] == two_tier["restore_durable_s"] == "n/a"
     result = json.loads(stdout.strip().splitlines()[-1])
     assert result["quick"] is True and result["saves"] == 2 and result["targets_total"] == 6
     assert not (tmp_path / "w").exists()  # scratch removed without --keep
