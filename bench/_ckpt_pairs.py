@@ -137,13 +137,13 @@ def pairs_from_records(records: Sequence[dict], skip: int = 1, kind: str = "save
 
 def difference(records: Sequence[dict], skip: int, kind: str, other: str) -> Estimate:
     """Whole-block seconds of ``kind`` minus ``other``, round by round: two ways of saving
-    compared directly. Over the rounds their pairs come from (those that also hold the
-    block without a save), so the three figures of a report describe the same rounds."""
+    compared directly, over the rounds that hold both (``whole_rounds`` first, for the
+    same rounds as the pairs)."""
     blocks = _rounds(records)
     return estimate(
         [
             sum(group[kind]["steps"]) - sum(group[other]["steps"])
             for index, group in sorted(blocks.items())
-            if index >= skip and {kind, other, "none"} <= set(group)
+            if index >= skip and kind in group and other in group
         ]
     )

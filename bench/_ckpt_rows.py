@@ -222,7 +222,7 @@ class TwoTierFloor(MemcpyFloor):
 
     def save(self, step: int) -> None:
         self.drain()  # a save in flight is waited for, as in every other row
-        self.save_began = time.perf_counter()
+        self.save_began, self.written_at = time.perf_counter(), 0.0
         super().save(step)
         name = f"step-{step:09d}-rank{self.ctx.rank}.bin"
         paths = [os.path.join(self.local_dir, name), os.path.join(self.ctx.row_dir, name)]

@@ -30,6 +30,7 @@ def test_two_tier_floor_writes_the_state_to_both_disks_and_keeps_only_the_newest
     for step in (1, 2, 3):
         row.save(step)
         row.drain()
+        assert row.last_commit_seconds is not None and row.last_commit_seconds > 0
     want = _bytes(row.src)
     name = "step-000000003-rank0.bin"
     local = os.path.join(ctx.work_dir, "floor-2tier")
