@@ -109,10 +109,15 @@ def plant_value(step_path, fqn: str, payload: bytes) -> None:
     (step_path / "manifest.json").write_bytes(json.dumps(manifest).encode())
 
 
-def shared_rss() -> int:
-    """Bytes of shared memory this process has resident (the staging pool's segments)."""
+def host_rss() -> int:
+    """Bytes of anonymous and shared memory this process has resident: where the staging
+    pool's buffers live (private mappings by default, segments with shared memory)."""
+    fields = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssShmem:"):
-                return int(line.split()[1]) * 1024
-    pytest.skip("no RssShmem in /proc/self/status")
+            name, _, value = line.partition(":")
+            if name in ("RssAnon", "RssShmem"):
+                fields[name] = int(value.split()[0]) * 1024
+    if len(fields) < 2:
+        pytest.skip("no RssAnon/RssShmem in /proc/self/status")
+    return sum(fields.values())

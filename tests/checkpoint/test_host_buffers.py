@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from unbroken._util.direct_io import DirectFileWriter, open_direct
+from unbroken._util.host_memory import HUGE_PAGE, host_buffer
 from unbroken.checkpoint.host_buffers import BufferSpec, HostBufferPool
 from unbroken.checkpoint.staging_errors import CheckpointError, StagingBudgetError
 
@@ -22,7 +26,7 @@ def test_same_specs_reuse_the_same_buffers():
         }
     assert pool.allocations == 2
     assert first["a"].shape == (4, 5) and first["a"].dtype == torch.float32
-    assert first["a"].is_contiguous() and first["a"].is_shared()
+    assert first["a"].is_contiguous() and not first["a"].is_shared()
 
 
 def test_changed_dtype_or_shape_reallocates_that_key_only():
@@ -55,3 +59,62 @@ def test_empty_and_scalar_buffers_and_plain_memory():
     assert not out["s"].is_shared()
     pool.clear()
     assert len(pool) == 0 and pool.nbytes == 0
+
+
+def _huge_pages_backing(ptr: int) -> int:
+    """Bytes of transparent huge pages in the mapping of this process that holds ``ptr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= ptr < end
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _transparent_huge_pages() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def test_private_buffers_are_page_aligned_and_large_ones_get_huge_pages():
+    pool = HostBufferPool()
+    out, _ = pool.reserve(
+        {"big": BufferSpec((3 << 20,), torch.float32), "small": BufferSpec((10,), torch.int64)}
+    )
+    big, small = out["big"], out["small"]
+    assert small.data_ptr() % 4096 == 0 and big.data_ptr() % HUGE_PAGE == 0
+    big.fill_(1.0)  # fault it in
+    if not _transparent_huge_pages():
+        pytest.skip("transparent huge pages are off on this machine")
+    # 12 MiB: at least all but the partial huge pages at its ends are huge.
+    assert _huge_pages_backing(big.data_ptr()) >= big.nbytes - 2 * HUGE_PAGE
+
+
+def test_a_private_buffer_is_written_in_place_with_o_direct(tmp_path):
+    pool = HostBufferPool()
+    out, _ = pool.reserve({"w": BufferSpec((1 << 20,), torch.float32)})
+    out["w"].copy_(torch.arange(1 << 20, dtype=torch.float32))
+    path = tmp_path / "w.bin"
+    fd, direct = open_direct(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        writer = DirectFileWriter(fd, direct=direct)
+        writer.write(memoryview(out["w"].numpy()).cast("B"))
+        writer.close()
+    finally:
+        os.close(fd)
+    if not direct:
+        pytest.skip("this file system refuses O_DIRECT")
+    assert writer.in_place_bytes == out["w"].nbytes  # no bounce copy at all
+    assert path.read_bytes() == out["w"].numpy().tobytes()
+
+
+def test_host_buffer_refuses_a_negative_size():
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+        host_buffer(-1)

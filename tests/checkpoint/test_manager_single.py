@@ -21,10 +21,10 @@ from unbroken.checkpoint.manifest import step_dir
 from .manager_util import (
     assert_same,
     flip_payload_byte,
+    host_rss,
     make_state,
     plant_value,
     rng_draws,
-    shared_rss,
     snapshot,
     train,
 )
@@ -613,12 +613,13 @@ def test_the_local_write_reuses_the_checksums_taken_while_staging(tmp_path):
     assert torch.equal(fresh["w"], state["w"]) and torch.equal(fresh["b"], state["b"])
 
 
-def test_close_returns_the_staging_buffers_while_the_manager_is_referenced(tmp_path):
-    mgr = manager(tmp_path)
-    before = shared_rss()
+@pytest.mark.parametrize("shared", [False, True])
+def test_close_returns_the_staging_buffers_while_the_manager_is_referenced(tmp_path, shared):
+    mgr = manager(tmp_path, staging_shared_memory=shared)
     weights = {"w": torch.ones(8 * 2**20)}  # 32 MiB
+    before = host_rss()
     mgr.save(2, weights)
     mgr.wait()
-    assert shared_rss() - before >= 16 * 2**20
+    assert host_rss() - before >= 16 * 2**20
     mgr.close()
-    assert shared_rss() - before < 4 * 2**20
+    assert host_rss() - before < 4 * 2**20

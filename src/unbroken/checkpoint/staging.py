@@ -157,7 +157,8 @@ class StateStager:
 
     ``max_bytes`` bounds the host buffers (None: whatever the state needs, never more);
     ``pin_memory`` None pins the buffers of CUDA sources; ``shared_memory`` puts CPU
-    buffers in shared memory so another process can write them without a copy;
+    buffers in shared memory so another process can use them without a copy (default:
+    private memory with huge pages advised, cheaper to write out);
     ``chunk_bytes`` is the CPU copy's step between tearing/abort checks; ``copy_threads``
     the intra-op threads of the background copy (kept apart from the training loop's);
     ``copy_nice`` how far that copy's thread is reniced (0: training's priority);
@@ -169,7 +170,7 @@ class StateStager:
         *,
         max_bytes: int | None = None,
         pin_memory: bool | None = None,
-        shared_memory: bool = True,
+        shared_memory: bool = False,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         copy_threads: int = 1,
         copy_nice: int = 10,

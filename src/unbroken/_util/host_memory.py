@@ -1,0 +1,59 @@
+"""Private host memory for large buffers that are written to disk again and again.
+
+Why not ``torch.empty`` or shared memory: a checkpoint's staging buffers are copied into
+and written out with O_DIRECT on every save, and with 4 KiB pages the kernel pins,
+maps and describes each page of every write one by one. Backed by 2 MiB pages the
+same write takes a few hundred entries per GiB instead of 262,144. Measured on these
+machines (two compute-bound processes beside one O_DIRECT writer, 12 s phases
+alternated, 6 rounds): writing from shared memory cost the processes 0.17 core-s per
+GiB written, from this memory 0.07, and the writer's own CPU fell from 0.085 s to 0.03
+s per 1.5 GiB. Shared memory (``/dev/shm``, tmpfs) only gets huge pages where the
+administrator allows them for tmpfs (``shmem_enabled``, "never" by default); private
+anonymous memory gets them wherever transparent huge pages are "madvise" or "always",
+the common defaults.
+
+The memory is page-aligned, as O_DIRECT needs, and private to the process: a worker
+thread writes it in place; another process cannot.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+"""Size of a transparent huge page on x86-64 and arm64 with 4 KiB base pages."""
+
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
+def host_buffer(nbytes: int) -> mmap.mmap:
+    """``nbytes`` (at least one page) of private, page-aligned memory; huge pages advised
+    from 2 MiB up, the length then rounded up to whole huge pages so the kernel can place
+    it on huge-page boundaries."""
+    if nbytes < 0:
+        raise ValueError(f"host_buffer: nbytes must be >= 0, got {nbytes}")
+    huge = nbytes >= HUGE_PAGE and _MADV_HUGEPAGE is not None
+    length = math.ceil(nbytes / HUGE_PAGE) * HUGE_PAGE if huge else max(nbytes, 1)
+    buf = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge:
+        try:
+            buf.madvise(_MADV_HUGEPAGE)
+        except OSError:  # THP compiled out or disabled: 4 KiB pages still work
+            pass
+    return buf
+
+
+def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous tensor in :func:`host_buffer` memory.
+
+    The tensor holds a reference to its mapping, which is unmapped once the tensor and
+    every view of it are gone.
+    """
+    count = math.prod(shape)
+    buf = host_buffer(count * dtype.itemsize)
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
