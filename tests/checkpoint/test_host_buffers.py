@@ -118,3 +118,33 @@ def test_a_private_buffer_is_written_in_place_with_o_direct(tmp_path):
 def test_host_buffer_refuses_a_negative_size():
     with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
         host_buffer(-1)
+
+
+def _mapped_in(pid: int, ptr: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= ptr < end:
+                return True
+    return False
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_private_buffers_are_not_inherited_by_forked_children():
+    # A forked DataLoader worker must not share the pool copy-on-write: the next save
+    # would copy every page the child still shares.
+    pool = HostBufferPool()
+    out, _ = pool.reserve({"w": BufferSpec((1 << 20,), torch.float32)})
+    ptr = out["w"].data_ptr()
+    assert _mapped_in(os.getpid(), ptr)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports and leaves at once, touching nothing
+        os.write(write, b"1" if _mapped_in(os.getpid(), ptr) else b"0")
+        os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"0"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)

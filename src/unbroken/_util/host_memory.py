@@ -13,7 +13,11 @@ anonymous memory gets them wherever transparent huge pages are "madvise" or "alw
 the common defaults.
 
 The memory is page-aligned, as O_DIRECT needs, and private to the process: a worker
-thread writes it in place; another process cannot.
+thread writes it in place; another process cannot. It is not inherited by ``fork``
+(``MADV_DONTFORK``): DataLoader workers are forked from the training process, and
+private pages shared with a child are copied on the parent's next write, so every save
+after a fork would first pay a page fault and a 2 MiB copy per page (and the child would
+keep the old copy of a whole staging pool). Shared memory never had that cost.
 """
 
 from __future__ import annotations
@@ -27,17 +31,20 @@ HUGE_PAGE = 2 << 20
 """Size of a transparent huge page on x86-64 and arm64 with 4 KiB base pages."""
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", None)
 
 
 def host_buffer(nbytes: int) -> mmap.mmap:
-    """``nbytes`` (at least one page) of private, page-aligned memory; huge pages advised
-    from 2 MiB up, the length then rounded up to whole huge pages so the kernel can place
-    it on huge-page boundaries."""
+    """``nbytes`` (at least one page) of private, page-aligned memory, left out of forked
+    children; huge pages advised from 2 MiB up, the length then rounded up to whole huge
+    pages so the kernel can place it on huge-page boundaries."""
     if nbytes < 0:
         raise ValueError(f"host_buffer: nbytes must be >= 0, got {nbytes}")
     huge = nbytes >= HUGE_PAGE and _MADV_HUGEPAGE is not None
     length = math.ceil(nbytes / HUGE_PAGE) * HUGE_PAGE if huge else max(nbytes, 1)
     buf = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if _MADV_DONTFORK is not None:
+        buf.madvise(_MADV_DONTFORK)
     if huge:
         try:
             buf.madvise(_MADV_HUGEPAGE)
