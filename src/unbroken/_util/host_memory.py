@@ -36,16 +36,18 @@ _MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", None)
 
 def host_buffer(nbytes: int) -> mmap.mmap:
     """``nbytes`` (at least one page) of private, page-aligned memory, left out of forked
-    children; huge pages advised from 2 MiB up, the length then rounded up to whole huge
-    pages so the kernel can place it on huge-page boundaries."""
+    children; huge pages advised from 2 MiB up.
+
+    The length is not rounded up to whole huge pages: the kernel then backs the aligned
+    interior with huge pages and the ends with small ones, instead of a whole 2 MiB page
+    for a tail of a few bytes (up to 2 MiB per buffer, in a pool of hundreds of them).
+    """
     if nbytes < 0:
         raise ValueError(f"host_buffer: nbytes must be >= 0, got {nbytes}")
-    huge = nbytes >= HUGE_PAGE and _MADV_HUGEPAGE is not None
-    length = math.ceil(nbytes / HUGE_PAGE) * HUGE_PAGE if huge else max(nbytes, 1)
-    buf = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if _MADV_DONTFORK is not None:
         buf.madvise(_MADV_DONTFORK)
-    if huge:
+    if nbytes >= HUGE_PAGE and _MADV_HUGEPAGE is not None:
         try:
             buf.madvise(_MADV_HUGEPAGE)
         except OSError:  # THP compiled out or disabled: 4 KiB pages still work
