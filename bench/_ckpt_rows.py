@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from _store_fs import PROTOCOL
-from unbroken._util.direct_io import aligned_buffer, write_parts
+from unbroken._util.direct_io import write_parts
+from unbroken._util.host_memory import host_tensor
 from unbroken._util.priority import lower_thread_priority
 
 
@@ -213,12 +214,11 @@ class TwoTierFloor(MemcpyFloor):
         self.written_at = 0.0
 
     def _new_buffers(self) -> list[torch.Tensor]:
-        """Page-aligned, as unbroken's staging buffers are: O_DIRECT writes them in place."""
-        self.maps = [aligned_buffer(max(1, t.numel() * t.element_size())) for t in self.src]
-        return [
-            torch.frombuffer(m, dtype=t.dtype, count=t.numel()).view(t.shape)
-            for m, t in zip(self.maps, self.src)
-        ]
+        """The memory unbroken's staging buffers use by default (page-aligned, huge pages
+        advised): O_DIRECT writes them in place."""
+        buffers = [host_tensor(tuple(t.shape), t.dtype) for t in self.src]
+        self.maps = [memoryview(b.reshape(-1).view(torch.uint8).numpy()) for b in buffers]
+        return buffers
 
     def save(self, step: int) -> None:
         self.drain()  # a save in flight is waited for, as in every other row
@@ -421,6 +421,7 @@ class Unbroken(Row):
             keep_last=2,
             async_save=True,
             storage_options=dict(self.ctx.remote_options),
+            **self._manager_options(),
         )
         try:
             # A due save waits for the one in flight, as every other row does, instead of
@@ -428,6 +429,10 @@ class Unbroken(Row):
             return self.ub.CheckpointManager(*args, when_busy="wait", **kwargs)
         except TypeError:
             return self.ub.CheckpointManager(*args, **kwargs)
+
+    def _manager_options(self) -> dict[str, Any]:
+        """Options this row gives the manager beyond the ones every unbroken row shares."""
+        return {}
 
     def notes(self) -> dict[str, Any]:
         stats = getattr(self.mgr, "stats", None)
@@ -489,6 +494,16 @@ class Unbroken(Row):
         self.mgr.close()
         if self.fresh_mgr is not None:
             self.fresh_mgr.close()
+
+
+class UnbrokenSharedStaging(Unbroken):
+    """unbroken with its staging buffers in shared memory (4 KiB pages here) instead of
+    private huge-page memory: the pairs probe's ``--also`` side of that choice."""
+
+    key, title = "unbroken_shared", "unbroken, shared-memory staging"
+
+    def _manager_options(self) -> dict[str, Any]:
+        return {"staging_shared_memory": True}
 
 
 ROWS: list[type[Row]] = [

@@ -16,7 +16,9 @@ cost; over pairs the report gives it with a standard error:
 ``--also floor_2tier`` adds a third block to every round, saved by the checkpoint
 benchmark's "floor + 2 disk writes" row (a memcpy, then the bytes written once to each
 tier's disk): the least a two-tier save costs on this machine, measured in the same
-rounds, with unbroken's difference from it. Orders alternate forward and backward.
+rounds, with unbroken's difference from it. ``--also unbroken_shared`` does the same
+for unbroken with its staging buffers in shared memory (the default before private
+huge-page memory). Orders alternate forward and backward.
 
     python bench/checkpoint_pairs.py --quick            # tiny state, about a minute
     python bench/checkpoint_pairs.py --minutes 60       # full size until an hour is up
@@ -43,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _ckpt_job import WARM_UP_SAVES, Config, build, join_ranks, train_step, train_untimed
 from _ckpt_pairs import Estimate, difference, pairs_from_records, summarize, whole_rounds
-from _ckpt_rows import MemcpyFloor, Row, RowContext, TwoTierFloor, Unbroken
+from _ckpt_rows import MemcpyFloor, Row, RowContext, TwoTierFloor, Unbroken, UnbrokenSharedStaging
 from checkpoint import free_port
 from unbroken.storage.link import discard_link
 
@@ -51,7 +53,7 @@ SETTLE_STEPS = 3
 """Untimed steps between the warm-up saves and the first pair (as in the probe whose log
 docs/arch/data/pairs-6366f39.jsonl is)."""
 NEVER_DUE = 10**9
-ALSO = {cls.key: cls for cls in (MemcpyFloor, TwoTierFloor)}
+ALSO = {cls.key: cls for cls in (MemcpyFloor, TwoTierFloor, UnbrokenSharedStaging)}
 """Other ways of saving a round can also hold, by the benchmark's row keys."""
 
 
@@ -120,7 +122,11 @@ def rank_main(
         row = Unbroken(ctx)
         rows: dict[str, Row | None] = {"save": row, "none": None}
         for key in also:
-            other = dataclasses.replace(ctx, row_dir=os.path.join(cfg.remote_dir, key))
+            other = dataclasses.replace(
+                ctx,
+                row_dir=os.path.join(cfg.remote_dir, key),
+                work_dir=os.path.join(cfg.work_dir, key),  # its own local tier
+            )
             os.makedirs(other.row_dir, exist_ok=True)
             rows[key] = ALSO[key](other)
         for step in range(WARM_UP_SAVES):

@@ -183,9 +183,10 @@ def run_pairs(*args: str, timeout: float) -> str:
 
 
 @pytest.mark.multiprocess
-def test_quick_run_on_two_ranks_with_the_two_tier_floor_alongside(tmp_path):
+def test_quick_run_on_two_ranks_with_the_floor_and_shared_staging_alongside(tmp_path):
+    also = "floor_2tier,unbroken_shared"
     out = run_pairs(
-        "--quick", "--also", "floor_2tier", "--keep", "--work-dir", str(tmp_path / "w"), timeout=300
+        "--quick", "--also", also, "--keep", "--work-dir", str(tmp_path / "w"), timeout=300
     )
     last = json.loads(out.strip().splitlines()[-1])
     assert last["pairs"] == 2
@@ -194,12 +195,15 @@ def test_quick_run_on_two_ranks_with_the_two_tier_floor_alongside(tmp_path):
     assert isinstance(last["floor_2tier"]["whole_block"]["mean"], float)
     assert isinstance(last["save_minus_floor_2tier"]["mean"], float)
     assert "unbroken minus floor + 2 disk writes, whole block:" in out
+    assert isinstance(last["save_minus_unbroken_shared"]["mean"], float)
     records = [json.loads(line) for line in (tmp_path / "w" / "pairs.jsonl").open()]
     # Rounds alternate forward and backward, so no way of saving always goes first.
     assert [(r["pair"], r["kind"]) for r in records] == [
         (0, "save"),
         (0, "none"),
         (0, "floor_2tier"),
+        (0, "unbroken_shared"),
+        (1, "unbroken_shared"),
         (1, "floor_2tier"),
         (1, "none"),
         (1, "save"),
@@ -207,8 +211,11 @@ def test_quick_run_on_two_ranks_with_the_two_tier_floor_alongside(tmp_path):
     for r in records:
         if r["kind"] != "none":
             assert r["commit"] > 0 and len(r["steps"]) == 3
-    # Each save committed a checkpoint of its own, kept by the row's retention.
-    assert len(os.listdir(tmp_path / "w" / "remote" / "unbroken")) >= 2
+    # Each save committed a checkpoint of its own, kept by the row's retention; the
+    # second manager has a remote and a local tier of its own.
+    for key in ("unbroken", "unbroken_shared"):
+        assert len(os.listdir(tmp_path / "w" / "remote" / key)) >= 2
+    assert os.path.isdir(tmp_path / "w" / "unbroken_shared" / "unbroken-staging")
     # The floor wrote every rank's bytes to the remote's directory too.
     floor = os.listdir(tmp_path / "w" / "remote" / "floor_2tier")
     assert {name.rsplit("-", 1)[1] for name in floor} == {"rank0.bin", "rank1.bin"}
