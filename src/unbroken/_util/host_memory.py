@@ -1,22 +1,22 @@
 """Private host memory for large buffers that are written to disk again and again.
 
-Why not ``torch.empty`` or shared memory: a checkpoint's staging buffers are copied into
-and written out with O_DIRECT on every save, and with 4 KiB pages the kernel pins,
-maps and describes each page of every write one by one. Backed by 2 MiB pages the
-same write takes a few hundred entries per GiB instead of 262,144. Measured on these
-machines (two compute-bound processes beside one O_DIRECT writer, 12 s phases
-alternated, 6 rounds): writing from shared memory cost the processes 0.17 core-s per
-GiB written, from this memory 0.07, and the writer's own CPU fell from 0.085 s to 0.03
-s per 1.5 GiB. Shared memory (``/dev/shm``, tmpfs) only gets huge pages where the
-administrator allows them for tmpfs (``shmem_enabled``, "never" by default); private
-anonymous memory gets them wherever transparent huge pages are "madvise" or "always",
-the common defaults.
+Why not shared memory: a checkpoint's staging buffers are copied into and written out
+with O_DIRECT on every save, and the kernel pins, maps and describes each page of every
+write. Measured on these machines with ``bench/write_cost.py`` (two compute-bound
+processes beside one O_DIRECT writer, core-seconds they lose per GiB written, two runs):
+from shared memory 0.173 and 0.138, from private memory 0.106 and 0.078 with 4 KiB pages,
+0.119 and 0.115 with huge pages advised; the writer's own CPU per GiB 0.07 from either
+kind of 4 KiB page, 0.04 from huge pages. So: private memory, for what the loop loses,
+and huge pages (2 MiB: one entry where there were 512) for the writer's own kernel time.
+Shared memory (``/dev/shm``, tmpfs) only gets huge pages where the administrator allows
+them for tmpfs (``shmem_enabled``, "never" by default); private anonymous memory gets
+them wherever transparent huge pages are "madvise" or "always", the common defaults.
 
 The memory is page-aligned, as O_DIRECT needs, and private to the process: a worker
 thread writes it in place; another process cannot. It is not inherited by ``fork``
 (``MADV_DONTFORK``): DataLoader workers are forked from the training process, and
 private pages shared with a child are copied on the parent's next write, so every save
-after a fork would first pay a page fault and a 2 MiB copy per page (and the child would
+after a fork would first pay a page fault and a copy for every page (and the child would
 keep the old copy of a whole staging pool). Shared memory never had that cost.
 """
 

@@ -7,8 +7,9 @@ steady-state saves allocate nothing. It is bounded: ``max_bytes`` caps what it h
 buffers of keys that disappear or change shape are dropped before new ones are made.
 
 CPU sources get private, page-aligned memory with huge pages advised
-(``unbroken._util.host_memory``): the worker writes it in place with O_DIRECT, and from
-4 KiB pages that write cost a compute-bound training loop 2.4x as much per GiB here.
+(``unbroken._util.host_memory``): the worker writes it in place with O_DIRECT, and the
+same write from shared memory cost compute-bound processes beside it more (0.14-0.17
+core-s per GiB here, against 0.08-0.12 from private memory).
 ``shared_memory=True`` gives shared-memory buffers instead, for a caller that hands them
 to another process (torch's default ``file_descriptor`` strategy unlinks the segment at
 once, so nothing outlives a crash); tmpfs rarely has huge pages. CUDA sources get
