@@ -62,7 +62,7 @@ def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     every view of it are gone.
     """
     count = math.prod(shape)
-    buf = host_buffer(count * dtype.itemsize)
     if count == 0:
         return torch.empty(shape, dtype=dtype)
+    buf = host_buffer(count * dtype.itemsize)
     return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
