@@ -68,11 +68,13 @@ def buffer(kind: str, nbytes: int) -> mmap.mmap:
     return buf
 
 
-def compute(counter, stop) -> None:
+def compute(counter, ready, stop) -> None:
     """One single-threaded, compute-bound process; counts its iterations."""
     torch.set_num_threads(1)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     big = torch.randn(16 << 20)
+    with ready.get_lock():
+        ready.value += 1
     while not stop.value:
         for _ in range(4):
             a @ b
@@ -128,15 +130,16 @@ def run_phases(kinds: tuple[str, ...], nbytes: int, phase: float, rounds: int, d
     """Per kind, per round: (iterations per second, bytes written, writer CPU seconds);
     and whether every write went with O_DIRECT."""
     ctx = mp.get_context("spawn")
-    counter, stop = ctx.Value("q", 0), ctx.Value("b", 0)
-    procs = [ctx.Process(target=compute, args=(counter, stop)) for _ in range(WORKERS)]
+    counter, ready, stop = ctx.Value("q", 0), ctx.Value("i", 0), ctx.Value("b", 0)
+    procs = [ctx.Process(target=compute, args=(counter, ready, stop)) for _ in range(WORKERS)]
     for p in procs:
         p.start()
     buffers = {k: buffer(k, nbytes) for k in kinds if k != "none"}
     results: dict[str, list[tuple[float, int, float]]] = {k: [] for k in kinds}
     direct = True
     try:
-        time.sleep(min(5.0, phase))  # the processes start and settle
+        _wait_until_computing(procs, ready)
+        time.sleep(min(5.0, phase))  # and settle
         for r in range(rounds):
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
                 writer = Writer(buffers[kind], directory) if kind != "none" else None
@@ -160,6 +163,19 @@ def run_phases(kinds: tuple[str, ...], nbytes: int, phase: float, rounds: int, d
     return results, direct
 
 
+def _wait_until_computing(procs: list, ready, timeout: float = 300.0) -> None:
+    """Until every compute process is in its loop (starting one imports torch: seconds on
+    a busy machine); a process that died or never got there is an error."""
+    deadline = time.monotonic() + timeout
+    while ready.value < len(procs):
+        dead = [p.exitcode for p in procs if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"write_cost: a compute process exited with {dead[0]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"write_cost: compute processes not running after {timeout:g} s")
+        time.sleep(0.05)
+
+
 def _mean_se(xs: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(xs), (statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None)
 
@@ -167,6 +183,8 @@ def _mean_se(xs: list[float]) -> tuple[float, float | None]:
 def report(results: dict[str, list[tuple[float, int, float]]], phase: float) -> str:
     """The table and the JSON line: core-seconds lost per GiB written, by kind of memory."""
     base = [rate for rate, _, _ in results["none"]]
+    if not all(base):
+        raise ValueError("write_cost: a phase without a writer counted no iterations")
     head = f"{'memory':<14}{'GiB/phase':>10}{'it/s':>9}"
     lines = [head + f"{'core-s lost per GiB':>26}{'writer CPU s/GiB':>18}"]
     lines.append(f"{'none':<14}{0:>10.1f}{statistics.fmean(base):>9.2f}")

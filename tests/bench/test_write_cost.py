@@ -53,3 +53,9 @@ def test_quick_run_reports_every_kind_of_memory(tmp_path):
     assert last["rounds"] == 2
     assert "written through" in out
     assert list(tmp_path.iterdir()) == []  # its files are removed
+
+
+def test_a_reference_phase_that_counted_nothing_is_refused():
+    results = {"none": [(0.0, 0, 0.0)], "shared": [(10.0, GiB, 0.1)]}
+    with pytest.raises(ValueError, match="phase without a writer counted no iterations"):
+        report(results, phase=1.0)
