@@ -40,8 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from unbroken._util.direct_io import new_file_writer
+from unbroken._util.direct_io import aligned_buffer, new_file_writer
 from unbroken._util.host_memory import host_buffer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ckpt_pairs import estimate
 
 GiB = 1 << 30
 SLICE = 8 << 20
@@ -53,7 +56,7 @@ WORKERS = 2
 def buffer(kind: str, nbytes: int) -> mmap.mmap:
     """``nbytes`` of the named kind of memory, faulted in."""
     if kind == "shared":
-        buf = mmap.mmap(-1, nbytes)  # MAP_SHARED | MAP_ANONYMOUS: shmem
+        buf = aligned_buffer(nbytes)  # MAP_SHARED | MAP_ANONYMOUS: shmem
     elif kind == "private_4k":
         buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         buf.madvise(getattr(mmap, "MADV_NOHUGEPAGE", mmap.MADV_NORMAL))
@@ -176,10 +179,6 @@ def _wait_until_computing(procs: list, ready, timeout: float = 300.0) -> None:
         time.sleep(0.05)
 
 
-def _mean_se(xs: list[float]) -> tuple[float, float | None]:
-    return statistics.fmean(xs), (statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None)
-
-
 def report(results: dict[str, list[tuple[float, int, float]]], phase: float) -> str:
     """The table and the JSON line: core-seconds lost per GiB written, by kind of memory."""
     base = [rate for rate, _, _ in results["none"]]
@@ -197,7 +196,8 @@ def report(results: dict[str, list[tuple[float, int, float]]], phase: float) -> 
             for (rate, written, _), ref in zip(rows, base)
             if written
         ]
-        mean, se = _mean_se(losses)
+        e = estimate(losses)
+        mean, se = e.mean, e.se
         gib = sum(w for _, w, _ in rows) / GiB
         cpu = sum(c for _, _, c in rows) / gib if gib else float("nan")
         se_text = "n/a" if se is None else f"{se:.3f}"
