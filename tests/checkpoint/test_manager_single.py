@@ -17,6 +17,7 @@ from tests.link_names import private_link
 from unbroken.checkpoint.catalog import verify_checkpoint
 from unbroken.checkpoint.errors import CheckpointMismatchError, SaveFailedError
 from unbroken.checkpoint.manifest import step_dir
+from unbroken.storage.base import temp_name
 
 from .manager_util import (
     assert_same,
@@ -64,10 +65,12 @@ def test_round_trip_every_kind_of_value_and_rng(tmp_path, tier):
 
 def test_maybe_save_cadence_and_retention(tmp_path):
     state = make_state()
-    for step in (1, 99):  # abandoned partial saves of an earlier run, one older, one newer
+    for step in (1, 3, 99):  # abandoned partial saves of an earlier run, older and newer
         partial = tmp_path / "durable" / step_dir(step)
         partial.mkdir(parents=True)
-        (partial / "__0_0.distcp").write_bytes(b"half")
+        # step 3's writer was killed mid-upload: a temp file is all it left
+        name = temp_name("__0_0.distcp") if step == 3 else "__0_0.distcp"
+        (partial / name).write_bytes(b"half")
         (tmp_path / "staging" / step_dir(step)).mkdir(parents=True)
     with manager(tmp_path, every_steps=2, keep_last=2, keep_every_steps=4, when_busy="wait") as mgr:
         for step in range(0, 11):
@@ -76,6 +79,9 @@ def test_maybe_save_cadence_and_retention(tmp_path):
     infos = mgr.checkpoints()  # after close(): retention has run
     assert [c.step for c in infos if c.committed] == [4, 8, 10]
     assert [c.step for c in infos if not c.committed] == [99]  # newer: maybe in flight
+    assert sorted(os.listdir(tmp_path / "durable")) == [step_dir(s) for s in (4, 8, 10, 99)], (
+        "an abandoned partial step older than the newest commit is left"
+    )
     staged = sorted(os.listdir(tmp_path / "staging"))
     assert staged == [step_dir(10), step_dir(99)], staged  # the newest committed only
 

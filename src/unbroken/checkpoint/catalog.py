@@ -45,7 +45,9 @@ class CheckpointInfo:
 def list_checkpoints(store: Store) -> list[CheckpointInfo]:
     """Every ``step-*`` directory under the store root, sorted by step."""
     by_step: dict[int, dict[str, int]] = {}
-    for entry in store.list(""):
+    # Temp files too: a step whose writer was killed mid-upload may hold nothing else,
+    # and retention must still see (and remove) it.
+    for entry in store.list("", include_temp=True):
         top, _, rest = entry.key.partition("/")
         step = parse_step_dir(top)
         if step is not None and rest:

@@ -53,7 +53,7 @@ class DurableIndex:
             return self._reload()
         by_step: dict[int, int] = {}
         manifests: set[int] = set()
-        for entry in self.store.list(""):
+        for entry in self.store.list("", include_temp=True):  # a crash may leave only temps
             head, _, rest = entry.key.partition("/")
             step = parse_step_dir(head)
             if step is None:

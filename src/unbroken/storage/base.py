@@ -154,11 +154,12 @@ class Store(ABC):
         key = check_key(key)
         return self._run("info", key, lambda: self._info(key))
 
-    def list(self, prefix: str = "") -> list[Entry]:
-        """Every object under ``prefix``, recursively, sorted by key; temp files hidden."""
+    def list(self, prefix: str = "", *, include_temp: bool = False) -> list[Entry]:
+        """Every object under ``prefix``, recursively, sorted by key; temp files hidden
+        unless ``include_temp`` (housekeeping: a crashed writer's are its only trace)."""
         prefix = check_key(prefix, allow_empty=True)
         entries = self._run("list", prefix, lambda: self._list(prefix))
-        return sorted(e for e in entries if not is_temp_name(e.key))
+        return sorted(e for e in entries if include_temp or not is_temp_name(e.key))
 
     def delete(self, key: str) -> None:
         """Remove one object, or everything under a prefix. Absent keys are fine."""

@@ -104,9 +104,7 @@ class LocalStore(Store):
         entries = []
         for dirpath, _dirs, files in os.walk(top):
             rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
-            for name in files:
-                if is_temp_name(name):
-                    continue
+            for name in files:  # temp files too: Store.list hides them unless asked
                 key = name if rel_dir == "." else f"{rel_dir}/{name}"
                 try:
                     st = os.stat(os.path.join(dirpath, name))
