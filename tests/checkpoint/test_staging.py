@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
 from pathlib import Path
 
 import crc32c
@@ -86,6 +87,8 @@ def test_values_copied_exactly_for_every_dtype_and_layout(stager):
         "empty": torch.empty(0, 7),
         "strided": base.t(),  # not contiguous
         "view": base[2:4],  # storage offset
+        "c128": torch.randn(5, dtype=torch.complex128),  # no integer type of 16 bytes
+        "f16_strided": torch.randn(4, 6).half()[:, ::2],
         "nested": {"list": [torch.ones(3), 2, "x"], "tuple": (torch.zeros(2), None)},
         "step": 1200,
         "meta": {"lr": [0.1, 0.01], "name": "adamw"},
@@ -98,6 +101,26 @@ def test_values_copied_exactly_for_every_dtype_and_layout(stager):
         for key in ("f32", "bf16", "strided", "view"):
             assert staged.state_dict[key].data_ptr() != state[key].data_ptr(), key
         assert staged.stats["bytes_copied"] == staged.stats["bytes"]
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_the_copy_leaves_the_default_of_later_threads_alone(copy_threads):
+    """torch.set_num_threads in one thread also sets the default of threads started later
+    (a data loader's, the user's): the copy must not leave its own setting there."""
+    default = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        stager = StateStager(copy_threads=copy_threads)
+        with stager.stage({"f32": torch.randn(300, 200), "v": torch.randn(6, 4).t()}) as staged:
+            staged.wait()
+        stager.close()
+        seen: list[int] = []
+        later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        later.start()
+        later.join()
+        assert seen == [3] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(default)
 
 
 def test_the_background_copy_checksums_each_buffer_it_copies(stager):

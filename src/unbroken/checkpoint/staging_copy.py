@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from unbroken._util.priority import lower_thread_priority
@@ -140,7 +141,10 @@ class CopyJob:
     streams: dict[torch.device, object]
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     threads: int = 1
-    """Intra-op threads for the background copy (torch's setting is per thread)."""
+    """Threads for the background copy. 1: each slice is one numpy copy (one thread, the
+    GIL released), which leaves torch's thread settings alone. More: torch's own copy
+    with that many intra-op threads; ``torch.set_num_threads`` also sets the default of
+    threads started meanwhile, so the copy puts the old default back when it ends."""
     checksum: bool = True
     """Take each CPU leaf's crc32c as it is copied (``Leaf.crc32c``)."""
     nice: int = 0
@@ -196,7 +200,9 @@ class CopyJob:
         began = time.perf_counter()
         # A second OpenMP team as wide as the training loop's oversubscribes the cores;
         # one or two threads already copy at memory bandwidth.
-        torch.set_num_threads(self.threads)
+        default_threads = torch.get_num_threads() if self.threads > 1 else None
+        if default_threads is not None:
+            torch.set_num_threads(self.threads)
         try:
             with torch.no_grad():
                 complete = True
@@ -211,6 +217,8 @@ class CopyJob:
         except BaseException as exc:  # surfaced by StagedState.wait()
             self.error = exc
         finally:
+            if default_threads is not None:
+                torch.set_num_threads(default_threads)
             self._quiesce()
             self.events = []
             self.seconds = time.perf_counter() - began
@@ -250,7 +258,7 @@ class CopyJob:
         """
         src, dst = leaf.src, leaf.dst
         if not src.is_contiguous() or leaf.nbytes == 0:
-            dst.copy_(src)
+            self._copy_slice(dst, src)
             self.bytes_copied += leaf.nbytes
             if leaf.changed() or self.aborted:
                 return False
@@ -262,7 +270,7 @@ class CopyJob:
         crc = 0
         for begin in range(0, leaf.nbytes, step):
             piece = flat_dst[begin : begin + step]
-            piece.copy_(flat_src[begin : begin + step])
+            self._copy_slice(piece, flat_src[begin : begin + step])
             if self.checksum:
                 crc = _crc_of(piece, crc)
             self.bytes_copied += piece.numel()
@@ -272,8 +280,30 @@ class CopyJob:
             leaf.crc32c = crc
         return True
 
+    def _copy_slice(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """numpy's copy on this one thread (no torch thread setting to change; the GIL is
+        released), or torch's with ``threads`` intra-op threads."""
+        if self.threads == 1:
+            views = _numpy_views(dst, src)
+            if views is not None:
+                np.copyto(*views)
+                return
+        dst.copy_(src)
+
     def join(self, timeout: float | None = None) -> bool:
         return self.finished.wait(timeout)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _numpy_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """Both tensors as numpy arrays of an integer type of their element size (numpy has no
+    bfloat16); None where there is none (16-byte elements, conjugate views)."""
+    as_int = _INT_OF_SIZE.get(src.element_size())
+    if as_int is None or dst.dtype != src.dtype or src.is_conj() or src.is_neg():
+        return None
+    return dst.view(as_int).numpy(), src.view(as_int).numpy()
 
 
 def _crc_of(data: torch.Tensor, value: int) -> int:
