@@ -85,11 +85,16 @@ def flip_payload_byte(step_path, key: str = "model.0.weight") -> None:
 def plant_value(step_path, fqn: str, payload: bytes) -> None:
     """An attacker with write access to a committed step: append ``payload`` to the shard
     holding ``fqn``, point ``fqn`` at it, and fix metadata.json and manifest.json so that
-    every size and checksum agrees."""
+    every size and checksum agrees (the manifest's own checksum too)."""
     import json
     from pathlib import Path
 
-    from unbroken.checkpoint.manifest import crc32c_bytes, crc32c_file
+    from unbroken.checkpoint.manifest import (
+        SELF_CHECKSUM,
+        crc32c_bytes,
+        crc32c_file,
+        manifest_checksum,
+    )
 
     step_path = Path(step_path)
     doc = json.loads((step_path / "metadata.json").read_bytes())
@@ -106,6 +111,7 @@ def plant_value(step_path, fqn: str, payload: bytes) -> None:
         if rec["name"] in (entry["file"], "metadata.json"):
             path = step_path / rec["name"]
             rec.update(size=path.stat().st_size, crc32c=crc32c_file(path))
+    manifest[SELF_CHECKSUM] = manifest_checksum(manifest)
     (step_path / "manifest.json").write_bytes(json.dumps(manifest).encode())
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from unbroken import open_store
 from unbroken.checkpoint.errors import CheckpointCorruptError, NoCheckpointError
 from unbroken.checkpoint.manifest import (
+    SELF_CHECKSUM,
     FileRecord,
     Manifest,
     crc32c_bytes,
@@ -58,7 +59,10 @@ def test_manifest_for_another_step_is_refused(tmp_path):
 
 
 def edit(mutate) -> bytes:
+    """The sample's JSON changed by ``mutate``, without its own checksum (as written before
+    there was one), so that each check below is reached."""
     doc = json.loads(sample().to_json())
+    doc.pop(SELF_CHECKSUM)
     mutate(doc)
     return json.dumps(doc).encode()
 
@@ -89,6 +93,18 @@ BAD = {
 def test_bad_manifest_is_a_clear_error(name):
     with pytest.raises(CheckpointCorruptError, match=re.escape("s3://b/step-1/manifest.json")):
         Manifest.from_json(BAD[name], where="s3://b/step-1/manifest.json")
+
+
+def test_a_manifest_changed_after_it_was_written_is_refused():
+    text = sample().to_json().decode()
+    assert '"epoch": 2' in text
+    changed = text.replace('"epoch": 2', '"epoch": 3').encode()
+    with pytest.raises(CheckpointCorruptError, match="its own checksum does not match"):
+        Manifest.from_json(changed, where="s3://b/step-1/manifest.json")
+
+
+def test_a_manifest_without_its_own_checksum_is_read_as_it_is():
+    assert Manifest.from_json(edit(lambda d: None), where="x") == sample()
 
 
 @given(st.integers(0, 10**15))

@@ -33,6 +33,12 @@ _STEP_DIR = re.compile(rf"^step-(\d{{{STEP_DIGITS},}})$")
 _CHUNK = 8 << 20
 
 
+SELF_CHECKSUM = "manifest_crc32c"
+"""The manifest's own crc32c, of its other fields in canonical JSON: the files it lists
+carry theirs, and a changed digit in the plain values (an epoch, a data position) or in
+a file's checksum would otherwise be read as true."""
+
+
 @dataclass(frozen=True)
 class FileRecord:
     """One file of a checkpoint: its name relative to the step directory, size, crc32c."""
@@ -72,6 +78,7 @@ class Manifest:
             "files": [asdict(r) for r in sorted(self.files.values(), key=lambda r: r.name)],
             "extra": self.extra,
         }
+        doc[SELF_CHECKSUM] = manifest_checksum(doc)
         return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
 
     @classmethod
@@ -88,6 +95,7 @@ class Manifest:
                 raise TypeError("top level is not an object")
             if doc.get("format") != FORMAT_VERSION:
                 raise ValueError(f"unknown manifest format {doc.get('format')!r}")
+            _check_self_checksum(doc)
             files: dict[str, FileRecord] = {}
             for item in doc["files"]:
                 rec = FileRecord(str(item["name"]), _nonneg(item["size"]), _nonneg(item["crc32c"]))
@@ -111,6 +119,27 @@ class Manifest:
             raise CheckpointCorruptError(
                 f"{where}: malformed manifest ({type(exc).__name__}: {exc})", url=where
             ) from exc
+
+
+def manifest_checksum(doc: dict[str, Any]) -> int:
+    """crc32c of a manifest document's fields other than ``SELF_CHECKSUM``, as compact
+    JSON with sorted keys (the same bytes for the same values, however it was indented)."""
+    body = {k: v for k, v in doc.items() if k != SELF_CHECKSUM}
+    return crc32c_bytes(
+        json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    )
+
+
+def _check_self_checksum(doc: dict[str, Any]) -> None:
+    """Manifests written before the field existed have none, and are taken as they are."""
+    if SELF_CHECKSUM not in doc:
+        return
+    expected, actual = doc[SELF_CHECKSUM], manifest_checksum(doc)
+    if expected != actual:
+        raise ValueError(
+            f"its own checksum does not match its contents ({SELF_CHECKSUM} {expected!r}, "
+            f"contents {actual}): it changed after it was written"
+        )
 
 
 def new_manifest(
