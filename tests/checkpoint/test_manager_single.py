@@ -629,3 +629,29 @@ def test_close_returns_the_staging_buffers_while_the_manager_is_referenced(tmp_p
     assert host_rss() - before >= 16 * 2**20
     mgr.close()
     assert host_rss() - before < 4 * 2**20
+
+
+def test_plain_values_come_back_exactly_non_finite_floats_included(tmp_path):
+    import math
+
+    values = {"best_loss": math.inf, "history": [1.5, -math.inf, math.nan], "epoch": 3}
+    with manager(tmp_path) as mgr:
+        assert mgr.save(2, {"w": torch.ones(4), **values})
+        mgr.wait()
+        fresh = {"w": torch.zeros(4), "best_loss": 0.0, "history": [], "epoch": 0}
+        assert mgr.restore(fresh) == 2
+    assert fresh["best_loss"] == math.inf and fresh["epoch"] == 3
+    assert fresh["history"][:2] == [1.5, -math.inf] and math.isnan(fresh["history"][2])
+    text = (tmp_path / "durable" / step_dir(2) / "manifest.json").read_text()
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"manifest holds {name}"))
+
+
+def test_values_that_json_would_change_are_refused_before_anything_is_saved(tmp_path):
+    with manager(tmp_path) as mgr:
+        with pytest.raises(TypeError, match=r"state\['pos'\] is a tuple"):
+            mgr.save(2, {"w": torch.ones(4), "pos": (3, 7)})
+        with pytest.raises(TypeError, match=r"state\['seen'\] has the key 1 \(int\)"):
+            mgr.save(2, {"w": torch.ones(4), "seen": {1: True}})
+        assert mgr.stats.started == 0
+    assert mgr.checkpoints() == []
+

@@ -9,7 +9,6 @@ background pipeline. Everything else (local tier, durable tier, commit, retentio
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import tempfile
@@ -21,7 +20,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
+from unbroken.checkpoint import json_values
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.errors import SaveFailedError
@@ -275,7 +276,7 @@ class CheckpointManager:
         job = SaveJob(
             step=step,
             staged=staged,
-            values=json.loads(json.dumps(flat.values)),
+            values=json_values.encode(flat.values),
             rng=capture_rng_state(),
             pinned=frozenset(flat.first),
         )

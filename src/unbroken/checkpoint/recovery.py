@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from unbroken.checkpoint import json_values
 from unbroken.checkpoint.catalog import missing_or_short
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.errors import (
@@ -200,7 +201,7 @@ def _try(
         corrupt = any(isinstance(err, CheckpointCorruptError) for err in errors)
         _fail(tier, where, describe(e), problems, not corrupt)
         return None
-    apply(state, flat, manifest.extra.get("values", {}))
+    apply(state, flat, json_values.decode(manifest.extra.get("values", {})))
     if rng is not None:
         restore_rng_state(rng)
     elif group.rank >= manifest.world_size:

@@ -26,6 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from unbroken.checkpoint import json_values
+from unbroken.checkpoint.staging_tree import alias_key, local_tensor
+
 
 class Idx(int):
     """A list position inside a path (mapping keys keep their own type, even ints)."""
@@ -69,12 +72,12 @@ def entry_kind(name: str, value: Any) -> str:
     ):
         return KIND_STATEFUL
     try:
-        json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError) as e:
+        json_values.check(f"state[{name!r}]", value)
+    except TypeError as e:
         raise TypeError(
             f"checkpoint state entry {name!r} ({type(value).__name__}) is not a module, "
-            "optimizer, tensor, object with state_dict()/load_state_dict(), or a JSON-able "
-            f"value: {e}"
+            "optimizer, tensor, object with state_dict()/load_state_dict(), or a plain value "
+            f"that JSON gives back unchanged: {e}"
         ) from None
     return KIND_VALUE
 
