@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import random
+import tempfile
 import time
 from pathlib import Path
 
@@ -268,6 +269,19 @@ def scenario_churn(a: argparse.Namespace) -> None:
         time.sleep(0.005)
 
 
+def refuses_to_act_alone(mgr: ub.CheckpointManager) -> None:
+    for call in (lambda: mgr.save(1, {"w": torch.ones(2)}), lambda: mgr.restore({})):
+        try:
+            call()
+        except RuntimeError as e:
+            assert "before torch.distributed.init_process_group" in str(e), e
+        else:
+            raise AssertionError("a manager made before init_process_group acted alone")
+    mgr.close()
+    assert mgr.checkpoints() == []
+    log("a manager made before init_process_group refused")
+
+
 SCENARIOS = {
     "ddp": scenario_ddp,
     "fsdp_save": scenario_fsdp_save,
@@ -292,7 +306,13 @@ def main() -> None:
     a = p.parse_args()
     if "{rank}" in a.staging:
         a.staging = a.staging.format(rank=os.environ.get("RANK", "0"))
+    # A manager made before init_process_group must not act alone on one of several ranks.
+    early = None
+    if a.scenario == "ddp":
+        early = ub.CheckpointManager(tempfile.mkdtemp(), staging_dir=tempfile.mkdtemp())
     dist.init_process_group("gloo")
+    if early is not None:
+        refuses_to_act_alone(early)
     try:
         SCENARIOS[a.scenario](a)
     except SaveFailedError as e:

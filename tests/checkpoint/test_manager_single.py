@@ -655,3 +655,65 @@ def test_values_that_json_would_change_are_refused_before_anything_is_saved(tmp_
         assert mgr.stats.started == 0
     assert mgr.checkpoints() == []
 
+
+def outage_manager(tmp_path: Path, **kw) -> tuple[ub.CheckpointManager, Path]:
+    """A manager whose emulated durable tier is down while the returned file exists."""
+    switch = tmp_path / "outage"
+    opts = {"latency": 0, "bandwidth": None, "outage_file": str(switch)}
+    url = "emulated::" + str(tmp_path / "durable")
+    return manager(tmp_path, url=url, storage_options=opts, retry=FAST_RETRY, **kw), switch
+
+
+def test_a_failed_save_leaves_no_shard_behind_and_its_step_can_be_saved_again(tmp_path):
+    mgr, switch = outage_manager(tmp_path)
+    state = make_state()
+    switch.write_text("down")
+    for step in (2, 4, 6):  # a store down for several saves must not fill the staging disk
+        assert mgr.save(step, state)
+        mgr._pipeline.wait()
+        assert not (tmp_path / "staging" / step_dir(step)).exists(), step
+    switch.unlink()
+    with pytest.warns(RuntimeWarning, match="step 6 failed"):
+        assert mgr.save(6, state)  # the step that failed is saved again, not skipped
+    mgr.close()
+    assert [c.step for c in mgr.checkpoints() if c.committed] == [6]
+    assert (tmp_path / "staging" / step_dir(6) / "manifest.json").exists()
+
+
+def test_a_failed_synchronous_save_returns_false(tmp_path):
+    mgr, switch = outage_manager(tmp_path, async_save=False)
+    switch.write_text("down")
+    with pytest.warns(RuntimeWarning, match="step 2 failed"):
+        assert mgr.save(2, make_state()) is False
+    assert [e.step for e in mgr.failures] == [2]
+    mgr.close()
+
+
+def test_a_failure_kept_in_failures_does_not_keep_the_staging_buffers(tmp_path):
+    mgr, switch = outage_manager(tmp_path)
+    weights = {"w": torch.ones(8 * 2**20)}  # 32 MiB
+    before = host_rss()
+    switch.write_text("down")
+    mgr.save(2, weights)
+    with pytest.raises(SaveFailedError, match="step 2"):
+        mgr.close()
+    assert mgr.failures and mgr.failures[0].__cause__ is not None  # the cause is still there
+    assert host_rss() - before < 4 * 2**20
+
+
+def test_module_buffers_are_staged_first_whatever_the_wrappers_call_them():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from unbroken.checkpoint.state_dicts import collect
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+            self.block = checkpoint_wrapper(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+
+    flat = collect({"model": Holder(), "w": torch.ones(2)})
+    stats = ("running_mean", "running_var", "num_batches_tracked")
+    expected = {f"model.{m}.1.{s}" for m in ("module", "block") for s in stats}
+    assert expected <= set(flat.tensors)
+    assert flat.first == expected

@@ -255,9 +255,10 @@ def test_rss_does_not_grow_over_20_stages(stager):
         with stager.stage(state) as staged:
             staged.wait()
             assert staged.stats["allocated_bytes"] == 0
-        assert torch.equal(
-            staged.state_dict["model"]["layer0.weight"], state["model"]["layer0.weight"]
-        ), i
+            assert torch.equal(
+                staged.state_dict["model"]["layer0.weight"], state["model"]["layer0.weight"]
+            ), i
+        assert staged.state_dict == {}  # released: it no longer hands out the pool's buffers
     gc.collect()
     growth = proc.memory_info().rss - rss0
     # 20 fresh copies would add 20 * 16 MB; reuse keeps growth well under one copy.

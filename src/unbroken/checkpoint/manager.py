@@ -238,7 +238,8 @@ class CheckpointManager:
         return self._save(step, state, skip_if_busy=busy and self.config.when_busy == "skip")
 
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
-        """Save now (waits for a save still in flight); False if ``step`` is already committed."""
+        """Save now (waits for a save still in flight); False if ``step`` is already committed,
+        or, with ``async_save=False``, if the save failed (its failure is warned about)."""
         _check_step(step)
         self._report_failures(raising=False)
         return self._save(step, state, skip_if_busy=False)
@@ -256,6 +257,7 @@ class CheckpointManager:
     def _save(self, step: int, state: Mapping[str, Any], *, skip_if_busy: bool) -> bool:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+        self._check_group()
         t0 = time.monotonic()
         self.stats.requested += 1
         if step == self._last_step or step in self._committed:
@@ -287,7 +289,18 @@ class CheckpointManager:
             job.done.wait()
             self._report_failures(raising=self.config.raise_on_failure)
         self.stats.seconds_blocked += time.monotonic() - t0
-        return True
+        return self.config.async_save or job.error is None
+
+    def _check_group(self) -> None:
+        """Refuse to act alone on one rank of several (each would write rank 0's files)."""
+        alone = self._group.pg is None and dist.is_available() and dist.is_initialized()
+        if alone and dist.get_world_size() > 1:
+            raise RuntimeError(
+                "CheckpointManager was created before torch.distributed.init_process_group"
+                f"(), so it works as a single process, but this is rank {dist.get_rank()} "
+                f"of {dist.get_world_size()}: create the manager after "
+                "init_process_group, on every rank"
+            )
 
     def _attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
         new = [o for o in optimizers if id(o) not in self._attached]
@@ -303,6 +316,8 @@ class CheckpointManager:
             self.stats.bytes_from_memory += job.memory_bytes
             self.stats.bytes_checksummed_in_copy += job.checksummed_in_copy_bytes
             if job.error is not None:
+                if self._last_step == job.step:  # a later save of this step may try again
+                    self._last_step = None
                 self.stats.failed += 1
                 self._failures.append(job.error)
                 self.failures.append(job.error)
@@ -342,11 +357,12 @@ class CheckpointManager:
             return
         try:
             self._pipeline.wait()
-            self._report_failures(raising=True)
         finally:
             self._closed = True
             self._pipeline.close()
             self._stager.close()
+        # After the worker stopped: a failure recorded while close() waited is raised too.
+        self._report_failures(raising=True)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -366,6 +382,7 @@ class CheckpointManager:
         """
         from unbroken.checkpoint.recovery import restore
 
+        self._check_group()
         self._pipeline.drain()
         self._report_failures(raising=False)
         restored = restore(

@@ -18,6 +18,7 @@ import queue
 import shutil
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -114,6 +115,21 @@ def lend_until_read(
             release()
 
     return {name: FileInMemory(views, returned) for name, views in parts.items()}
+
+
+def _drop_frame_locals(exc: BaseException) -> None:
+    """Clear the locals of every frame in ``exc``'s tracebacks (its causes too), keeping the
+    lines: a failure kept in ``CheckpointManager.failures`` must not keep the staging
+    buffers its frames referenced alive."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 class _PhaseFailed(Exception):
@@ -236,12 +252,15 @@ class SavePipeline:
                 job.error = SaveFailedError(job.step, e)
             finally:
                 job.staged.release()  # idempotent; covers a failure before the local write
+            if job.error is not None:
+                _drop_frame_locals(job.error)
+                self._remove_uncommitted_local(job.step)
             job.seconds["total"] = time.monotonic() - job.submitted
-            with self._lock:
-                self._jobs.remove(job)
             try:
-                self._on_done(job)
+                self._on_done(job)  # before the job leaves _jobs: wait() then sees its error
             finally:
+                with self._lock:
+                    self._jobs.remove(job)
                 job.done.set()
             try:
                 if job.manifest is not None:  # housekeeping, before the next job starts
@@ -437,6 +456,15 @@ class SavePipeline:
             path = os.path.join(self.staging_dir, entry)
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(path, MANIFEST))
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _remove_uncommitted_local(self, step: int) -> None:
+        """A failed save's shard would stay in the staging tier until a later commit, and
+        a store that stays down for a few saves would fill the disk with them. A directory
+        that holds a manifest is left alone: that is a committed step's copy (the save
+        failed because the step was already committed)."""
+        path = os.path.join(self.staging_dir, step_dir(step))
+        if not os.path.exists(os.path.join(path, MANIFEST)):
             shutil.rmtree(path, ignore_errors=True)
 
     def _prune_durable(self) -> None:

@@ -135,6 +135,8 @@ class StagedState:
                 self._job.abort()
             self._job.seal()
             self._released = True
+            # Whoever still holds this object (a failure's traceback) must not hold the pool.
+            self.state_dict = {}
         self._on_release(self)
 
     def __enter__(self) -> StagedState:

@@ -18,7 +18,6 @@ Entry kinds, in the order they are recognised:
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,17 +138,24 @@ def collect(state: Mapping[str, Any]) -> FlatState:
         nested = _nested_state(name, value, kind, state)
         _flatten_into(flat, (name,), nested)
         if kind == KIND_MODULE:
-            for buf_name, _ in value.named_buffers():
-                key = f"{name}.{_strip_wrappers(buf_name)}"
-                if key in flat.tensors:
-                    flat.first.add(key)
+            flat.first.update(_buffer_keys(flat, name, value))
     return flat
 
 
-def _strip_wrappers(fqn: str) -> str:
-    """Buffer names as get_model_state_dict spells them (no DDP 'module.' prefix)."""
-    parts = [p for p in fqn.split(".") if p not in ("module", "_orig_mod", "_fsdp_wrapped_module")]
-    return ".".join(parts)
+def _buffer_keys(flat: FlatState, name: str, module: nn.Module) -> set[str]:
+    """Keys of entry ``name`` that hold a module buffer, found by memory: key names differ
+    from buffer names under wrappers (DDP, activation checkpointing, a child called
+    ``module``), but the state dict's tensors are the buffers themselves."""
+    buffers = {alias_key(local_tensor(b)) for b in module.buffers()}
+    if not buffers:
+        return set()
+    return {
+        key
+        for key, path in flat.paths.items()
+        if path[0] == name
+        and isinstance(flat.tensors[key], torch.Tensor)
+        and alias_key(local_tensor(flat.tensors[key])) in buffers
+    }
 
 
 def _is_leaf(value: Any) -> bool:
