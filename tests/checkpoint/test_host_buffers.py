@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -158,3 +159,30 @@ def test_private_buffers_are_not_inherited_by_forked_children():
     finally:
         os.close(read)
         os.waitpid(pid, 0)
+
+
+def test_shared_buffers_are_one_segment_so_thousands_of_tensors_take_one_descriptor():
+    """torch keeps a shared segment's descriptor open: one segment per tensor ran out of
+    file descriptors with a few thousand tensors (an Adam model of ~500 parameters)."""
+    pool = HostBufferPool(shared_memory=True)
+    specs = {f"step{i}": BufferSpec((), torch.float32) for i in range(3000)}
+    specs |= {"big": BufferSpec((3, 1000), torch.float64), "bf": BufferSpec((7,), torch.bfloat16)}
+    specs["empty"] = BufferSpec((0, 4), torch.float32)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    out, allocated = pool.reserve(specs)
+    assert len(os.listdir("/proc/self/fd")) - fds_before <= 1
+    assert allocated == pool.nbytes == sum(s.nbytes for s in specs.values())
+    assert all(out[k].is_shared() for k in specs if k != "empty")
+    assert out["big"].data_ptr() % 4096 == 0 and out["big"].is_contiguous()
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.nbytes) for b in out.values() if b.nbytes)
+    assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans)), "buffers overlap"
+    for i, key in enumerate(specs):
+        out[key].fill_(i % 100)
+    assert all(bool((out[k] == i % 100).all()) for i, k in enumerate(specs))
+    again, allocated = pool.reserve(dict(reversed(list(specs.items()))))
+    assert allocated == 0 and again["big"].data_ptr() == out["big"].data_ptr()
+    grown, allocated = pool.reserve({**specs, "big": BufferSpec((4, 1000), torch.float64)})
+    assert allocated == pool.nbytes and grown["big"].shape == (4, 1000)
+    assert len(os.listdir("/proc/self/fd")) - fds_before <= 2
+    pool.clear()
+    assert pool.nbytes == 0

@@ -12,9 +12,12 @@ same write from shared memory cost compute-bound processes beside it more (0.14-
 core-s per GiB here, against 0.08-0.12 from private memory).
 ``shared_memory=True`` gives shared-memory buffers instead, for a caller that hands them
 to another process (torch's default ``file_descriptor`` strategy unlinks the segment at
-once, so nothing outlives a crash); tmpfs rarely has huge pages. CUDA sources get
-page-locked (pinned) buffers so device-to-host copies run asynchronously on a side
-stream; pinned buffers are neither.
+once, so nothing outlives a crash); tmpfs rarely has huge pages. They are views of one
+segment for the whole pool: torch keeps a segment's descriptor open while it lives, and
+a model of a few hundred parameters with Adam has over a thousand tensors, where 1,024
+open files is a common limit (one segment per tensor failed with "Too many open files").
+CUDA sources get page-locked (pinned) buffers so device-to-host copies run
+asynchronously on a side stream; pinned buffers are neither.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class HostBufferPool:
         # None: pin exactly the buffers of CUDA sources, when CUDA is there.
         self.pin_memory = pin_memory
         self._buffers: dict[str, tuple[BufferSpec, torch.Tensor]] = {}
+        self._segment_specs: dict[str, BufferSpec] | None = None
+        """With shared memory: the specs the current segment was laid out for."""
         self.allocations = 0
         """How many buffers this pool has ever allocated (a leak or thrash shows here)."""
 
@@ -95,6 +100,8 @@ class HostBufferPool:
         if self.max_bytes is not None and needed > self.max_bytes:
             largest = sorted(((k, s.nbytes) for k, s in specs.items()), key=lambda kv: -kv[1])
             raise StagingBudgetError(needed, self.max_bytes, largest[:5])
+        if self.shared_memory:
+            return self._reserve_in_one_segment(specs)
         # Drop stale buffers first so the peak stays within the budget.
         for key in [k for k, (spec, _) in self._buffers.items() if specs.get(k) != spec]:
             del self._buffers[key]
@@ -113,22 +120,62 @@ class HostBufferPool:
     def clear(self) -> None:
         """Drop every buffer (memory returns once no staged state references it)."""
         self._buffers.clear()
+        self._segment_specs = None
+
+    def _reserve_in_one_segment(
+        self, specs: Mapping[str, BufferSpec]
+    ) -> tuple[dict[str, torch.Tensor], int]:
+        """Shared memory: the same buffers while every spec is unchanged, else a new
+        segment laid out for all of them (specs rarely change in a training run)."""
+        if self._segment_specs == dict(specs):
+            return {key: buf for key, (_, buf) in self._buffers.items()}, 0
+        self._buffers.clear()  # the old segment goes once no staged state holds it
+        self._segment_specs = None
+        in_segment = {k: s for k, s in specs.items() if s.nbytes and not self._pins(s)}
+        offsets, total = segment_layout(in_segment)
+        # Straight into shared memory: share_memory_() would allocate, then copy.
+        storage = torch.UntypedStorage._new_shared(total) if in_segment else None
+        for key, spec in specs.items():
+            if key in in_segment:
+                buf = torch.empty(0, dtype=spec.dtype)
+                buf.set_(
+                    storage,
+                    offsets[key] // _itemsize(spec.dtype),
+                    spec.shape,
+                    _contiguous_stride(spec.shape),
+                )
+            else:
+                buf = self._allocate(spec)
+            self._buffers[key] = (spec, buf)
+        self.allocations += len(specs)
+        self._segment_specs = dict(specs)
+        return {key: buf for key, (_, buf) in self._buffers.items()}, self.nbytes
+
+    def _pins(self, spec: BufferSpec) -> bool:
+        pin = spec.pinned if self.pin_memory is None else self.pin_memory
+        return bool(pin) and torch.cuda.is_available()
 
     def _allocate(self, spec: BufferSpec) -> torch.Tensor:
-        """Pinned when asked and CUDA is there; else shared memory when enabled; else
-        private huge-page memory."""
-        pin = spec.pinned if self.pin_memory is None else self.pin_memory
-        if pin and torch.cuda.is_available():
+        """One buffer of its own: pinned when asked and CUDA is there, else private
+        huge-page memory (shared memory is laid out per segment instead)."""
+        if self._pins(spec):
             return torch.empty(spec.shape, dtype=spec.dtype, pin_memory=True)
         if spec.nbytes == 0:
             return torch.empty(spec.shape, dtype=spec.dtype)
-        if not self.shared_memory:
-            return host_tensor(spec.shape, spec.dtype)
-        # Straight into a shared segment: share_memory_() would allocate, then copy.
-        storage = torch.UntypedStorage._new_shared(spec.nbytes)
-        buf = torch.empty(0, dtype=spec.dtype)
-        buf.set_(storage, 0, spec.shape, _contiguous_stride(spec.shape))
-        return buf
+        return host_tensor(spec.shape, spec.dtype)
+
+
+def segment_layout(specs: Mapping[str, BufferSpec], page: int = 4096) -> tuple[dict[str, int], int]:
+    """Byte offsets of buffers packed into one segment, and its length. A buffer of a page
+    or more starts on a page (O_DIRECT writes it in place); smaller ones on 64 bytes, the
+    alignment of any dtype and of a cache line."""
+    offsets, end = {}, 0
+    for key, spec in specs.items():
+        align = page if spec.nbytes >= page else 64
+        end = -(-end // align) * align
+        offsets[key] = end
+        end += spec.nbytes
+    return offsets, end
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
