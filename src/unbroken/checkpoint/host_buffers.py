@@ -74,8 +74,6 @@ class HostBufferPool:
         # None: pin exactly the buffers of CUDA sources, when CUDA is there.
         self.pin_memory = pin_memory
         self._buffers: dict[str, tuple[BufferSpec, torch.Tensor]] = {}
-        self._segment_specs: dict[str, BufferSpec] | None = None
-        """With shared memory: the specs the current segment was laid out for."""
         self.allocations = 0
         """How many buffers this pool has ever allocated (a leak or thrash shows here)."""
 
@@ -120,17 +118,15 @@ class HostBufferPool:
     def clear(self) -> None:
         """Drop every buffer (memory returns once no staged state references it)."""
         self._buffers.clear()
-        self._segment_specs = None
 
     def _reserve_in_one_segment(
         self, specs: Mapping[str, BufferSpec]
     ) -> tuple[dict[str, torch.Tensor], int]:
         """Shared memory: the same buffers while every spec is unchanged, else a new
         segment laid out for all of them (specs rarely change in a training run)."""
-        if self._segment_specs == dict(specs):
+        if {key: spec for key, (spec, _) in self._buffers.items()} == dict(specs):
             return {key: buf for key, (_, buf) in self._buffers.items()}, 0
         self._buffers.clear()  # the old segment goes once no staged state holds it
-        self._segment_specs = None
         in_segment = {k: s for k, s in specs.items() if s.nbytes and not self._pins(s)}
         offsets, total = segment_layout(in_segment)
         # Straight into shared memory: share_memory_() would allocate, then copy.
@@ -148,7 +144,6 @@ class HostBufferPool:
                 buf = self._allocate(spec)
             self._buffers[key] = (spec, buf)
         self.allocations += len(specs)
-        self._segment_specs = dict(specs)
         return {key: buf for key, (_, buf) in self._buffers.items()}, self.nbytes
 
     def _pins(self, spec: BufferSpec) -> bool:
