@@ -119,6 +119,67 @@ def scenario_ddp(a: argparse.Namespace) -> None:
     log("ddp ok")
 
 
+def scenario_nodes(a: argparse.Namespace) -> None:
+    """One node per rank (``--staging`` holds ``{rank}``): each staging tier holds only its
+    own rank's files. Restore reads what a node holds locally and the rest from the
+    durable tier; a replaced node (empty staging tier) reads all from the durable tier; a
+    corrupt local file sends every rank to the durable tier."""
+    import shutil
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.checkpoint.manager_util import flip_payload_byte
+
+    rank = dist.get_rank()
+    model = DDP(make_model(0))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(optim, 2, 0.5)
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=3, when_busy="wait")
+    state = {"model": model, "optim": optim, "sched": sched}
+    for step in range(1, 4):
+        train_step(model, optim, sched, step)
+        mgr.maybe_save(step, state)
+    mgr.wait()
+    expected = full_state(model, optim)
+    for t in expected.values():  # BN statistics differ per rank; rank 0's are saved
+        dist.broadcast(t, src=0)
+    mine = sorted(os.listdir(Path(a.staging) / "step-000000000003"))
+    assert f"__{rank}_0.distcp" in mine and f"__{1 - rank}_0.distcp" not in mine, mine
+
+    def restore(what: str) -> str:
+        fresh = DDP(make_model(1))
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+        fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, 2, 0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            assert mgr.restore({"model": fresh, "optim": fresh_opt, "sched": fresh_sched}) == 3
+        assert_same(full_state(fresh, fresh_opt), expected, f"restore {what}")
+        tier = mgr.last_restore.tier
+        log(f"{what}: {tier}; warnings: {[str(w.message) for w in caught]}")
+        return tier + ("; warned" if caught else "")
+
+    got = restore("every node whole")  # DDP's saves spread the model over both files
+    assert got == "staging+durable", got
+    dist.barrier()
+    if rank == 1:  # node 1 replaced: its staging tier is empty
+        shutil.rmtree(a.staging)
+    dist.barrier()
+    got = restore("node 1 replaced")
+    assert got == ("durable" if rank == 1 else "staging+durable"), got
+    dist.barrier()
+    if rank == 0:  # a payload every rank reads: rank 0 from its disk, rank 1 remotely
+        local = Path(a.staging) / "step-000000000003"
+        doc = json.loads((local / "metadata.json").read_text())
+        key = next(d["fqn"] for d in doc["storage_data"] if d["file"] == "__0_0.distcp")
+        flip_payload_byte(local, key)
+    dist.barrier()
+    got = restore("node 0 corrupt")
+    assert got == "durable; warned", got
+    mgr.close()
+    log("nodes ok")
+
+
 def fsdp_model(seed: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -284,6 +345,7 @@ def refuses_to_act_alone(mgr: ub.CheckpointManager) -> None:
 
 SCENARIOS = {
     "ddp": scenario_ddp,
+    "nodes": scenario_nodes,
     "fsdp_save": scenario_fsdp_save,
     "fsdp_load": scenario_fsdp_load,
     "collectives": scenario_collectives,

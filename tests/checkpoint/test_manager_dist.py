@@ -94,3 +94,12 @@ def test_recovery_under_torchrun_max_restarts_is_exact(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs after recovery"
+
+
+def test_each_node_restores_what_it_holds_from_its_own_staging_tier(tmp_path):
+    """One node per rank: staging tiers that each hold one rank's files are still read."""
+    staging = str(tmp_path / "node-{rank}")
+    out = check(torchrun(2, "nodes", "--url", str(tmp_path / "d"), "--staging", staging))
+    assert out.count("nodes ok") == 2
+    assert "[rank 1] node 1 replaced: durable" in out
+    assert "[rank 0] node 0 corrupt: durable" in out and "is not usable" in out

@@ -180,6 +180,36 @@ def test_corrupt_local_copy_reads_durable_same_step(tmp_path):
     assert_same(snapshot(fresh), expected)
 
 
+@pytest.mark.parametrize("damage", ["missing", "short"])
+def test_a_local_copy_missing_a_file_reads_that_file_from_the_durable_tier(tmp_path, damage):
+    """What a node holds of a step is read locally and the rest from the durable tier (on
+    several nodes, each node's staging tier holds only its own ranks' files)."""
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        train(state, range(1, 3))
+        mgr.save(2, state)
+        mgr.wait()
+        expected, draws = snapshot(state), rng_draws()
+    shard = tmp_path / "staging" / step_dir(2) / "__0_0.distcp"
+    if damage == "missing":
+        shard.unlink()
+    else:
+        os.truncate(shard, shard.stat().st_size - 1)
+    fresh = make_state(5)
+    with manager(tmp_path) as mgr, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # nothing wrong to warn of
+        assert mgr.restore(fresh) == 2
+        assert mgr.last_restore.tier == "staging+durable"
+    assert_same(snapshot(fresh), expected)
+    assert rng_draws() == draws
+    # Without the local manifest nothing local is trusted: all from the durable tier.
+    (tmp_path / "staging" / step_dir(2) / "manifest.json").unlink()
+    with manager(tmp_path) as mgr:
+        assert mgr.restore(make_state(6)) == 2
+        assert mgr.last_restore.tier == "durable"
+        assert mgr.last_restore.url.startswith(str(tmp_path / "durable"))
+
+
 def test_every_copy_corrupt_raises(tmp_path):
     state = make_state()
     with manager(tmp_path) as mgr:

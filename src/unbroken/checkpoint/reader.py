@@ -8,6 +8,8 @@ before DCP sees a byte, and serves any sub-range DCP's planner asks for, which i
 checkpoint saved on N ranks loads on M. From a local directory (the staging tier), a
 tensor payload that fills its target whole is read straight into the target's memory and
 checksummed there (:mod:`unbroken.checkpoint.direct_read`): one pass, no extra buffer.
+One reader can take some files from the staging tier and the rest from the durable one
+(a node's staging tier holds only its own ranks' files).
 Non-tensor values are loaded with ``torch.load(weights_only=True)`` and handed to the
 planner re-serialized, so the planner's own unrestricted ``torch.load`` only ever sees
 data we already proved safe.
@@ -119,16 +121,34 @@ class TierReader(StorageReader):
 
     ``manifest`` is the step's commit record: it says which files exist and their sizes
     and checksums. With ``verify`` (the default) every byte handed to DCP was checked.
+    ``local_files`` are read from ``local`` instead (the staging tier): on several nodes
+    each node's staging tier holds only its own ranks' files, and a rank reads what its
+    node has from there and the rest from ``store``.
     """
 
-    def __init__(self, store: Store, step: int, manifest: Manifest, *, verify: bool = True) -> None:
+    def __init__(
+        self,
+        store: Store,
+        step: int,
+        manifest: Manifest,
+        *,
+        verify: bool = True,
+        local: Store | None = None,
+        local_files: frozenset[str] = frozenset(),
+    ) -> None:
         super().__init__()
         if manifest.step != step:
             raise ValueError(f"manifest is for step {manifest.step}, not step {step}")
+        if local_files and local is None:
+            raise ValueError("local_files needs the local store they are read from")
         self.store = store
         self.step = step
         self.manifest = manifest
         self.verify = verify
+        self.local = local
+        self.local_files = frozenset(local_files)
+        self.files_read: set[str] = set()
+        """The files this reader has opened, by name (``source`` says from which store)."""
         self.prefix = step_dir(step)
         self.storage_data: dict[Any, ItemLocation] = {}
         self.load_id = str(uuid.uuid4())
@@ -149,7 +169,7 @@ class TierReader(StorageReader):
 
     def read_metadata(self) -> Metadata:  # no **kwargs: there is no per-rank fallback
         try:
-            data = self._read_whole(METADATA_JSON)
+            data = self.read_whole(METADATA_JSON)
             metadata = metadata_from_json(data, where=self._url(METADATA_JSON))
             self._check_locations(metadata.storage_data)
         except CheckpointError as exc:
@@ -208,8 +228,15 @@ class TierReader(StorageReader):
 
     # -- fetching and checking ------------------------------------------------------
 
+    def source(self, name: str) -> Store:
+        """The store file ``name`` is read from."""
+        if name in self.local_files:
+            assert self.local is not None
+            return self.local
+        return self.store
+
     def _url(self, name: str) -> str:
-        return self.store.url_for(f"{self.prefix}/{name}")
+        return self.source(name).url_for(f"{self.prefix}/{name}")
 
     def _corrupt(self, name: str, why: str) -> CheckpointCorruptError:
         url = self._url(name)
@@ -221,12 +248,14 @@ class TierReader(StorageReader):
         )
 
     def _read_range(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        self.files_read.add(name)
         try:
-            return self.store.read_bytes(f"{self.prefix}/{name}", start, end)
+            return self.source(name).read_bytes(f"{self.prefix}/{name}", start, end)
         except ObjectNotFoundError as exc:
             raise self._corrupt(name, "file is missing") from exc
 
-    def _read_whole(self, name: str) -> bytes:
+    def read_whole(self, name: str) -> bytes:
+        """File ``name`` whole, checked against its manifest record (size, crc32c)."""
         record = self.manifest.files.get(name)
         if record is None:
             raise self._corrupt(name, "not listed in the manifest")
@@ -323,10 +352,10 @@ class TierReader(StorageReader):
         """The payloads that can be read into their target in place: a local file, one
         request for the whole saved tensor, a contiguous CPU target of its dtype and shape.
         Everything else (sub-ranges when resharding, values, other stores) is fetched."""
-        if not isinstance(self.store, LocalStore):
-            return {}
         out: dict[ItemLocation, DirectRead] = {}
         for loc, reqs in by_location.items():
+            if not isinstance(self.source(loc.relative_path), LocalStore):
+                continue
             if len(reqs) != 1 or loc.dtype is None or loc.shape is None:
                 continue
             req = reqs[0]
@@ -356,7 +385,8 @@ class TierReader(StorageReader):
         fds: dict[str, int] = {}
         try:
             for name in sorted({loc.relative_path for loc in direct}):
-                path = self.store.path_for(f"{self.prefix}/{name}")  # type: ignore[attr-defined]
+                path = self.source(name).path_for(f"{self.prefix}/{name}")  # type: ignore[attr-defined]
+                self.files_read.add(name)
                 try:
                     fds[name] = os.open(path, os.O_RDONLY)
                 except FileNotFoundError as exc:

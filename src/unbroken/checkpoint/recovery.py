@@ -1,9 +1,11 @@
 """Restore: the newest committed checkpoint that loads whole, from the nearest intact tier.
 
 Candidates are the committed steps of the durable tier, newest first (the coordinator
-lists them and tells every rank). For each, the staging tier is tried first when every
-rank finds there a copy whose manifest equals the durable one with every file at its
-listed size; then the durable tier. Every decision is agreed over the manager's group,
+lists them and tells every rank). For each, the staging tier is tried first: a rank whose
+staging tier holds a manifest equal to the durable one reads every file present there at
+its listed size from there, and the rest from the durable tier (on several nodes, each
+node holds its own ranks' files). When no rank has a local file, or a local copy turns out
+corrupt, the durable tier is read. Every decision is agreed over the manager's group,
 so all ranks walk the same (step, tier) sequence: a corrupt copy sends every rank on to
 the next candidate together, with a warning; a mismatch with the state (another model)
 raises at once, naming the keys.
@@ -37,7 +39,6 @@ from unbroken.checkpoint.errors import (
 from unbroken.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
-    crc32c_bytes,
     parse_step_dir,
     read_manifest,
     step_dir,
@@ -60,7 +61,8 @@ class Restored:
 
     step: int
     tier: str
-    """"staging" (the local copy) or "durable"."""
+    """Where this rank's files came from: "staging" (the local copy), "durable", or
+    "staging+durable" (the files its node holds locally, the rest from the durable tier)."""
     url: str
     seconds: float
     manifest: Manifest
@@ -70,8 +72,18 @@ class Restored:
 class _Attempt:
     """What one rank found when preparing to load (step, tier)."""
 
-    verdict: str  # ok | absent | corrupt | mismatch | error
+    verdict: str  # ok | corrupt | mismatch | error
     message: str = ""
+    local_files: int = 0
+    """Files this rank found whole in its staging tier (the staging attempt)."""
+
+
+def _sources(reader: TierReader) -> str:
+    """Which tiers the files this rank read came from."""
+    local = {name for name in reader.files_read if name in reader.local_files}
+    if not local:
+        return "durable"
+    return "staging" if local == reader.files_read else "staging+durable"
 
 
 def restore(
@@ -102,12 +114,12 @@ def restore(
     problems: list[str] = []
     for s in steps:
         for tier, store in (("staging", staging), ("durable", durable)):
-            manifest = _try(
-                state, flat, s, tier, store, durable, group, strict, problems, listed[s]
-            )
-            if manifest is not None:
-                where = store.url_for(step_dir(s))
-                return Restored(s, tier, where, time.monotonic() - began, manifest)
+            loaded = _try(state, flat, s, tier, store, durable, group, strict, problems, listed[s])
+            if loaded is not None:
+                manifest, reader = loaded
+                sources = _sources(reader)
+                where = (durable if sources == "durable" else staging).url_for(step_dir(s))
+                return Restored(s, sources, where, time.monotonic() - began, manifest)
         if s != steps[-1]:
             warnings.warn(
                 f"checkpoint step {s} at {durable.url} could not be loaded; falling back to "
@@ -159,14 +171,12 @@ def _try(
     strict: bool,
     problems: list[str],
     durable_files: dict[str, int],
-) -> Manifest | None:
+) -> tuple[Manifest, TierReader] | None:
     where = store.url_for(step_dir(step))
     prepared: tuple[Manifest, TierReader, dict | None] | None = None
     try:
         prepared = _prepare(flat, step, tier, store, durable, group, strict, durable_files)
-        mine = _Attempt("ok")
-    except _Absent as e:
-        mine = _Attempt("absent", str(e))
+        mine = _Attempt("ok", local_files=len(prepared[1].local_files))
     except CheckpointMismatchError as e:
         mine = _Attempt("mismatch", str(e))
     except CheckpointCorruptError as e:
@@ -178,8 +188,8 @@ def _try(
     messages = "; ".join(sorted({a.message for a in attempts if a.message}))
     if "mismatch" in verdicts:
         raise CheckpointMismatchError(messages)
-    if verdicts == {"absent"} or ("absent" in verdicts and verdicts <= {"ok", "absent"}):
-        return None  # no whole local copy on every rank: read the durable tier
+    if tier == "staging" and verdicts == {"ok"} and not any(a.local_files for a in attempts):
+        return None  # no rank has a local file: the durable attempt reads the same
     if verdicts != {"ok"}:
         _fail(tier, where, messages, problems, "error" in verdicts)
         return None
@@ -211,8 +221,8 @@ def _try(
             RuntimeWarning,
             stacklevel=4,
         )
-    log.info("restored step %d from the %s tier (%s)", step, tier, where)
-    return manifest
+    log.info("restored step %d from the %s tier (%s)", step, _sources(reader), where)
+    return manifest, reader
 
 
 def _fail(tier: str, where: str, message: str, problems: list[str], hard: bool) -> None:
@@ -221,10 +231,6 @@ def _fail(tier: str, where: str, message: str, problems: list[str], hard: bool) 
     if hard and tier == "durable":
         raise CheckpointError(f"reading checkpoint {where} failed: {message}")
     warnings.warn(f"checkpoint {where} is not usable: {message}", RuntimeWarning, stacklevel=4)
-
-
-class _Absent(Exception):
-    """No whole local copy here (not an error: the durable tier has one)."""
 
 
 def _prepare(
@@ -246,46 +252,49 @@ def _prepare(
             step=step,
         )
     if tier == "staging":
-        _check_local_copy(store, name, manifest)
-    reader = TierReader(store, step, manifest)
+        reader = TierReader(
+            durable, step, manifest, local=store, local_files=_local_files(store, name, manifest)
+        )
+    else:
+        reader = TierReader(durable, step, manifest)
     check_compatible(
         flat, reader.read_metadata(), manifest, strict=strict, where=store.url_for(name)
     )
     rng = None
     if group.global_rank < manifest.world_size:
-        rng = _read_rng(store, name, manifest, group.global_rank)
+        rng = _read_rng(reader, manifest, group.global_rank)
     return manifest, reader, rng
 
 
-def _check_local_copy(store: Store, name: str, manifest: Manifest) -> None:
+def _local_files(store: Store, name: str, manifest: Manifest) -> frozenset[str]:
+    """The files of ``manifest`` this rank's staging tier holds at their listed size, if
+    its copy of the manifest equals the durable one (else none: a stale or foreign copy).
+
+    Sizes only: every byte read is checked against its crc32c as it is read, and a local
+    file that fails sends every rank on to the durable tier."""
     try:
         local = Manifest.from_json(store.read_bytes(f"{name}/{MANIFEST}"), where=store.url)
     except Exception as e:
-        raise _Absent(f"no local manifest ({type(e).__name__})") from None
+        log.debug("step %s: no usable local manifest at %s (%s)", name, store.url, describe(e))
+        return frozenset()
     if local != manifest:
-        raise _Absent("the local manifest differs from the durable one")
-    root = store.url
+        return frozenset()
+    present = set()
     for rec in manifest.files.values():
-        path = os.path.join(root, name, rec.name)
         try:
-            size = os.path.getsize(path)
+            size = os.path.getsize(os.path.join(store.url, name, rec.name))
         except OSError:
-            raise _Absent(f"{rec.name} missing locally") from None
-        if size != rec.size:
-            raise _Absent(f"{rec.name} is {size} bytes locally, {rec.size} in the manifest")
+            continue
+        if size == rec.size:
+            present.add(rec.name)
+    return frozenset(present)
 
 
-def _read_rng(store: Store, name: str, manifest: Manifest, rank: int) -> dict | None:
+def _read_rng(reader: TierReader, manifest: Manifest, rank: int) -> dict | None:
     fname = rng_file(rank)
-    rec = manifest.files.get(fname)
-    if rec is None:
+    if fname not in manifest.files:
         return None
-    data = store.read_bytes(f"{name}/{fname}")
-    if len(data) != rec.size or crc32c_bytes(data) != rec.crc32c:
-        raise CheckpointCorruptError(
-            f"{store.url_for(name + '/' + fname)}: RNG state file fails its checksum"
-        )
-    return json.loads(data)
+    return json.loads(reader.read_whole(fname))
 
 
 def check_compatible(
