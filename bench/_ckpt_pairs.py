@@ -3,6 +3,10 @@
 A pair is two blocks of training steps from one job: one with a save issued after its
 first step, one without. Per step position, the block with the save minus the block
 without is what the save cost that step; averaged over pairs, with a standard error.
+
+The first step's difference is not the save's: all of that step but the save call ran
+before the save existed. So the cost in flight is the call's own seconds plus the
+differences of the steps after it that started before the commit.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ class Pair:
     in_flight: int
     """Leading steps of ``with_save`` that ran while the save was in flight (the first
     one, which makes the save call, included)."""
+    call: float = 0.0
+    """Seconds the save call itself took, at the end of the first step."""
 
     def __post_init__(self) -> None:
         if len(self.with_save) != len(self.without) or not self.with_save:
@@ -80,7 +86,9 @@ def steps_in_flight(step_seconds: Sequence[float], save_at: float, commit_s: flo
 def summarize(pairs: Sequence[Pair]) -> dict[str, Estimate | list[Estimate]]:
     """Seconds one save adds per save: while in flight, after its commit, over the block.
 
-    ``per_position`` is the mean difference at each step position."""
+    In flight is the save call plus the steps after it until the commit: the first
+    step's difference before the call is noise (module docstring). ``per_position`` is
+    the mean difference at each step position."""
     if not pairs:
         raise ValueError("no pairs to summarize")
     width = len(pairs[0].with_save)
@@ -88,7 +96,7 @@ def summarize(pairs: Sequence[Pair]) -> dict[str, Estimate | list[Estimate]]:
         raise ValueError("every pair's blocks must have the same number of steps")
     deltas = [p.deltas for p in pairs]
     return {
-        "in_flight": estimate([sum(d[: p.in_flight]) for d, p in zip(deltas, pairs)]),
+        "in_flight": estimate([p.call + sum(d[1 : p.in_flight]) for d, p in zip(deltas, pairs)]),
         "after_commit": estimate([sum(d[p.in_flight :]) for d, p in zip(deltas, pairs)]),
         "whole_block": estimate([sum(d) for d in deltas]),
         "per_position": [estimate([d[i] for d in deltas]) for i in range(width)],
@@ -130,6 +138,7 @@ def pairs_from_records(records: Sequence[dict], skip: int = 1, kind: str = "save
                 tuple(save["steps"]),
                 tuple(group["none"]["steps"]),
                 steps_in_flight(save["steps"], save["save_at"], save["commit"]),
+                float(save.get("call") or 0.0),  # logs before the call was timed: none
             )
         )
     return pairs

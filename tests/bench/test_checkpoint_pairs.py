@@ -24,7 +24,9 @@ COST = [0.0, 0.7, 0.1, 0.0, 0.0, 0.0]
 """What a save adds at each step position of its block, in the synthetic runs below."""
 
 
-def abba(pairs: int, drift_per_step: float, base: float = 6.0) -> list[dict]:
+def abba(
+    pairs: int, drift_per_step: float, base: float = 6.0, call: float | None = None
+) -> list[dict]:
     """Records of a run whose every step is ``drift_per_step`` slower than the one before,
     with blocks in the probe's order: save/none, none/save, ..."""
     records, t = [], 0
@@ -44,6 +46,8 @@ def abba(pairs: int, drift_per_step: float, base: float = 6.0) -> list[dict]:
                     "commit": 2 * base if save else None,
                 }
             )
+            if call is not None:
+                records[-1]["call"] = call if save else None
     return records
 
 
@@ -60,6 +64,22 @@ def test_abba_order_cancels_a_steady_drift():
     # Each order alone is off by the drift over one block (6 positions x 6 steps x 0.05 s
     # = 1.8 s), one way or the other: that spread is what the standard error shows.
     assert s["whole_block"].se == pytest.approx(1.8 * (4 / 3) ** 0.5 / 2)
+
+
+def test_in_flight_is_the_save_call_and_the_steps_after_it():
+    """The step making the call differs by what ran before the call too (noise): only
+    the call's own seconds count from it."""
+    records = abba(3, drift_per_step=0.0, call=0.05)
+    for index, rec in enumerate(records):
+        if rec["kind"] == "save":  # noise before the call, different in every pair
+            rec["steps"][0] += 0.3 * (index % 3) + 0.05
+    s = summarize(pairs_from_records(records, skip=0))
+    assert s["in_flight"].mean == pytest.approx(0.05 + 0.7 + 0.1)
+    assert s["in_flight"].se == pytest.approx(0.0, abs=1e-12)
+    assert s["per_position"][0].mean > 0.05  # the noise is still shown where it is
+    # A log from before the call was timed: the call counts as 0 s.
+    old = summarize(pairs_from_records(abba(3, drift_per_step=0.0), skip=0))
+    assert old["in_flight"].mean == pytest.approx(0.8)
 
 
 def test_without_drift_the_cost_is_exact_and_the_error_zero():
@@ -211,6 +231,7 @@ def test_quick_run_on_two_ranks_with_the_floor_and_shared_staging_alongside(tmp_
     for r in records:
         if r["kind"] != "none":
             assert r["commit"] > 0 and len(r["steps"]) == 3
+            assert 0 <= r["call"] <= r["steps"][0]  # the call is timed, inside step 0
     # Each save committed a checkpoint of its own, kept by the row's retention; the
     # second manager has a remote and a local tier of its own.
     for key in ("unbroken", "unbroken_shared"):
