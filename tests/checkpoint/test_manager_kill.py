@@ -112,9 +112,28 @@ def run_trials(tmp_path, trials: int, seed: int) -> list[int | None]:
     return restored
 
 
+def check_staging_tidied(url: str, staging: str, newest: int) -> None:
+    """A job resumed after the kills on another cadence: its first save leaves in the
+    staging tier only its own copy, whatever partial copies the killed saves left."""
+    import os
+
+    from unbroken.checkpoint.manifest import step_dir
+
+    state = churn_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mgr = ub.CheckpointManager(url, staging_dir=staging)
+        assert mgr.restore(state) == newest
+        next_step = newest + 100
+        assert mgr.save(next_step, state)
+        mgr.close()
+    assert sorted(os.listdir(staging)) == [step_dir(next_step)], os.listdir(staging)
+
+
 def test_kill_during_saves_quick(tmp_path):
     restored = run_trials(tmp_path, trials=3, seed=1)
     assert restored[-1] is not None, restored
+    check_staging_tidied(str(tmp_path / "durable"), str(tmp_path / "staging"), restored[-1])
 
 
 @pytest.mark.slow
@@ -122,3 +141,4 @@ def test_kill_during_saves_quick(tmp_path):
 def test_kill_during_saves_many(tmp_path):
     restored = run_trials(tmp_path, trials=20, seed=2)
     assert sum(s is not None for s in restored) >= 15, restored
+    check_staging_tidied(str(tmp_path / "durable"), str(tmp_path / "staging"), restored[-1])

@@ -301,6 +301,7 @@ class SavePipeline:
             os.unlink(os.path.join(local_dir, MANIFEST))
         except FileNotFoundError:
             pass
+        self._tidy_local(writing=step)
         t1 = time.monotonic()
         job.seconds["staging"] = t1 - t0
         job.seconds["blocking"] = float(job.staged.stats.get("blocking_seconds", 0.0))
@@ -430,7 +431,7 @@ class SavePipeline:
 
     def _after_commit(self, manifest: Manifest) -> None:
         """Retention on both tiers (best effort; a failure here never fails the save)."""
-        self._prune_local(manifest.step)
+        self._tidy_local()
         if self.group.is_coordinator:
             try:
                 self._prune_durable()
@@ -441,22 +442,34 @@ class SavePipeline:
                     describe(e),
                 )
 
-    def _prune_local(self, newest: int) -> None:
-        """The staging tier keeps only the newest committed checkpoint.
+    def _tidy_local(self, writing: int | None = None) -> None:
+        """The staging tier keeps its newest committed copy (the newest step directory
+        that holds a manifest) and the step being written, nothing else.
 
-        An older copy is un-committed first (its manifest goes), then deleted."""
+        Copies older than the newest go after every commit. The rest (partial copies a
+        killed job left above it) go only when ``writing`` is given: every rank has just
+        agreed to write that step, so no rank can be making a later step's directory
+        yet. A copy is un-committed first (its manifest goes), then deleted."""
         try:
             names = os.listdir(self.staging_dir)
         except OSError:
             return
-        for entry in names:
-            step = parse_step_dir(entry)
-            if step is None or step >= newest:
+        entries = {step: e for e in names if (step := parse_step_dir(e)) is not None}
+        committed = [s for s, e in entries.items() if os.path.exists(self._local_path(e, MANIFEST))]
+        newest = max(committed, default=None)
+        for step, entry in sorted(entries.items()):
+            if step in (newest, writing):
                 continue
-            path = os.path.join(self.staging_dir, entry)
+            if writing is None and (newest is None or step > newest):
+                continue
+            if step not in committed:
+                log.info("staging tier: removing %s, a save that did not finish", entry)
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(path, MANIFEST))
-            shutil.rmtree(path, ignore_errors=True)
+                os.unlink(self._local_path(entry, MANIFEST))
+            shutil.rmtree(self._local_path(entry), ignore_errors=True)
+
+    def _local_path(self, *parts: str) -> str:
+        return os.path.join(self.staging_dir, *parts)
 
     def _remove_uncommitted_local(self, step: int) -> None:
         """A failed save's shard would stay in the staging tier until a later commit, and
