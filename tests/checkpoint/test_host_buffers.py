@@ -32,16 +32,50 @@ def test_same_specs_reuse_the_same_buffers():
 
 def test_changed_dtype_or_shape_reallocates_that_key_only():
     pool = HostBufferPool()
-    a0 = pool.reserve({"a": BufferSpec((8,), torch.float32), "b": BufferSpec((8,), torch.float32)})[
+    n = 2048  # a page or more in both dtypes: buffers of their own
+    a0 = pool.reserve({"a": BufferSpec((n,), torch.float32), "b": BufferSpec((n,), torch.float32)})[
         0
     ]
     a1, allocated = pool.reserve(
-        {"a": BufferSpec((8,), torch.bfloat16), "b": BufferSpec((8,), torch.float32)}
+        {"a": BufferSpec((n,), torch.bfloat16), "b": BufferSpec((n,), torch.float32)}
     )
-    assert allocated == 16
+    assert allocated == 2 * n
     assert a1["a"].dtype == torch.bfloat16
     assert a1["b"].data_ptr() == a0["b"].data_ptr()
-    assert pool.nbytes == 16 + 32 and len(pool) == 2
+    assert pool.nbytes == 2 * n + 4 * n and len(pool) == 2
+
+
+def test_small_private_buffers_share_one_segment():
+    """A page each would hold 4 KiB for every scalar (Adam's step, biases): hundreds of
+    MiB for a large model's state, unseen by max_bytes."""
+    pool = HostBufferPool()
+    specs = {f"s{i}": BufferSpec((), torch.float32) for i in range(2000)}
+    specs["norm"] = BufferSpec((1000,), torch.float32)  # 4000 bytes: still under a page
+    specs["big"] = BufferSpec((4096,), torch.float32)  # 16 KiB: a buffer of its own
+    out, allocated = pool.reserve(specs)
+    assert allocated == 2000 * 4 + 4000 + 16384 == pool.nbytes
+    small = [out[k] for k in specs if k != "big"]
+    storage = small[0].untyped_storage()
+    assert all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in small)
+    assert storage.nbytes() <= 2000 * 64 + 4096  # 64-byte slots, not pages
+    assert out["big"].untyped_storage().data_ptr() != storage.data_ptr()
+    assert out["big"].data_ptr() % 4096 == 0 and out["norm"].data_ptr() % 64 == 0
+    # Buffers do not overlap: each holds its own value.
+    for i in range(2000):
+        out[f"s{i}"].fill_(float(i))
+    assert [float(out[f"s{i}"]) for i in range(0, 2000, 199)] == list(range(0, 2000, 199))
+    # The segment is private, page-aligned memory left out of forked children.
+    assert "dc" in _mapping(storage.data_ptr())["VmFlags"].split()
+    assert not small[0].is_shared()
+    # Reused while the small specs hold; one changed spec lays the segment out again.
+    again, allocated = pool.reserve(dict(specs))
+    assert allocated == 0 and again["s7"].data_ptr() == out["s7"].data_ptr()
+    changed = dict(specs, s7=BufferSpec((2,), torch.float32))
+    after, allocated = pool.reserve(changed)
+    assert allocated == 2000 * 4 + 4 + 4000 and after["s7"].shape == (2,)
+    assert after["big"].data_ptr() == out["big"].data_ptr()
+    assert pool.nbytes == 2000 * 4 + 4 + 4000 + 16384 and len(pool) == len(specs)
+    assert pool.reserve({"big": specs["big"]})[1] == 0 and len(pool) == 1
 
 
 def test_budget_boundary_and_refusal_changes_nothing():

@@ -9,7 +9,10 @@ buffers of keys that disappear or change shape are dropped before new ones are m
 CPU sources get private, page-aligned memory with huge pages advised
 (``unbroken._util.host_memory``): the worker writes it in place with O_DIRECT, and the
 same write from shared memory cost compute-bound processes beside it more (0.14-0.17
-core-s per GiB here, against 0.08-0.12 from private memory).
+core-s per GiB here, against 0.08-0.12 from private memory). Buffers smaller than a page
+(scalars such as Adam's ``step``, biases, norms) share one private segment instead: a
+mapping each would take a whole page for a few bytes (70,000 of them held 358 MiB), out
+of sight of ``max_bytes``.
 ``shared_memory=True`` gives shared-memory buffers instead, for a caller that hands them
 to another process (torch's default ``file_descriptor`` strategy unlinks the segment at
 once, so nothing outlives a crash); tmpfs rarely has huge pages. They are views of one
@@ -74,19 +77,25 @@ class HostBufferPool:
         # None: pin exactly the buffers of CUDA sources, when CUDA is there.
         self.pin_memory = pin_memory
         self._buffers: dict[str, tuple[BufferSpec, torch.Tensor]] = {}
+        """Buffers of their own mapping (or pinned), by key."""
+        self._segment: dict[str, tuple[BufferSpec, torch.Tensor]] = {}
+        """Buffers that are views of one segment (``_in_segment``), by key."""
         self.allocations = 0
         """How many buffers this pool has ever allocated (a leak or thrash shows here)."""
 
     @property
     def nbytes(self) -> int:
         """Bytes of host memory the pool holds now."""
-        return sum(spec.nbytes for spec, _ in self._buffers.values())
+        return sum(spec.nbytes for spec, _ in self._held())
 
     def __len__(self) -> int:
-        return len(self._buffers)
+        return len(self._buffers) + len(self._segment)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._buffers
+        return key in self._buffers or key in self._segment
+
+    def _held(self) -> list[tuple[BufferSpec, torch.Tensor]]:
+        return [*self._buffers.values(), *self._segment.values()]
 
     def reserve(self, specs: Mapping[str, BufferSpec]) -> tuple[dict[str, torch.Tensor], int]:
         """Buffers for exactly these keys, and how many bytes had to be newly allocated.
@@ -98,15 +107,16 @@ class HostBufferPool:
         if self.max_bytes is not None and needed > self.max_bytes:
             largest = sorted(((k, s.nbytes) for k, s in specs.items()), key=lambda kv: -kv[1])
             raise StagingBudgetError(needed, self.max_bytes, largest[:5])
-        if self.shared_memory:
-            return self._reserve_in_one_segment(specs)
+        in_segment = {k: s for k, s in specs.items() if self._in_segment(s)}
         # Drop stale buffers first so the peak stays within the budget.
         for key in [k for k, (spec, _) in self._buffers.items() if specs.get(k) != spec]:
             del self._buffers[key]
-        allocated = 0
+        if {key: spec for key, (spec, _) in self._segment.items()} != in_segment:
+            self._segment.clear()  # the old segment goes once no staged state holds it
+        allocated = self._lay_out_segment(in_segment) if in_segment and not self._segment else 0
         out: dict[str, torch.Tensor] = {}
         for key, spec in specs.items():
-            held = self._buffers.get(key)
+            held = self._segment.get(key) or self._buffers.get(key)
             if held is None:
                 held = (spec, self._allocate(spec))
                 self._buffers[key] = held
@@ -118,33 +128,34 @@ class HostBufferPool:
     def clear(self) -> None:
         """Drop every buffer (memory returns once no staged state references it)."""
         self._buffers.clear()
+        self._segment.clear()
 
-    def _reserve_in_one_segment(
-        self, specs: Mapping[str, BufferSpec]
-    ) -> tuple[dict[str, torch.Tensor], int]:
-        """Shared memory: the same buffers while every spec is unchanged, else a new
-        segment laid out for all of them (specs rarely change in a training run)."""
-        if {key: spec for key, (spec, _) in self._buffers.items()} == dict(specs):
-            return {key: buf for key, (_, buf) in self._buffers.items()}, 0
-        self._buffers.clear()  # the old segment goes once no staged state holds it
-        in_segment = {k: s for k, s in specs.items() if s.nbytes and not self._pins(s)}
-        offsets, total = segment_layout(in_segment)
-        # Straight into shared memory: share_memory_() would allocate, then copy.
-        storage = torch.UntypedStorage._new_shared(total) if in_segment else None
+    def _in_segment(self, spec: BufferSpec) -> bool:
+        """Shared memory: every buffer (one descriptor for the pool); private: those under
+        a page. Pinned buffers never: they come from the CUDA host allocator."""
+        if not spec.nbytes or self._pins(spec):
+            return False
+        return self.shared_memory or spec.nbytes < SEGMENT_BELOW_BYTES
+
+    def _lay_out_segment(self, specs: Mapping[str, BufferSpec]) -> int:
+        """One segment for ``specs``, each buffer a view of it; the bytes allocated.
+        Its layout holds while every spec is unchanged (specs rarely change in a run)."""
+        offsets, total = segment_layout(specs)
+        if self.shared_memory:  # straight into shared memory: share_memory_() would copy
+            storage = torch.UntypedStorage._new_shared(total)
+        else:
+            storage = host_tensor((total,), torch.uint8).untyped_storage()
         for key, spec in specs.items():
-            if key in in_segment:
-                buf = torch.empty(0, dtype=spec.dtype)
-                buf.set_(
-                    storage,
-                    offsets[key] // _itemsize(spec.dtype),
-                    spec.shape,
-                    _contiguous_stride(spec.shape),
-                )
-            else:
-                buf = self._allocate(spec)
-            self._buffers[key] = (spec, buf)
+            buf = torch.empty(0, dtype=spec.dtype)
+            buf.set_(
+                storage,
+                offsets[key] // _itemsize(spec.dtype),
+                spec.shape,
+                _contiguous_stride(spec.shape),
+            )
+            self._segment[key] = (spec, buf)
         self.allocations += len(specs)
-        return {key: buf for key, (_, buf) in self._buffers.items()}, self.nbytes
+        return sum(s.nbytes for s in specs.values())
 
     def _pins(self, spec: BufferSpec) -> bool:
         pin = spec.pinned if self.pin_memory is None else self.pin_memory
@@ -152,12 +163,16 @@ class HostBufferPool:
 
     def _allocate(self, spec: BufferSpec) -> torch.Tensor:
         """One buffer of its own: pinned when asked and CUDA is there, else private
-        huge-page memory (shared memory is laid out per segment instead)."""
+        huge-page memory (shared memory and small buffers go in the segment instead)."""
         if self._pins(spec):
             return torch.empty(spec.shape, dtype=spec.dtype, pin_memory=True)
         if spec.nbytes == 0:
             return torch.empty(spec.shape, dtype=spec.dtype)
         return host_tensor(spec.shape, spec.dtype)
+
+
+SEGMENT_BELOW_BYTES = 4096
+"""Private buffers smaller than this (a page) share one segment instead of a mapping each."""
 
 
 def segment_layout(specs: Mapping[str, BufferSpec], page: int = 4096) -> tuple[dict[str, int], int]:
