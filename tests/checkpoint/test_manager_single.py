@@ -212,6 +212,29 @@ def test_a_local_copy_missing_a_file_reads_that_file_from_the_durable_tier(tmp_p
         assert mgr.last_restore.url.startswith(str(tmp_path / "durable"))
 
 
+def test_a_rolled_back_run_keeps_its_own_step_in_the_staging_tier(tmp_path):
+    """After restore(step=2) the run saves 3: the staging tier keeps 3, not the newer
+    step 4 of the abandoned branch (whose copy would otherwise evict each new commit)."""
+    state = make_state()
+    with manager(tmp_path, keep_last=5) as mgr:
+        for step in (2, 4):
+            train(state, [step])
+            mgr.save(step, state)
+            mgr.wait()
+    with manager(tmp_path, keep_last=5) as mgr:
+        assert mgr.restore(state, step=2) == 2
+        train(state, [3])
+        mgr.save(3, state)
+        mgr.wait()
+        expected = snapshot(state)
+        assert sorted(os.listdir(tmp_path / "staging")) == [step_dir(3)]
+    fresh = make_state(9)
+    with manager(tmp_path) as mgr:
+        assert mgr.restore(fresh, step=3) == 3
+        assert mgr.last_restore.tier == "staging"
+    assert_same(snapshot(fresh), expected)
+
+
 def test_every_copy_corrupt_raises(tmp_path):
     state = make_state()
     with manager(tmp_path) as mgr:

@@ -397,6 +397,7 @@ class CheckpointManager:
         if restored is None:
             return None
         self._committed.add(restored.step)
+        self._pipeline.current_step = restored.step  # its local copy is the one to keep
         self._last_step, self._last_start = restored.step, time.monotonic()
         return restored.step
 

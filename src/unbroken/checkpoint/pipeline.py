@@ -184,6 +184,9 @@ class SavePipeline:
         self._lock = threading.Lock()
         self._pending = 0
         self._told_page_cache = False
+        self.current_step: int | None = None
+        """The step this run is at: its last commit, or what the manager restored. Its
+        copy is the one the staging tier keeps (``_tidy_local``)."""
         self._idle = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._loop, name="unbroken-ckpt", daemon=True)
         self._thread.start()
@@ -431,6 +434,7 @@ class SavePipeline:
 
     def _after_commit(self, manifest: Manifest) -> None:
         """Retention on both tiers (best effort; a failure here never fails the save)."""
+        self.current_step = manifest.step
         self._tidy_local()
         if self.group.is_coordinator:
             try:
@@ -443,24 +447,27 @@ class SavePipeline:
                 )
 
     def _tidy_local(self, writing: int | None = None) -> None:
-        """The staging tier keeps its newest committed copy (the newest step directory
-        that holds a manifest) and the step being written, nothing else.
+        """The staging tier keeps the copy of the step this run is at (``current_step``;
+        before a commit or restore, the newest directory holding a manifest) and the step
+        being written, nothing else: older copies, newer committed ones (a rolled-back or
+        restarted run's) and partial ones a killed job left.
 
-        Copies older than the newest go after every commit. The rest (partial copies a
-        killed job left above it) go only when ``writing`` is given: every rank has just
-        agreed to write that step, so no rank can be making a later step's directory
-        yet. A copy is un-committed first (its manifest goes), then deleted."""
+        After a commit (no ``writing``) a newer directory without a manifest stays: a
+        rank of this node may have made it for its next save before the ranks agreed on
+        that save. Before a local write every rank has agreed on ``writing``, so no rank
+        can be making another step's directory then. A copy is un-committed first (its
+        manifest goes), then deleted."""
         try:
             names = os.listdir(self.staging_dir)
         except OSError:
             return
         entries = {step: e for e in names if (step := parse_step_dir(e)) is not None}
-        committed = [s for s, e in entries.items() if os.path.exists(self._local_path(e, MANIFEST))]
-        newest = max(committed, default=None)
+        committed = {s for s, e in entries.items() if os.path.exists(self._local_path(e, MANIFEST))}
+        keep = self.current_step if self.current_step is not None else max(committed, default=None)
         for step, entry in sorted(entries.items()):
-            if step in (newest, writing):
+            if step in (keep, writing):
                 continue
-            if writing is None and (newest is None or step > newest):
+            if writing is None and step not in committed and (keep is None or step > keep):
                 continue
             if step not in committed:
                 log.info("staging tier: removing %s, a save that did not finish", entry)
