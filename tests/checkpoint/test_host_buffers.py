@@ -10,7 +10,7 @@ import torch
 
 from unbroken._util.direct_io import DirectFileWriter, open_direct
 from unbroken._util.host_memory import HUGE_PAGE, host_buffer
-from unbroken.checkpoint.host_buffers import BufferSpec, HostBufferPool
+from unbroken.checkpoint.host_buffers import BufferSpec, HostBufferPool, segment_layout
 from unbroken.checkpoint.staging_errors import CheckpointError, StagingBudgetError
 
 
@@ -18,7 +18,7 @@ def test_same_specs_reuse_the_same_buffers():
     pool = HostBufferPool()
     specs = {"a": BufferSpec((4, 5), torch.float32), "b": BufferSpec((3,), torch.int64)}
     first, allocated = pool.reserve(specs)
-    assert allocated == 4 * 5 * 4 + 3 * 8
+    assert allocated == 128 + 3 * 8  # both under a page: 64-byte slots of one segment
     for _ in range(5):
         again, allocated = pool.reserve(dict(specs))
         assert allocated == 0
@@ -53,11 +53,12 @@ def test_small_private_buffers_share_one_segment():
     specs["norm"] = BufferSpec((1000,), torch.float32)  # 4000 bytes: still under a page
     specs["big"] = BufferSpec((4096,), torch.float32)  # 16 KiB: a buffer of its own
     out, allocated = pool.reserve(specs)
-    assert allocated == 2000 * 4 + 4000 + 16384 == pool.nbytes
+    segment = 2000 * 64 + 4000  # 64-byte slots, not pages
+    assert allocated == segment + 16384 == pool.nbytes  # max_bytes sees the slots
     small = [out[k] for k in specs if k != "big"]
     storage = small[0].untyped_storage()
     assert all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in small)
-    assert storage.nbytes() <= 2000 * 64 + 4096  # 64-byte slots, not pages
+    assert storage.nbytes() == segment
     assert out["big"].untyped_storage().data_ptr() != storage.data_ptr()
     assert out["big"].data_ptr() % 4096 == 0 and out["norm"].data_ptr() % 64 == 0
     # Buffers do not overlap: each holds its own value.
@@ -72,10 +73,24 @@ def test_small_private_buffers_share_one_segment():
     assert allocated == 0 and again["s7"].data_ptr() == out["s7"].data_ptr()
     changed = dict(specs, s7=BufferSpec((2,), torch.float32))
     after, allocated = pool.reserve(changed)
-    assert allocated == 2000 * 4 + 4 + 4000 and after["s7"].shape == (2,)
+    assert allocated == segment and after["s7"].shape == (2,)
     assert after["big"].data_ptr() == out["big"].data_ptr()
-    assert pool.nbytes == 2000 * 4 + 4 + 4000 + 16384 and len(pool) == len(specs)
+    assert pool.nbytes == segment + 16384 and len(pool) == len(specs)
     assert pool.reserve({"big": specs["big"]})[1] == 0 and len(pool) == 1
+    assert pool.nbytes == 16384
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_buffer_pickled_whole_gets_a_storage_of_its_own(shared):
+    """torch.save writes a view's whole storage: a tensor DCP pickles (inside a tuple)
+    must not be a view of the segment, or every such value would carry all of it."""
+    pool = HostBufferPool(shared_memory=shared)
+    specs = {f"s{i}": BufferSpec((), torch.float32) for i in range(100)}
+    specs["pos"] = BufferSpec((2,), torch.int64, own_storage=True)
+    out, _ = pool.reserve(specs)
+    assert out["pos"].untyped_storage().nbytes() == 16
+    assert out["pos"].is_shared() is shared
+    assert out["s0"].untyped_storage().nbytes() >= 100 * 4
 
 
 def test_budget_boundary_and_refusal_changes_nothing():
@@ -205,7 +220,8 @@ def test_shared_buffers_are_one_segment_so_thousands_of_tensors_take_one_descrip
     fds_before = len(os.listdir("/proc/self/fd"))
     out, allocated = pool.reserve(specs)
     assert len(os.listdir("/proc/self/fd")) - fds_before <= 1
-    assert allocated == pool.nbytes == sum(s.nbytes for s in specs.values())
+    in_segment = {k: s for k, s in specs.items() if s.nbytes}
+    assert allocated == pool.nbytes == segment_layout(in_segment)[1]
     assert all(out[k].is_shared() for k in specs if k != "empty")
     assert out["big"].data_ptr() % 4096 == 0 and out["big"].is_contiguous()
     spans = sorted((b.data_ptr(), b.data_ptr() + b.nbytes) for b in out.values() if b.nbytes)

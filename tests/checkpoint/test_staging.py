@@ -198,7 +198,8 @@ def test_buffers_are_reused_across_saves(stager):
             _assert_same(_snapshot(state), staged.state_dict)
             if ptrs is None:
                 ptrs, allocations = now, stager.pool.allocations
-                assert staged.stats["allocated_bytes"] == staged.stats["bytes"]
+                assert staged.stats["allocated_bytes"] == stager.pool.nbytes
+                assert stager.pool.nbytes >= staged.stats["bytes"]  # + small buffers' slots
             else:
                 assert now == ptrs
                 assert staged.stats["allocated_bytes"] == 0
@@ -217,6 +218,23 @@ def test_only_a_changed_key_is_reallocated_and_dropped_keys_are_freed(stager):
         assert staged.stats["allocated_bytes"] == 3200 * 4
     assert "c" not in stager.pool
     assert stager.pool.nbytes == (2048 + 3200) * 4
+
+
+def test_a_tensor_that_dcp_pickles_is_staged_into_a_storage_of_its_own(stager):
+    """A tuple is one DCP item, saved with torch.save, which writes a view's whole
+    storage: its tensors must not be views of the small buffers' segment."""
+    scalars = {f"s{i}": torch.tensor(float(i)) for i in range(500)}
+    tied = torch.tensor([7, 8])
+    state = {"pos": (torch.tensor([3, 4]), "epoch"), "nested": [("a", tied)], "tied": tied}
+    with stager.stage({**scalars, **state}) as staged:
+        staged.wait()
+        sd = staged.state_dict
+        assert sd["pos"][0].tolist() == [3, 4] and sd["pos"][1] == "epoch"
+        assert sd["pos"][0].untyped_storage().nbytes() == 16
+        # Tied to a plain entry: the one buffer both share is a storage of its own too.
+        assert sd["nested"][0][1].untyped_storage().nbytes() == 16
+        assert sd["tied"].data_ptr() == sd["nested"][0][1].data_ptr()
+        assert sd["s1"].untyped_storage().nbytes() >= 500 * 4  # the rest share a segment
 
 
 def test_tied_tensors_share_one_buffer(stager):
@@ -449,7 +467,8 @@ def test_budget_is_enforced_and_nothing_is_lost():
         ptr = staged.state_dict["small"].data_ptr()
     with pytest.raises(StagingBudgetError, match=r"'big' \(4000 B\)") as info:
         stager.stage({"small": torch.ones(100), "big": torch.ones(1000)})
-    assert info.value.needed == 4400 and info.value.max_bytes == 1000
+    # small (400 B, under a page) takes a 448-byte slot of the small buffers' segment
+    assert info.value.needed == 448 + 4000 and info.value.max_bytes == 1000
     assert stager.pool.nbytes == 400  # the earlier buffer is still held, unchanged
     with stager.stage({"small": torch.full((100,), 2.0)}) as staged:
         assert staged.state_dict["small"].data_ptr() == ptr

@@ -45,6 +45,9 @@ class BufferSpec:
     """Element type of the source tensor."""
     pinned: bool = False
     """Page-locked memory, for sources on a CUDA device."""
+    own_storage: bool = False
+    """A storage of its own, never a view of a shared segment: the tensor is pickled
+    whole (inside a tuple, say), and torch.save writes a view's whole storage."""
 
     @property
     def nbytes(self) -> int:
@@ -80,13 +83,15 @@ class HostBufferPool:
         """Buffers of their own mapping (or pinned), by key."""
         self._segment: dict[str, tuple[BufferSpec, torch.Tensor]] = {}
         """Buffers that are views of one segment (``_in_segment``), by key."""
+        self._segment_bytes = 0
         self.allocations = 0
         """How many buffers this pool has ever allocated (a leak or thrash shows here)."""
 
     @property
     def nbytes(self) -> int:
-        """Bytes of host memory the pool holds now."""
-        return sum(spec.nbytes for spec, _ in self._held())
+        """Bytes of host memory the pool holds now (the segment with its alignment)."""
+        own = sum(spec.nbytes for spec, _ in self._buffers.values())
+        return own + self._segment_bytes
 
     def __len__(self) -> int:
         return len(self._buffers) + len(self._segment)
@@ -94,25 +99,24 @@ class HostBufferPool:
     def __contains__(self, key: object) -> bool:
         return key in self._buffers or key in self._segment
 
-    def _held(self) -> list[tuple[BufferSpec, torch.Tensor]]:
-        return [*self._buffers.values(), *self._segment.values()]
-
     def reserve(self, specs: Mapping[str, BufferSpec]) -> tuple[dict[str, torch.Tensor], int]:
         """Buffers for exactly these keys, and how many bytes had to be newly allocated.
 
         Raises ``StagingBudgetError`` (and changes nothing) when the specs need more than
         ``max_bytes``.
         """
-        needed = sum(s.nbytes for s in specs.values())
+        in_segment = {k: s for k, s in specs.items() if self._in_segment(s)}
+        needed = segment_layout(in_segment)[1] + sum(
+            s.nbytes for k, s in specs.items() if k not in in_segment
+        )
         if self.max_bytes is not None and needed > self.max_bytes:
             largest = sorted(((k, s.nbytes) for k, s in specs.items()), key=lambda kv: -kv[1])
             raise StagingBudgetError(needed, self.max_bytes, largest[:5])
-        in_segment = {k: s for k, s in specs.items() if self._in_segment(s)}
         # Drop stale buffers first so the peak stays within the budget.
         for key in [k for k, (spec, _) in self._buffers.items() if specs.get(k) != spec]:
             del self._buffers[key]
         if {key: spec for key, (spec, _) in self._segment.items()} != in_segment:
-            self._segment.clear()  # the old segment goes once no staged state holds it
+            self._clear_segment()  # the old one goes once no staged state holds it
         allocated = self._lay_out_segment(in_segment) if in_segment and not self._segment else 0
         out: dict[str, torch.Tensor] = {}
         for key, spec in specs.items():
@@ -128,12 +132,17 @@ class HostBufferPool:
     def clear(self) -> None:
         """Drop every buffer (memory returns once no staged state references it)."""
         self._buffers.clear()
+        self._clear_segment()
+
+    def _clear_segment(self) -> None:
         self._segment.clear()
+        self._segment_bytes = 0
 
     def _in_segment(self, spec: BufferSpec) -> bool:
         """Shared memory: every buffer (one descriptor for the pool); private: those under
-        a page. Pinned buffers never: they come from the CUDA host allocator."""
-        if not spec.nbytes or self._pins(spec):
+        a page. Pinned buffers never (they come from the CUDA host allocator), nor those
+        that are pickled whole."""
+        if not spec.nbytes or spec.own_storage or self._pins(spec):
             return False
         return self.shared_memory or spec.nbytes < SEGMENT_BELOW_BYTES
 
@@ -155,19 +164,23 @@ class HostBufferPool:
             )
             self._segment[key] = (spec, buf)
         self.allocations += len(specs)
-        return sum(s.nbytes for s in specs.values())
+        self._segment_bytes = total
+        return total
 
     def _pins(self, spec: BufferSpec) -> bool:
         pin = spec.pinned if self.pin_memory is None else self.pin_memory
         return bool(pin) and torch.cuda.is_available()
 
     def _allocate(self, spec: BufferSpec) -> torch.Tensor:
-        """One buffer of its own: pinned when asked and CUDA is there, else private
-        huge-page memory (shared memory and small buffers go in the segment instead)."""
+        """One buffer of its own: pinned when asked and CUDA is there, else shared or
+        private huge-page memory (small private buffers and, in shared memory, all but
+        those pickled whole go in the segment instead)."""
         if self._pins(spec):
             return torch.empty(spec.shape, dtype=spec.dtype, pin_memory=True)
         if spec.nbytes == 0:
             return torch.empty(spec.shape, dtype=spec.dtype)
+        if self.shared_memory:
+            return torch.empty(spec.shape, dtype=spec.dtype).share_memory_()
         return host_tensor(spec.shape, spec.dtype)
 
 

@@ -313,6 +313,7 @@ class StateStager:
         owner: dict[tuple, str] = {}  # memory -> key of the leaf that copies it
         specs: dict[str, BufferSpec] = {}
         sources: dict[str, torch.Tensor] = {}
+        pickled = {f.alias for f in found if f.pickled}  # a tied copy pickled: all of them
         for f in found:
             if f.alias in owner:  # tied: shares the earlier key's buffer
                 if f.name in first:
@@ -320,7 +321,9 @@ class StateStager:
                 continue
             owner[f.alias] = f.name
             sources[f.name] = f.local
-            specs[f.name] = BufferSpec(tuple(f.local.shape), f.local.dtype, f.local.is_cuda)
+            specs[f.name] = BufferSpec(
+                tuple(f.local.shape), f.local.dtype, f.local.is_cuda, f.alias in pickled
+            )
         buffers, allocated = self.pool.reserve(specs)
         leaves = [Leaf(name, src, buffers[name], version_of(src)) for name, src in sources.items()]
         staged = [wrap_like(f.value, buffers[owner[f.alias]]) for f in found]

@@ -45,6 +45,16 @@ def buffer_keys(module: torch.nn.Module, prefix: str = "") -> list[str]:
     return keys
 
 
+def is_dcp_leaf(value: Any) -> bool:
+    """DCP's rule for what it saves as one item: anything but a mapping, and a list
+    unless it holds tensors, mappings or lists that are not leaves (a tuple always is)."""
+    if isinstance(value, Mapping):
+        return False
+    if isinstance(value, list):
+        return not any(isinstance(v, (torch.Tensor, Mapping)) or not is_dcp_leaf(v) for v in value)
+    return True
+
+
 class Found(NamedTuple):
     """One tensor of a state: its dotted key, the value, the memory to copy."""
 
@@ -55,16 +65,21 @@ class Found(NamedTuple):
     """The memory to copy: the value, or a DTensor's local shard."""
     alias: tuple
     """Equal for values that are the same memory (``alias_key``)."""
+    pickled: bool = False
+    """Inside a value DCP pickles whole (``is_dcp_leaf``: a tuple, say): torch.save writes
+    the whole storage of a view, so its buffer must be a storage of its own."""
 
 
 def collect(state: Any) -> list[Found]:
     """Every tensor in nested mappings, lists and tuples, in traversal order."""
     found: list[Found] = []
-    _collect_into(state, (), found, set(), _dtensor_type())
+    _collect_into(state, (), found, set(), _dtensor_type(), False)
     return found
 
 
-def _collect_into(obj: Any, path: tuple, found: list, names: set, dtensor: type | None) -> None:
+def _collect_into(
+    obj: Any, path: tuple, found: list, names: set, dtensor: type | None, pickled: bool
+) -> None:
     if isinstance(obj, torch.Tensor):
         name = ".".join(map(str, path))
         local = obj._local_tensor if dtensor is not None and isinstance(obj, dtensor) else obj
@@ -72,13 +87,14 @@ def _collect_into(obj: Any, path: tuple, found: list, names: set, dtensor: type 
         if name in names:
             raise ValueError(f"state dict key {name!r} appears twice once flattened")
         names.add(name)
-        found.append(Found(name, obj, local, alias_key(local)))
+        found.append(Found(name, obj, local, alias_key(local), pickled))
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            _collect_into(value, (*path, key), found, names, dtensor)
+            _collect_into(value, (*path, key), found, names, dtensor, pickled)
     elif type(obj) in (list, tuple):
+        pickled = pickled or is_dcp_leaf(obj)
         for index, value in enumerate(obj):
-            _collect_into(value, (*path, index), found, names, dtensor)
+            _collect_into(value, (*path, index), found, names, dtensor, pickled)
 
 
 def rebuild(obj: Any, staged: Iterator[torch.Tensor]) -> Any:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from unbroken.checkpoint import json_values
-from unbroken.checkpoint.staging_tree import alias_key, local_tensor
+from unbroken.checkpoint.staging_tree import alias_key, is_dcp_leaf, local_tensor
 
 
 class Idx(int):
@@ -158,21 +158,12 @@ def _buffer_keys(flat: FlatState, name: str, module: nn.Module) -> set[str]:
     }
 
 
-def _is_leaf(value: Any) -> bool:
-    """DCP's rule: a list is a leaf unless it holds tensors, mappings or non-leaf lists."""
-    if isinstance(value, Mapping):
-        return False
-    if isinstance(value, list):
-        return not any(isinstance(v, (torch.Tensor, Mapping)) or not _is_leaf(v) for v in value)
-    return True
-
-
 def _flatten_into(flat: FlatState, path: Path, value: Any) -> None:
     if isinstance(value, Mapping):
         for k, v in value.items():
             _flatten_into(flat, (*path, k), v)
         return
-    if not _is_leaf(value):
+    if not is_dcp_leaf(value):
         for i, v in enumerate(value):
             _flatten_into(flat, (*path, Idx(i)), v)
         return
