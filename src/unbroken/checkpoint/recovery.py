@@ -38,6 +38,7 @@ from unbroken.checkpoint.errors import (
 )
 from unbroken.checkpoint.manifest import (
     MANIFEST_NAME,
+    METADATA_JSON,
     Manifest,
     parse_step_dir,
     read_manifest,
@@ -258,7 +259,11 @@ def _prepare(
     else:
         reader = TierReader(durable, step, manifest)
     check_compatible(
-        flat, reader.read_metadata(), manifest, strict=strict, where=store.url_for(name)
+        flat,
+        reader.read_metadata(),
+        manifest,
+        strict=strict,
+        where=reader.source(METADATA_JSON).url_for(name),
     )
     rng = None
     if group.global_rank < manifest.world_size:
