@@ -5,8 +5,9 @@ first step, one without. Per step position, the block with the save minus the bl
 without is what the save cost that step; averaged over pairs, with a standard error.
 
 The first step's difference is not the save's: all of that step but the save call ran
-before the save existed. So the cost in flight is the call's own seconds plus the
-differences of the steps after it that started before the commit.
+before the save existed. So every figure counts from the call: the call's own seconds,
+then the differences of the steps after it (in flight: those that started before the
+commit; the whole block: all of them, so in flight plus after the commit).
 """
 
 from __future__ import annotations
@@ -86,9 +87,9 @@ def steps_in_flight(step_seconds: Sequence[float], save_at: float, commit_s: flo
 def summarize(pairs: Sequence[Pair]) -> dict[str, Estimate | list[Estimate]]:
     """Seconds one save adds per save: while in flight, after its commit, over the block.
 
-    In flight is the save call plus the steps after it until the commit: the first
-    step's difference before the call is noise (module docstring). ``per_position`` is
-    the mean difference at each step position."""
+    Each counts from the save call: the first step's difference before the call is
+    noise (module docstring). ``per_position`` is the mean difference at each step
+    position, the first one whole."""
     if not pairs:
         raise ValueError("no pairs to summarize")
     width = len(pairs[0].with_save)
@@ -98,7 +99,7 @@ def summarize(pairs: Sequence[Pair]) -> dict[str, Estimate | list[Estimate]]:
     return {
         "in_flight": estimate([p.call + sum(d[1 : p.in_flight]) for d, p in zip(deltas, pairs)]),
         "after_commit": estimate([sum(d[p.in_flight :]) for d, p in zip(deltas, pairs)]),
-        "whole_block": estimate([sum(d) for d in deltas]),
+        "whole_block": estimate([p.call + sum(d[1:]) for d, p in zip(deltas, pairs)]),
         "per_position": [estimate([d[i] for d in deltas]) for i in range(width)],
     }
 
@@ -151,8 +152,13 @@ def difference(records: Sequence[dict], skip: int, kind: str, other: str) -> Est
     blocks = _rounds(records)
     return estimate(
         [
-            sum(group[kind]["steps"]) - sum(group[other]["steps"])
+            from_the_call(group[kind]) - from_the_call(group[other])
             for index, group in sorted(blocks.items())
             if index >= skip and kind in group and other in group
         ]
     )
+
+
+def from_the_call(record: dict) -> float:
+    """A block's seconds from its save call on: the call, then every later step."""
+    return float(record.get("call") or 0.0) + sum(record["steps"][1:])

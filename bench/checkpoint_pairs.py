@@ -13,7 +13,7 @@ cost; over pairs the report gives it with a standard error:
   (the in-row figure; the rest of the step that makes the call ran before the save
   existed, so its difference is noise and is left out);
 - after the commit: the rest of the block (a lasting cost would show here);
-- the whole block: all of it, the figure to hold against torch.save / 50.
+- the whole block: both, the figure to hold against torch.save / 50.
 
 ``--also floor_2tier`` adds a third block to every round, saved by the checkpoint
 benchmark's "floor + 2 disk writes" row (a memcpy, then the bytes written once to each

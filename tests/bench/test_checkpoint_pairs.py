@@ -61,9 +61,10 @@ def test_abba_order_cancels_a_steady_drift():
     assert s["whole_block"].mean == pytest.approx(0.8)
     assert s["whole_block"].median == pytest.approx(0.8)
     assert [e.mean for e in s["per_position"]] == pytest.approx(COST)
-    # Each order alone is off by the drift over one block (6 positions x 6 steps x 0.05 s
-    # = 1.8 s), one way or the other: that spread is what the standard error shows.
-    assert s["whole_block"].se == pytest.approx(1.8 * (4 / 3) ** 0.5 / 2)
+    # Each order alone is off by the drift over one block (5 positions after the call x
+    # 6 steps x 0.05 s = 1.5 s), one way or the other: that spread is what the standard
+    # error shows.
+    assert s["whole_block"].se == pytest.approx(1.5 * (4 / 3) ** 0.5 / 2)
 
 
 def test_in_flight_is_the_save_call_and_the_steps_after_it():
@@ -76,6 +77,7 @@ def test_in_flight_is_the_save_call_and_the_steps_after_it():
     s = summarize(pairs_from_records(records, skip=0))
     assert s["in_flight"].mean == pytest.approx(0.05 + 0.7 + 0.1)
     assert s["in_flight"].se == pytest.approx(0.0, abs=1e-12)
+    assert s["whole_block"].mean == pytest.approx(s["in_flight"].mean + s["after_commit"].mean)
     assert s["per_position"][0].mean > 0.05  # the noise is still shown where it is
     # A log from before the call was timed: the call counts as 0 s.
     old = summarize(pairs_from_records(abba(3, drift_per_step=0.0), skip=0))
@@ -145,9 +147,9 @@ def with_another_saver(records: list[dict], extra: float) -> list[dict]:
 def test_another_saver_is_reported_beside_unbroken_and_against_it():
     records = with_another_saver(abba(3, 0.0), extra=0.1)
     theirs = summarize(pairs_from_records(records, skip=0, kind="floor_2tier"))
-    assert theirs["whole_block"].mean == pytest.approx(0.8 + 6 * 0.1)
+    assert theirs["whole_block"].mean == pytest.approx(0.8 + 5 * 0.1)  # from the call on
     gap = difference(records, 0, "save", "floor_2tier")
-    assert gap.mean == pytest.approx(-0.6) and gap.n == 3
+    assert gap.mean == pytest.approx(-0.5) and gap.n == 3
     # A round cut short (here: before its block without a save) is left out of all three.
     cut = [r for r in records if not (r["pair"] == 2 and r["kind"] == "none")]
     kept = whole_rounds(cut)
@@ -168,8 +170,8 @@ def test_report_from_a_kept_log(tmp_path):
     assert last["whole_block"]["mean"] == pytest.approx(0.8, abs=0.01)
     log.write_text("".join(json.dumps(r) + "\n" for r in with_another_saver(abba(3, 0.0), 0.1)))
     last = json.loads(run_pairs("--from-log", str(log), timeout=60).strip().splitlines()[-1])
-    assert last["floor_2tier"]["whole_block"]["mean"] == pytest.approx(1.4)
-    assert last["save_minus_floor_2tier"]["mean"] == pytest.approx(-0.6)
+    assert last["floor_2tier"]["whole_block"]["mean"] == pytest.approx(1.3)
+    assert last["save_minus_floor_2tier"]["mean"] == pytest.approx(-0.5)
 
 
 def test_a_log_that_cannot_be_reported_is_refused_by_name(tmp_path):
