@@ -119,17 +119,24 @@ def scenario_ddp(a: argparse.Namespace) -> None:
     log("ddp ok")
 
 
+def flip_a_payload_of(step_path: Path, file: str) -> None:
+    """Flip a byte of the first payload that ``step_path``'s metadata places in ``file``."""
+    from tests.checkpoint.manager_util import flip_payload_byte
+
+    doc = json.loads((step_path / "metadata.json").read_text())
+    flip_payload_byte(step_path, next(d["fqn"] for d in doc["storage_data"] if d["file"] == file))
+
+
 def scenario_nodes(a: argparse.Namespace) -> None:
     """One node per rank (``--staging`` holds ``{rank}``): each staging tier holds only its
     own rank's files. Restore reads what a node holds locally and the rest from the
     durable tier; a replaced node (empty staging tier) reads all from the durable tier; a
-    corrupt local file sends every rank to the durable tier."""
+    corrupt local file sends every rank to the durable tier; a corrupt durable file read
+    in the staging attempt sends every rank to the previous step."""
     import shutil
     import warnings
 
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from tests.checkpoint.manager_util import flip_payload_byte
 
     rank = dist.get_rank()
     model = DDP(make_model(0))
@@ -147,6 +154,8 @@ def scenario_nodes(a: argparse.Namespace) -> None:
     mine = sorted(os.listdir(Path(a.staging) / "step-000000000003"))
     assert f"__{rank}_0.distcp" in mine and f"__{1 - rank}_0.distcp" not in mine, mine
 
+    warned: list[str] = []
+
     def restore(what: str) -> str:
         fresh = DDP(make_model(1))
         fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
@@ -156,7 +165,8 @@ def scenario_nodes(a: argparse.Namespace) -> None:
             assert mgr.restore({"model": fresh, "optim": fresh_opt, "sched": fresh_sched}) == 3
         assert_same(full_state(fresh, fresh_opt), expected, f"restore {what}")
         tier = mgr.last_restore.tier
-        log(f"{what}: {tier}; warnings: {[str(w.message) for w in caught]}")
+        warned[:] = [str(w.message) for w in caught]
+        log(f"{what}: {tier}; warnings: {warned}")
         return tier + ("; warned" if caught else "")
 
     got = restore("every node whole")  # DDP's saves spread the model over both files
@@ -169,13 +179,26 @@ def scenario_nodes(a: argparse.Namespace) -> None:
     assert got == ("durable" if rank == 1 else "staging+durable"), got
     dist.barrier()
     if rank == 0:  # a payload every rank reads: rank 0 from its disk, rank 1 remotely
-        local = Path(a.staging) / "step-000000000003"
-        doc = json.loads((local / "metadata.json").read_text())
-        key = next(d["fqn"] for d in doc["storage_data"] if d["file"] == "__0_0.distcp")
-        flip_payload_byte(local, key)
+        flip_a_payload_of(Path(a.staging) / "step-000000000003", "__0_0.distcp")
     dist.barrier()
     got = restore("node 0 corrupt")
     assert got == "durable; warned", got
+    # A bad durable copy of node 1's file, which rank 0 reads from the durable tier in the
+    # staging attempt: every rank gives step 6 up at once (a durable attempt would read the
+    # same bytes; ranks that disagreed would hang in different collectives) for step 3.
+    for step in range(4, 7):
+        train_step(model, optim, sched, step)
+        mgr.maybe_save(step, state)
+    mgr.wait()
+    dist.barrier()
+    bad = Path(a.url) / "step-000000000006"
+    if rank == 0:
+        flip_a_payload_of(bad, "__1_0.distcp")
+    dist.barrier()
+    got = restore("durable copy corrupt")
+    assert got == "durable; warned", got
+    unusable = [m for m in warned if "is not usable" in m]
+    assert len(unusable) == 1 and unusable[0].startswith(f"checkpoint {bad} is not"), warned
     mgr.close()
     log("nodes ok")
 

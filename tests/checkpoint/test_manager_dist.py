@@ -103,3 +103,4 @@ def test_each_node_restores_what_it_holds_from_its_own_staging_tier(tmp_path):
     assert out.count("nodes ok") == 2
     assert "[rank 1] node 1 replaced: durable" in out
     assert "[rank 0] node 0 corrupt: durable" in out and "is not usable" in out
+    assert "[rank 1] durable copy corrupt: durable" in out

@@ -40,6 +40,17 @@ def manager(tmp_path: Path, url: str | None = None, **kw) -> ub.CheckpointManage
     )
 
 
+def train_and_save(mgr: ub.CheckpointManager, state: dict, steps) -> dict[int, dict]:
+    """Train one step and save it until committed, for each of ``steps``; what each saved."""
+    saved = {}
+    for step in steps:
+        train(state, [step])
+        mgr.save(step, state)
+        mgr.wait()
+        saved[step] = snapshot(state)
+    return saved
+
+
 @pytest.mark.parametrize("tier", ["staging", "durable"])
 def test_round_trip_every_kind_of_value_and_rng(tmp_path, tier):
     state = make_state(0)
@@ -212,15 +223,38 @@ def test_a_local_copy_missing_a_file_reads_that_file_from_the_durable_tier(tmp_p
         assert mgr.last_restore.url.startswith(str(tmp_path / "durable"))
 
 
+@pytest.mark.parametrize("damage", ["flipped", "deleted"])
+def test_a_bad_durable_file_met_in_the_staging_attempt_is_not_read_again(tmp_path, damage):
+    """The staging attempt reads what the node lacks from the durable tier. When that copy
+    is bad, the warning names the durable tier, and restore falls back to the previous
+    commit at once instead of reading the same bad bytes again in a durable attempt."""
+    state = make_state()
+    with manager(tmp_path, keep_last=3) as mgr:
+        expected = train_and_save(mgr, state, (2, 4))[2]
+    shard = step_dir(4) + "/__0_0.distcp"
+    (tmp_path / "staging" / shard).unlink()
+    if damage == "flipped":
+        flip_payload_byte(tmp_path / "durable" / step_dir(4))
+    else:
+        (tmp_path / "durable" / shard).unlink()
+    fresh = make_state(5)
+    with manager(tmp_path) as mgr, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mgr.restore(fresh) == 2
+    unusable = [str(w.message) for w in caught if "is not usable" in str(w.message)]
+    assert len(unusable) == 1, unusable
+    assert unusable[0].startswith(f"checkpoint {tmp_path / 'durable' / step_dir(4)} is not")
+    assert "__0_0.distcp" in unusable[0]
+    assert any("falling back" in str(w.message) for w in caught)
+    assert_same(snapshot(fresh), expected)
+
+
 def test_a_rolled_back_run_keeps_its_own_step_in_the_staging_tier(tmp_path):
     """After restore(step=2) the run saves 3: the staging tier keeps 3, not the newer
     step 4 of the abandoned branch (whose copy would otherwise evict each new commit)."""
     state = make_state()
     with manager(tmp_path, keep_last=5) as mgr:
-        for step in (2, 4):
-            train(state, [step])
-            mgr.save(step, state)
-            mgr.wait()
+        train_and_save(mgr, state, (2, 4))
     with manager(tmp_path, keep_last=5) as mgr:
         assert mgr.restore(state, step=2) == 2
         train(state, [3])

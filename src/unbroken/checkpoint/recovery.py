@@ -5,10 +5,11 @@ lists them and tells every rank). For each, the staging tier is tried first: a r
 staging tier holds a manifest equal to the durable one reads every file present there at
 its listed size from there, and the rest from the durable tier (on several nodes, each
 node holds its own ranks' files). When no rank has a local file, or a local copy turns out
-corrupt, the durable tier is read. Every decision is agreed over the manager's group,
-so all ranks walk the same (step, tier) sequence: a corrupt copy sends every rank on to
-the next candidate together, with a warning; a mismatch with the state (another model)
-raises at once, naming the keys.
+corrupt, the durable tier is read; when the corruption lies in a durable file the staging
+attempt read, the step is given up at once (its durable attempt would read the same bytes).
+Every decision is agreed over the manager's group, so all ranks walk the same (step, tier)
+sequence: a corrupt copy sends every rank on to the next candidate together, with a
+warning; a mismatch with the state (another model) raises at once, naming the keys.
 """
 
 from __future__ import annotations
@@ -77,6 +78,16 @@ class _Attempt:
     message: str = ""
     local_files: int = 0
     """Files this rank found whole in its staging tier (the staging attempt)."""
+    durable_corrupt: bool = False
+    """The corruption is in the durable tier's bytes: reading that tier would meet it again."""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """(step, tier) did not load."""
+
+    durable_corrupt: bool
+    """Its durable copy is corrupt, so the step is not tried again from the durable tier."""
 
 
 def _sources(reader: TierReader) -> str:
@@ -116,6 +127,10 @@ def restore(
     for s in steps:
         for tier, store in (("staging", staging), ("durable", durable)):
             loaded = _try(state, flat, s, tier, store, durable, group, strict, problems, listed[s])
+            if isinstance(loaded, _Failed):
+                if loaded.durable_corrupt:
+                    break
+                continue
             if loaded is not None:
                 manifest, reader = loaded
                 sources = _sources(reader)
@@ -172,8 +187,9 @@ def _try(
     strict: bool,
     problems: list[str],
     durable_files: dict[str, int],
-) -> tuple[Manifest, TierReader] | None:
-    where = store.url_for(step_dir(step))
+) -> tuple[Manifest, TierReader] | _Failed | None:
+    """Load ``step`` from ``tier`` on every rank; None when the staging tier has nothing to
+    offer (no rank holds a local file), ``_Failed`` when a copy was read and did not load."""
     prepared: tuple[Manifest, TierReader, dict | None] | None = None
     try:
         prepared = _prepare(flat, step, tier, store, durable, group, strict, durable_files)
@@ -181,7 +197,7 @@ def _try(
     except CheckpointMismatchError as e:
         mine = _Attempt("mismatch", str(e))
     except CheckpointCorruptError as e:
-        mine = _Attempt("corrupt", str(e))
+        mine = _Attempt("corrupt", str(e), durable_corrupt=_in_durable(e, durable, step))
     except Exception as e:
         mine = _Attempt("error", describe(e))
     attempts = group.all_gather(mine)
@@ -192,8 +208,9 @@ def _try(
     if tier == "staging" and verdicts == {"ok"} and not any(a.local_files for a in attempts):
         return None  # no rank has a local file: the durable attempt reads the same
     if verdicts != {"ok"}:
-        _fail(tier, where, messages, problems, "error" in verdicts)
-        return None
+        in_durable = any(a.durable_corrupt for a in attempts)
+        _fail(tier, step, store, durable, in_durable, messages, problems, "error" in verdicts)
+        return _Failed(in_durable)
     assert prepared is not None
     manifest, reader, rng = prepared
     try:
@@ -209,9 +226,11 @@ def _try(
         for err in errors:
             if isinstance(err, CheckpointMismatchError):
                 raise CheckpointMismatchError(str(err)) from e
-        corrupt = any(isinstance(err, CheckpointCorruptError) for err in errors)
-        _fail(tier, where, describe(e), problems, not corrupt)
-        return None
+        # Every rank holds every rank's failures here, so all decide alike.
+        corrupt = [err for err in errors if isinstance(err, CheckpointCorruptError)]
+        in_durable = any(_in_durable(err, durable, step) for err in corrupt)
+        _fail(tier, step, store, durable, in_durable, describe(e), problems, not corrupt)
+        return _Failed(in_durable)
     apply(state, flat, json_values.decode(manifest.extra.get("values", {})))
     if rng is not None:
         restore_rng_state(rng)
@@ -222,12 +241,30 @@ def _try(
             RuntimeWarning,
             stacklevel=4,
         )
+    where = store.url_for(step_dir(step))
     log.info("restored step %d from the %s tier (%s)", step, _sources(reader), where)
     return manifest, reader
 
 
-def _fail(tier: str, where: str, message: str, problems: list[str], hard: bool) -> None:
-    """Record why (step, tier) did not load; a durable tier that errors (not corrupt) raises."""
+def _in_durable(err: CheckpointCorruptError, durable: Store, step: int) -> bool:
+    """Whether ``err`` was found in the durable tier's copy of ``step`` (its URL is there)."""
+    where = durable.url_for(step_dir(step))
+    return err.url is not None and (err.url == where or err.url.startswith(where + "/"))
+
+
+def _fail(
+    tier: str,
+    step: int,
+    store: Store,
+    durable: Store,
+    in_durable: bool,
+    message: str,
+    problems: list[str],
+    hard: bool,
+) -> None:
+    """Record why (step, tier) did not load, naming the copy at fault (a staging attempt
+    also reads the durable tier); a durable tier that errors (not corrupt) raises."""
+    where = (durable if in_durable else store).url_for(step_dir(step))
     problems.append(f"{where}: {message}")
     if hard and tier == "durable":
         raise CheckpointError(f"reading checkpoint {where} failed: {message}")
@@ -251,6 +288,7 @@ def _prepare(
         raise CheckpointCorruptError(
             f"{durable.url_for(name)} is incomplete: " + "; ".join(missing[:_SHOW]),
             step=step,
+            url=durable.url_for(name),
         )
     if tier == "staging":
         reader = TierReader(
