@@ -25,6 +25,7 @@ huge-page memory). Orders alternate forward and backward.
     python bench/checkpoint_pairs.py --quick            # tiny state, about a minute
     python bench/checkpoint_pairs.py --minutes 60       # full size until an hour is up
     python bench/checkpoint_pairs.py --from-log F.jsonl # report again from a kept log
+    python bench/checkpoint_pairs.py --from-log F.jsonl --from-log G.jsonl  # pooled
 """
 
 from __future__ import annotations
@@ -173,10 +174,11 @@ def _rounded(e: Estimate) -> dict[str, float | None]:
     }
 
 
-def report(records: list[dict], skipped: int) -> str:
+def report(records: list[dict], skipped: int, dropped: str = "") -> str:
     """unbroken's cost per save from a probe's records, then that of every other way of
     saving the rounds also held, and unbroken's difference from it; all of them over the
-    rounds that hold every kind of block."""
+    rounds that hold every kind of block. ``dropped`` says which pairs were left out
+    before (pooled logs), else the first ``skipped``."""
     records = whole_rounds(records)
     pairs = pairs_from_records(records, skipped)
     s = summarize(pairs)
@@ -185,7 +187,8 @@ def report(records: list[dict], skipped: int) -> str:
     timed_call = all("call" in r for r in records if r["kind"] != "none")
     lines = [
         f"save cost, block with a save minus block without, over {len(pairs)} pairs "
-        f"(first {skipped} dropped); mean ± standard error (median), seconds per save",
+        f"({dropped or f'first {skipped} dropped'}); mean ± standard error (median), "
+        "seconds per save",
         f"a step without a save: {sum(plain) / len(plain):.3f} s on average",
         "per step position: " + "  ".join(f"{i}: {e}" for i, e in enumerate(per)),
         f"  in flight (save call to commit): {s['in_flight']}"
@@ -212,15 +215,31 @@ def report(records: list[dict], skipped: int) -> str:
     return "\n".join(lines)
 
 
-def report_log(path: str, skip: int) -> str:
-    """The report of a probe's log; a log that cannot give one is refused by name."""
+def report_log(paths: str | list[str], skip: int) -> str:
+    """The report of a probe's log, or of several pooled into one (runs of the same code
+    on different days); a log that cannot give one is refused by name."""
+    paths = [paths] if isinstance(paths, str) else paths
     try:
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        return report(records, skip)
+        logs = []
+        for path in paths:
+            with open(path) as f:
+                logs.append([json.loads(line) for line in f if line.strip()])
+        if len(logs) == 1:
+            return report(logs[0], skip)
+        return report(pooled(logs, skip), 0, f"first {skip} of each of {len(logs)} logs dropped")
     except (OSError, ValueError, KeyError, TypeError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-        raise SystemExit(f"checkpoint_pairs: cannot report {path}: {detail}") from e
+        raise SystemExit(f"checkpoint_pairs: cannot report {', '.join(paths)}: {detail}") from e
+
+
+def pooled(logs: list[list[dict]], skip: int) -> list[dict]:
+    """The records of several logs as one: the first ``skip`` pairs of each dropped (each
+    job's first blocks run while the machine settles), the rest numbered on in order."""
+    records: list[dict] = []
+    for log in logs:
+        start = 1 + max((r["pair"] for r in records), default=-1)
+        records += [{**r, "pair": start + r["pair"] - skip} for r in log if r["pair"] >= skip]
+    return records
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -233,7 +252,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default="", help="scratch directory (a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--quick", action="store_true", help="tiny state, 2 pairs of 3 steps")
-    p.add_argument("--from-log", default="", help="report from a kept log, run nothing")
+    p.add_argument(
+        "--from-log",
+        action="append",
+        default=[],
+        help="report from a kept log, run nothing; given more than once, the logs pooled",
+    )
     p.add_argument(
         "--also",
         default="",

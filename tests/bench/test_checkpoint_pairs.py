@@ -174,6 +174,27 @@ def test_report_from_a_kept_log(tmp_path):
     assert last["save_minus_floor_2tier"]["mean"] == pytest.approx(-0.5)
 
 
+def test_logs_of_two_runs_are_reported_pooled(tmp_path):
+    """Each log's first pair is dropped and the rest are pooled: 2 + 3 pairs here."""
+    paths = []
+    for name, pairs, cost in (("a.jsonl", 3, 0.0), ("b.jsonl", 4, 0.3)):
+        records = abba(pairs, 0.0)
+        for r in records[2:]:  # every pair's save block after the first costs `cost` more
+            if r["kind"] == "save":
+                r["steps"][1] += cost
+        paths.append(tmp_path / name)
+        paths[-1].write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = run_pairs("--from-log", str(paths[0]), "--from-log", str(paths[1]), timeout=60)
+    assert "over 5 pairs (first 1 of each of 2 logs dropped)" in out
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["pairs"] == 5
+    assert last["whole_block"]["mean"] == pytest.approx(0.8 + 0.3 * 3 / 5)
+    with pytest.raises(SystemExit, match=f"cannot report {paths[0]}, {tmp_path}/missing"):
+        from checkpoint_pairs import report_log
+
+        report_log([str(paths[0]), str(tmp_path / "missing.jsonl")], skip=1)
+
+
 def test_a_log_that_cannot_be_reported_is_refused_by_name(tmp_path):
     from checkpoint_pairs import report_log
 
