@@ -174,20 +174,19 @@ def _rounded(e: Estimate) -> dict[str, float | None]:
     }
 
 
-def report(records: list[dict], skipped: int, dropped: str = "") -> str:
+def report(records: list[dict], dropped: str) -> str:
     """unbroken's cost per save from a probe's records, then that of every other way of
     saving the rounds also held, and unbroken's difference from it; all of them over the
-    rounds that hold every kind of block. ``dropped`` says which pairs were left out
-    before (pooled logs), else the first ``skipped``."""
+    rounds that hold every kind of block. ``dropped`` says which pairs were left out."""
     records = whole_rounds(records)
-    pairs = pairs_from_records(records, skipped)
+    pairs = pairs_from_records(records, 0)
     s = summarize(pairs)
     per = s["per_position"]
     plain = [x for pair in pairs for x in pair.without]
     timed_call = all("call" in r for r in records if r["kind"] != "none")
     lines = [
         f"save cost, block with a save minus block without, over {len(pairs)} pairs "
-        f"({dropped or f'first {skipped} dropped'}); mean ± standard error (median), "
+        f"({dropped}); mean ± standard error (median), "
         "seconds per save",
         f"a step without a save: {sum(plain) / len(plain):.3f} s on average",
         "per step position: " + "  ".join(f"{i}: {e}" for i, e in enumerate(per)),
@@ -201,8 +200,8 @@ def report(records: list[dict], skipped: int, dropped: str = "") -> str:
     others = dict.fromkeys(r["kind"] for r in records if r["kind"] not in ("save", "none"))
     for kind in others:
         title = ALSO[kind].title if kind in ALSO else kind
-        theirs = summarize(pairs_from_records(records, skipped, kind))
-        gap = difference(records, skipped, "save", kind)
+        theirs = summarize(pairs_from_records(records, 0, kind))
+        gap = difference(records, 0, "save", kind)
         lines += [
             f"{title}, the same way:",
             f"  in flight:                       {theirs['in_flight']}",
@@ -224,9 +223,8 @@ def report_log(paths: str | list[str], skip: int) -> str:
         for path in paths:
             with open(path) as f:
                 logs.append([json.loads(line) for line in f if line.strip()])
-        if len(logs) == 1:
-            return report(logs[0], skip)
-        return report(pooled(logs, skip), 0, f"first {skip} of each of {len(logs)} logs dropped")
+        each = "" if len(logs) == 1 else f" of each of {len(logs)} logs"
+        return report(pooled(logs, skip), f"first {skip}{each} dropped")
     except (OSError, ValueError, KeyError, TypeError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         raise SystemExit(f"checkpoint_pairs: cannot report {', '.join(paths)}: {detail}") from e
@@ -234,11 +232,12 @@ def report_log(paths: str | list[str], skip: int) -> str:
 
 def pooled(logs: list[list[dict]], skip: int) -> list[dict]:
     """The records of several logs as one: the first ``skip`` pairs of each dropped (each
-    job's first blocks run while the machine settles), the rest numbered on in order."""
+    job's first blocks run while the machine settles); the first log keeps its pair
+    numbers, the others' are numbered on after it."""
     records: list[dict] = []
     for log in logs:
-        start = 1 + max((r["pair"] for r in records), default=-1)
-        records += [{**r, "pair": start + r["pair"] - skip} for r in log if r["pair"] >= skip]
+        shift = 1 + max(r["pair"] for r in records) - skip if records else 0
+        records += [{**r, "pair": r["pair"] + shift} for r in log if r["pair"] >= skip]
     return records
 
 
