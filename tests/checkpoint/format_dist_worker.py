@@ -1,6 +1,6 @@
 """One rank of the 2-rank format test: save a sharded DTensor, reload it resharded.
 
-Run by tests/checkpoint/test_format_distributed.py as real processes over gloo.
+Run by tests/checkpoint/format/test_distributed.py as real processes over gloo.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from tests.worker_exit import exit_after_checks
 from unbroken import __version__, open_store
-from unbroken.checkpoint.manifest import FileRecord, Manifest, read_manifest, write_manifest
-from unbroken.checkpoint.reader import TierReader, load_state_dict
-from unbroken.checkpoint.writer import TierWriter
+from unbroken.checkpoint.format.manifest import FileRecord, Manifest, read_manifest, write_manifest
+from unbroken.checkpoint.format.reader import TierReader, load_state_dict
+from unbroken.checkpoint.format.writer import TierWriter
 
 warnings.filterwarnings("ignore")
 STEP = 3

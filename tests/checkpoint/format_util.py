@@ -13,10 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from unbroken import __version__
-from unbroken.checkpoint.manifest import Manifest, step_dir, write_manifest
-from unbroken.checkpoint.reader import TierReader, load_state_dict
-from unbroken.checkpoint.tensor_record import raw_view
-from unbroken.checkpoint.writer import TierWriter
+from unbroken.checkpoint.format.manifest import Manifest, step_dir, write_manifest
+from unbroken.checkpoint.format.reader import TierReader, load_state_dict
+from unbroken.checkpoint.format.tensor_record import raw_view
+from unbroken.checkpoint.format.writer import TierWriter
 from unbroken.storage import Store
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

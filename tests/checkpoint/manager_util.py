@@ -89,7 +89,7 @@ def plant_value(step_path, fqn: str, payload: bytes) -> None:
     import json
     from pathlib import Path
 
-    from unbroken.checkpoint.manifest import (
+    from unbroken.checkpoint.format.manifest import (
         SELF_CHECKSUM,
         crc32c_bytes,
         crc32c_file,

@@ -9,7 +9,7 @@ import torch
 
 import unbroken as ub
 from tests.link_names import private_link
-from unbroken.checkpoint.manifest import step_dir
+from unbroken.checkpoint.format.manifest import step_dir
 
 from .distributed import check, torchrun
 

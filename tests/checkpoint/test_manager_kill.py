@@ -117,7 +117,7 @@ def check_staging_tidied(url: str, staging: str, newest: int) -> None:
     staging tier only its own copy, whatever partial copies the killed saves left."""
     import os
 
-    from unbroken.checkpoint.manifest import step_dir
+    from unbroken.checkpoint.format.manifest import step_dir
 
     state = churn_state()
     with warnings.catch_warnings():

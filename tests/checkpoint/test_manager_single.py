@@ -16,7 +16,7 @@ import unbroken as ub
 from tests.link_names import private_link
 from unbroken.checkpoint.catalog import verify_checkpoint
 from unbroken.checkpoint.errors import CheckpointMismatchError, SaveFailedError
-from unbroken.checkpoint.manifest import step_dir
+from unbroken.checkpoint.format.manifest import step_dir
 from unbroken.storage.base import temp_name
 
 from .manager_util import (

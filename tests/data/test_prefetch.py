@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.data._cache_util import put_files, slow
-from unbroken.data.cache import LocalCache
+from unbroken.data.cache.cache import LocalCache
 from unbroken.data.prefetch import Prefetcher
 from unbroken.storage import Entry, ObjectNotFoundError
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from unbroken.checkpoint.errors import CheckpointError
-from unbroken.checkpoint.manifest import (
+from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
     METADATA_JSON,
     Manifest,
@@ -86,7 +86,7 @@ def verify_checkpoint(store: Store, step: int, *, deep: bool = False) -> list[st
                     f"{record.name}: crc32c {crc:#010x}, manifest says {record.crc32c:#010x}"
                 )
         if not problems and METADATA_JSON in manifest.files:
-            from unbroken.checkpoint.dcp_json import metadata_from_json  # imports torch
+            from unbroken.checkpoint.format.dcp_json import metadata_from_json  # imports torch
 
             key = f"{prefix}/{METADATA_JSON}"
             try:

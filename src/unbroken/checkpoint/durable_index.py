@@ -10,7 +10,7 @@ manifest that appears without this process writing it sends it back to the catal
 from __future__ import annotations
 
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
-from unbroken.checkpoint.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
+from unbroken.checkpoint.format.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from unbroken.storage import Store
 
 

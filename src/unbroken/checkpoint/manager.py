@@ -27,7 +27,7 @@ from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.errors import SaveFailedError
 from unbroken.checkpoint.pipeline import PipelineConfig, SaveJob, SavePipeline
-from unbroken.checkpoint.staging import StateStager
+from unbroken.checkpoint.staging.stager import StateStager
 from unbroken.checkpoint.state_dicts import collect
 from unbroken.state.rng import capture_rng_state
 from unbroken.storage import LocalStore, RetryPolicy, Store, open_store

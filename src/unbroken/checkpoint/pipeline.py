@@ -35,7 +35,7 @@ from unbroken._version import __version__
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.durable_index import DurableIndex
 from unbroken.checkpoint.errors import SaveFailedError
-from unbroken.checkpoint.manifest import (
+from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
     FileRecord,
     Manifest,
@@ -44,9 +44,9 @@ from unbroken.checkpoint.manifest import (
     step_dir,
     write_manifest,
 )
-from unbroken.checkpoint.planners import PinnedSavePlanner
+from unbroken.checkpoint.format.planners import PinnedSavePlanner
+from unbroken.checkpoint.format.writer import TierWriter
 from unbroken.checkpoint.retention import plan_deletions
-from unbroken.checkpoint.writer import TierWriter
 from unbroken.storage import LocalStore, Store
 from unbroken.storage.in_memory import FileInMemory
 

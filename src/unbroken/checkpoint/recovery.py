@@ -37,7 +37,7 @@ from unbroken.checkpoint.errors import (
     CheckpointMismatchError,
     NoCheckpointError,
 )
-from unbroken.checkpoint.manifest import (
+from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
     METADATA_JSON,
     Manifest,
@@ -45,9 +45,9 @@ from unbroken.checkpoint.manifest import (
     read_manifest,
     step_dir,
 )
+from unbroken.checkpoint.format.planners import SafeLoadPlanner
+from unbroken.checkpoint.format.reader import TierReader
 from unbroken.checkpoint.pipeline import MANIFEST, describe, rng_file
-from unbroken.checkpoint.planners import SafeLoadPlanner
-from unbroken.checkpoint.reader import TierReader
 from unbroken.checkpoint.state_dicts import FlatState, apply, collect
 from unbroken.state.rng import restore_rng_state
 from unbroken.storage import Store

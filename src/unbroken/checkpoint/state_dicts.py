@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from unbroken.checkpoint import json_values
-from unbroken.checkpoint.staging_tree import alias_key, is_dcp_leaf, local_tensor
+from unbroken.checkpoint.staging.tree import alias_key, is_dcp_leaf, local_tensor
 
 
 class Idx(int):

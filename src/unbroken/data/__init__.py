@@ -7,7 +7,7 @@ from unbroken._util.lazy import lazy_getattr
 _LAZY = {
     "VolumeDataset": "unbroken.data.dataset",
     "DataLoader": "unbroken.data.loader",
-    "LocalCache": "unbroken.data.cache",
+    "LocalCache": "unbroken.data.cache.cache",
 }
 __all__ = sorted(_LAZY)
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from unbroken._util.sizes import parse_size
-from unbroken.data.cache import LocalCache, default_cache_dir
+from unbroken.data.cache.cache import LocalCache, default_cache_dir
 from unbroken.data.delivery import Delivery
 from unbroken.data.index import FileIndex, load_or_build_index
 from unbroken.data.metrics import WorkerCounters

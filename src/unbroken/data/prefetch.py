@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from queue import SimpleQueue
 
 from unbroken._util.thread_names import name_native_thread
-from unbroken.data.cache import LocalCache
+from unbroken.data.cache.cache import LocalCache
 from unbroken.storage import Entry
 
 

@@ -9,9 +9,9 @@ import torch
 
 from tests.checkpoint.format_util import load_from, publish, save_step
 from unbroken import open_store
-from unbroken.checkpoint.direct_read import read_into, writable_bytes
 from unbroken.checkpoint.errors import CheckpointCorruptError
-from unbroken.checkpoint.manifest import crc32c_bytes, step_dir
+from unbroken.checkpoint.format.direct_read import read_into, writable_bytes
+from unbroken.checkpoint.format.manifest import crc32c_bytes, step_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -43,7 +43,7 @@ def test_writable_bytes_refuses_memory_that_is_not_the_elements_in_order(tensor)
 
 
 def test_read_into_fills_the_buffer_and_checksums_it(tmp_path, monkeypatch):
-    import unbroken.checkpoint.direct_read as direct_read
+    import unbroken.checkpoint.format.direct_read as direct_read
 
     monkeypatch.setattr(direct_read, "READ_CHUNK", 1000)  # several chunks
     data = bytes(range(256)) * 40

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from unbroken.data.eviction import Candidate, evict_until, eviction_order, next_use
+from unbroken.data.cache.eviction import Candidate, evict_until, eviction_order, next_use
 
 names = st.sampled_from(list("abcdefgh"))
 plans = st.lists(

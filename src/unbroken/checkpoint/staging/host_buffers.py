@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from unbroken._util.host_memory import host_tensor
-from unbroken.checkpoint.staging_errors import StagingBudgetError
+from unbroken.checkpoint.staging.errors import StagingBudgetError
 
 
 @dataclass(frozen=True)

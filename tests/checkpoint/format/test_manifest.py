@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from unbroken import open_store
 from unbroken.checkpoint.errors import CheckpointCorruptError, NoCheckpointError
-from unbroken.checkpoint.manifest import (
+from unbroken.checkpoint.format.manifest import (
     SELF_CHECKSUM,
     FileRecord,
     Manifest,
@@ -141,7 +141,7 @@ def test_new_manifest_stamps_versions_and_refuses_conflicting_reports():
     import torch
 
     from unbroken import __version__
-    from unbroken.checkpoint.manifest import new_manifest
+    from unbroken.checkpoint.format.manifest import new_manifest
 
     a = FileRecord("__0_0.distcp", 10, 1)
     m = new_manifest(5, 2, [a, FileRecord("__1_0.distcp", 20, 2), a], extra={"x": 1})

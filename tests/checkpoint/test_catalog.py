@@ -11,7 +11,7 @@ from unbroken.checkpoint.catalog import (
     newest_committed,
     verify_checkpoint,
 )
-from unbroken.checkpoint.manifest import MANIFEST_NAME, step_dir
+from unbroken.checkpoint.format.manifest import MANIFEST_NAME, step_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.checkpoint.format_util import save_step
-from unbroken.checkpoint.dcp_json import metadata_from_json, metadata_to_json
 from unbroken.checkpoint.errors import CheckpointCorruptError
+from unbroken.checkpoint.format.dcp_json import metadata_from_json, metadata_to_json
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -13,7 +13,9 @@ import psutil
 import pytest
 import torch
 
-from unbroken.checkpoint.staging import (
+from unbroken.checkpoint.format.tensor_record import raw_view
+from unbroken.checkpoint.staging.copy import CHECKSUM_SLICE_BYTES, buffer_key
+from unbroken.checkpoint.staging.stager import (
     CheckpointError,
     StagingBudgetError,
     StagingBusyError,
@@ -21,11 +23,9 @@ from unbroken.checkpoint.staging import (
     TornSnapshotError,
     buffer_keys,
 )
-from unbroken.checkpoint.staging_copy import CHECKSUM_SLICE_BYTES, buffer_key
-from unbroken.checkpoint.tensor_record import raw_view
 
-from .distributed import check, torchrun
-from .manager_util import host_rss
+from ..distributed import check, torchrun
+from ..manager_util import host_rss
 
 
 def _model(width: int = 64) -> torch.nn.Module:
@@ -521,7 +521,7 @@ def test_inference_tensors_are_copied_synchronously(stager):
 @pytest.mark.multiprocess
 def test_dtensor_state_of_fsdp2_stages_and_round_trips_through_dcp(tmp_path):
     """Two real ranks (torchrun, gloo): staged DTensors keep mesh/placements; DCP saves them."""
-    worker = Path(__file__).with_name("_staging_dtensor_worker.py")
+    worker = Path(__file__).with_name("_dtensor_worker.py")
     check(torchrun(2, str(tmp_path / "ckpt"), script=worker, timeout=240))
     assert (tmp_path / "ckpt" / ".metadata").exists()
 

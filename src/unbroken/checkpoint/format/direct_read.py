@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from unbroken.checkpoint.manifest import crc32c_bytes
+from unbroken.checkpoint.format.manifest import crc32c_bytes
 
 READ_CHUNK = 8 << 20
 """Bytes per read and checksum call: large sequential reads, still cache-warm for crc32c."""

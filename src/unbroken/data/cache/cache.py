@@ -21,10 +21,10 @@ import weakref
 from collections.abc import Sequence
 
 from unbroken._util.sizes import parse_size
-from unbroken.data.access_plan import PlanReader, PlanWriter
-from unbroken.data.cache_files import CacheLayout, Ledger, object_name
-from unbroken.data.cache_stats import CacheStats
-from unbroken.data.eviction import evict_until, next_use
+from unbroken.data.cache.access_plan import PlanReader, PlanWriter
+from unbroken.data.cache.eviction import evict_until, next_use
+from unbroken.data.cache.files import CacheLayout, Ledger, object_name
+from unbroken.data.cache.stats import CacheStats
 from unbroken.storage import Entry, Store
 from unbroken.storage.errors import redact
 

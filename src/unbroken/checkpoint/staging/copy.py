@@ -37,7 +37,7 @@ import torch
 
 from unbroken._util.priority import lower_thread_priority
 from unbroken._util.thread_names import name_native_thread
-from unbroken.checkpoint.manifest import crc32c_bytes
+from unbroken.checkpoint.format.manifest import crc32c_bytes
 
 DEFAULT_CHUNK_BYTES = 32 * 2**20
 CHECKSUM_SLICE_BYTES = 4 * 2**20

@@ -8,7 +8,7 @@ import struct
 import uuid
 from collections.abc import Iterator
 
-from unbroken.data.range_locks import range_held, range_lock
+from unbroken.data.cache.range_locks import range_held, range_lock
 
 _RESERVED = struct.Struct("<q")
 

@@ -37,9 +37,9 @@ import threading
 from collections.abc import Iterator
 
 from unbroken._util.fileio import pread_exactly
-from unbroken.data.eviction import Candidate
-from unbroken.data.filler_records import FillerRecords
-from unbroken.data.range_locks import lock_offset, range_lock, require_range_locks
+from unbroken.data.cache.eviction import Candidate
+from unbroken.data.cache.filler_records import FillerRecords
+from unbroken.data.cache.range_locks import lock_offset, range_lock, require_range_locks
 from unbroken.storage.base import TEMP_MARKER, is_temp_name
 
 _LEDGER = struct.Struct("<q")

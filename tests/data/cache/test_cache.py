@@ -14,7 +14,7 @@ import pytest
 
 from tests.data._cache_util import FAST_RETRY, disk_bytes, put_files, slow, spawn
 from unbroken import open_store
-from unbroken.data.cache import LocalCache, SourceChangedError, default_cache_dir
+from unbroken.data.cache.cache import LocalCache, SourceChangedError, default_cache_dir
 from unbroken.storage import Entry, ObjectNotFoundError, StoreError
 
 SHARED = ["local", "s3"]  # backends that several processes can reach
@@ -439,7 +439,7 @@ def test_plans_are_published_only_with_a_limit_and_dead_ones_swept(tmp_path):
 
 def _dead_records(cache_dir: str) -> list[str]:
     """Records of reserved bytes left by processes that died (crash evidence)."""
-    from unbroken.data.filler_records import FillerRecords
+    from unbroken.data.cache.filler_records import FillerRecords
 
     records = FillerRecords(os.path.join(cache_dir, "fillers"))
     return [path for path, alive, _ in records.scan() if not alive]
@@ -509,7 +509,7 @@ def test_a_forked_child_does_not_keep_its_parents_fill_lock(tmp_path):
 
 
 def test_a_platform_without_ofd_locks_is_refused_clearly(store, tmp_path, monkeypatch):
-    from unbroken.data import range_locks
+    from unbroken.data.cache import range_locks
 
     monkeypatch.setattr(range_locks, "_OFD_SETLK", None)
     with pytest.raises(OSError, match="F_OFD_SETLK"):
@@ -530,7 +530,7 @@ def _one_cached_name(tmp_path) -> tuple[LocalCache, str]:
 
 FULL_DISK = """
 import os, resource, signal
-from unbroken.data.cache import CacheWriteError
+from unbroken.data.cache.cache import CacheWriteError
 cache, entries = OBJ
 cache.read(entries[0])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

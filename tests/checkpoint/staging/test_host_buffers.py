@@ -10,8 +10,8 @@ import torch
 
 from unbroken._util.direct_io import DirectFileWriter, open_direct
 from unbroken._util.host_memory import HUGE_PAGE, host_buffer
-from unbroken.checkpoint.host_buffers import BufferSpec, HostBufferPool, segment_layout
-from unbroken.checkpoint.staging_errors import CheckpointError, StagingBudgetError
+from unbroken.checkpoint.staging.errors import CheckpointError, StagingBudgetError
+from unbroken.checkpoint.staging.host_buffers import BufferSpec, HostBufferPool, segment_layout
 
 
 def test_same_specs_reuse_the_same_buffers():

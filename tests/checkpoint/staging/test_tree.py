@@ -6,8 +6,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unbroken.checkpoint.staging import StateStager
-from unbroken.checkpoint.staging_tree import collect, rebuild
+from unbroken.checkpoint.staging.stager import StateStager
+from unbroken.checkpoint.staging.tree import collect, rebuild
 
 DTYPES = [torch.float32, torch.float16, torch.int64, torch.bool, torch.uint8]
 

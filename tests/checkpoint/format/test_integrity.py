@@ -12,11 +12,17 @@ import torch
 
 from tests.checkpoint.format_util import assert_same, load_from, publish, save_step
 from unbroken import open_store
-from unbroken.checkpoint.dcp_json import metadata_from_json
 from unbroken.checkpoint.errors import CheckpointCorruptError
-from unbroken.checkpoint.manifest import FileRecord, Manifest, crc32c_bytes, crc32c_file, step_dir
-from unbroken.checkpoint.staging_copy import buffer_key
-from unbroken.checkpoint.tensor_record import raw_view
+from unbroken.checkpoint.format.dcp_json import metadata_from_json
+from unbroken.checkpoint.format.manifest import (
+    FileRecord,
+    Manifest,
+    crc32c_bytes,
+    crc32c_file,
+    step_dir,
+)
+from unbroken.checkpoint.format.tensor_record import raw_view
+from unbroken.checkpoint.staging.copy import buffer_key
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

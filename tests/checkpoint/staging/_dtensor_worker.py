@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from tests.worker_exit import exit_after_checks
-from unbroken.checkpoint.staging import StateStager
+from unbroken.checkpoint.staging.stager import StateStager
 
 
 def build(mesh) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

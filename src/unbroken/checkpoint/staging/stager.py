@@ -25,21 +25,21 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint.host_buffers import BufferSpec, HostBufferPool
-from unbroken.checkpoint.staging_copy import (
+from unbroken.checkpoint.staging.copy import (
     DEFAULT_CHUNK_BYTES,
     CopyJob,
     Leaf,
     copy_now,
     version_of,
 )
-from unbroken.checkpoint.staging_errors import (
+from unbroken.checkpoint.staging.errors import (
     CheckpointError,
     StagingBudgetError,
     StagingBusyError,
     TornSnapshotError,
 )
-from unbroken.checkpoint.staging_tree import (
+from unbroken.checkpoint.staging.host_buffers import BufferSpec, HostBufferPool
+from unbroken.checkpoint.staging.tree import (
     Found,
     buffer_keys,
     collect,

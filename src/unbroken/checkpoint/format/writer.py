@@ -3,7 +3,7 @@
 Each rank writes one file, ``__<rank>_0.distcp``, of aligned records: a bytes value as
 it is, a tensor as its raw bytes (streamed from the tensor's own memory in bounded
 chunks, no copy for a contiguous CPU tensor) inside a torch.load-able envelope (see
-:mod:`unbroken.checkpoint.tensor_record`). The shard is written with O_DIRECT where the
+:mod:`unbroken.checkpoint.format.tensor_record`). The shard is written with O_DIRECT where the
 file system allows it: a large payload starts on a 4 KiB file offset and, when its memory
 is page-aligned (the staging buffers are), goes to the device from that memory without
 taking page-cache pages (:mod:`unbroken._util.direct_io` says why that matters).
@@ -34,23 +34,23 @@ from torch.futures import Future
 
 from unbroken._util.crc32c_combine import crc32c_combine
 from unbroken._util.direct_io import DirectFileWriter, new_file_writer
-from unbroken.checkpoint.dcp_json import (
+from unbroken.checkpoint.errors import CheckpointError
+from unbroken.checkpoint.format.dcp_json import (
     ItemLocation,
     dtype_name,
     metadata_to_json,
     vanilla_metadata,
 )
-from unbroken.checkpoint.errors import CheckpointError
-from unbroken.checkpoint.manifest import (
+from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
     METADATA_JSON,
     METADATA_PICKLE,
     FileRecord,
     crc32c_bytes,
 )
-from unbroken.checkpoint.staging_copy import buffer_key
-from unbroken.checkpoint.tensor_record import envelope, padding, raw_view, record_start
-from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
+from unbroken.checkpoint.format.tensor_record import envelope, padding, raw_view, record_start
+from unbroken.checkpoint.format.values import UnsafeValueError, load_weights_only
+from unbroken.checkpoint.staging.copy import buffer_key
 from unbroken.storage.base import atomic_local_write
 
 SHARD_SUFFIX = ".distcp"

@@ -99,7 +99,7 @@ def test_round_trip_every_backend(store, tmp_path):
 
 
 def test_round_trip_no_verify_and_many_windows(tmp_path, monkeypatch):
-    import unbroken.checkpoint.reader as reader
+    import unbroken.checkpoint.format.reader as reader
 
     monkeypatch.setattr(reader, "WINDOW_BYTES", 4096)  # force many windows and read-ahead
     monkeypatch.setattr(reader, "MERGE_GAP", 0)
@@ -128,14 +128,14 @@ def test_one_file_per_rank_and_records_match_disk(tmp_path):
     for name, rec in manifest.files.items():
         path = directory / name
         assert path.stat().st_size == rec.size
-        from unbroken.checkpoint.manifest import crc32c_file
+        from unbroken.checkpoint.format.manifest import crc32c_file
 
         assert crc32c_file(path) == rec.crc32c
 
 
 def test_payloads_are_raw_tensor_bytes(tmp_path):
     """The shard holds each tensor's bytes verbatim at its aligned payload offset."""
-    from unbroken.checkpoint.dcp_json import metadata_from_json
+    from unbroken.checkpoint.format.dcp_json import metadata_from_json
 
     t = torch.arange(1000, dtype=torch.int32)
     directory, _ = save_step(tmp_path / "stage", 1, {"t": t})
@@ -147,8 +147,8 @@ def test_payloads_are_raw_tensor_bytes(tmp_path):
 
 
 def test_large_payloads_start_on_block_boundaries(tmp_path):
-    from unbroken.checkpoint.dcp_json import metadata_from_json
-    from unbroken.checkpoint.tensor_record import DIRECT_PAYLOAD_MIN
+    from unbroken.checkpoint.format.dcp_json import metadata_from_json
+    from unbroken.checkpoint.format.tensor_record import DIRECT_PAYLOAD_MIN
 
     sd = full_state()
     directory, _ = save_step(tmp_path / "stage", 1, sd)
@@ -206,7 +206,7 @@ def test_without_collectives_each_rank_names_its_own_files(tmp_path):
 
 def test_envelope_over_4gib_loads_with_torch(tmp_path):
     """A >4 GiB tensor's envelope (zip64) is valid: checked on a sparse file via mmap."""
-    from unbroken.checkpoint.tensor_record import envelope
+    from unbroken.checkpoint.format.tensor_record import envelope
 
     n = (5 << 30) + 3
     header, trailer = envelope(torch.uint8, (n,))
@@ -222,7 +222,7 @@ def test_envelope_over_4gib_loads_with_torch(tmp_path):
 
 def test_kept_parts_are_each_file_byte_for_byte(tmp_path):
     """What an upload from memory sends is exactly what the local tier holds."""
-    from unbroken.checkpoint.writer import TierWriter
+    from unbroken.checkpoint.format.writer import TierWriter
 
     sd = full_state()
     sd["big"] = torch.randn(300_000)  # a payload written in place, from its own memory

@@ -7,7 +7,7 @@ in flight), checks each payload's crc32c (recorded in the verified ``metadata.js
 before DCP sees a byte, and serves any sub-range DCP's planner asks for, which is how a
 checkpoint saved on N ranks loads on M. From a local directory (the staging tier), a
 tensor payload that fills its target whole is read straight into the target's memory and
-checksummed there (:mod:`unbroken.checkpoint.direct_read`): one pass, no extra buffer.
+checksummed there (:mod:`unbroken.checkpoint.format.direct_read`): one pass, no extra buffer.
 One reader can take some files from the staging tier and the rest from the durable one
 (a node's staging tier holds only its own ranks' files).
 Non-tensor values are loaded with ``torch.load(weights_only=True)`` and handed to the
@@ -39,16 +39,16 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from unbroken._util.thread_names import name_native_thread
-from unbroken.checkpoint.dcp_json import ItemLocation, dtype_from_name, metadata_from_json
-from unbroken.checkpoint.direct_read import read_into, writable_bytes
 from unbroken.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
 )
-from unbroken.checkpoint.manifest import METADATA_JSON, Manifest, crc32c_bytes, step_dir
-from unbroken.checkpoint.tensor_record import tensor_from_raw
-from unbroken.checkpoint.values import UnsafeValueError, load_weights_only
+from unbroken.checkpoint.format.dcp_json import ItemLocation, dtype_from_name, metadata_from_json
+from unbroken.checkpoint.format.direct_read import read_into, writable_bytes
+from unbroken.checkpoint.format.manifest import METADATA_JSON, Manifest, crc32c_bytes, step_dir
+from unbroken.checkpoint.format.tensor_record import tensor_from_raw
+from unbroken.checkpoint.format.values import UnsafeValueError, load_weights_only
 from unbroken.storage import LocalStore, ObjectNotFoundError, Store
 
 WINDOW_BYTES = 64 << 20

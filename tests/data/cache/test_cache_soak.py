@@ -12,7 +12,7 @@ import pytest
 
 from tests.data._cache_util import disk_bytes, slow, spawn
 from unbroken import open_store
-from unbroken.data.cache import LocalCache
+from unbroken.data.cache.cache import LocalCache
 
 READER = """
 import json, random, sys

@@ -1,0 +1,1 @@
+"""The node-wide local cache of remote files: fills, locks, eviction."""
