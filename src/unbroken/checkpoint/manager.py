@@ -26,7 +26,8 @@ from unbroken.checkpoint import json_values
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.errors import SaveFailedError
-from unbroken.checkpoint.pipeline import PipelineConfig, SaveJob, SavePipeline
+from unbroken.checkpoint.pipeline import PipelineConfig, SavePipeline
+from unbroken.checkpoint.save_job import SaveJob
 from unbroken.checkpoint.staging.stager import StateStager
 from unbroken.checkpoint.state_dicts import collect
 from unbroken.state.rng import capture_rng_state

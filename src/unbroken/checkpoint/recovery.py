@@ -47,7 +47,8 @@ from unbroken.checkpoint.format.manifest import (
 )
 from unbroken.checkpoint.format.planners import SafeLoadPlanner
 from unbroken.checkpoint.format.reader import TierReader
-from unbroken.checkpoint.pipeline import MANIFEST, describe, rng_file
+from unbroken.checkpoint.pipeline import MANIFEST
+from unbroken.checkpoint.save_job import describe, rng_file
 from unbroken.checkpoint.state_dicts import FlatState, apply, collect
 from unbroken.state.rng import restore_rng_state
 from unbroken.storage import Store

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tests.checkpoint.format_util import load_from, publish, save_step
 from unbroken import open_store
 from unbroken.checkpoint.format.dcp_json import ItemLocation
-from unbroken.checkpoint.format.reader import plan_windows
+from unbroken.checkpoint.format.read_plan import plan_windows
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -75,9 +75,9 @@ def test_windows_cover_every_payload_byte_once(gaps_and_lengths, window_bytes, g
 
 
 def test_split_payloads_are_reassembled(store, tmp_path, monkeypatch):
-    import unbroken.checkpoint.format.reader as reader
+    import unbroken.checkpoint.format.read_plan as read_plan
 
-    monkeypatch.setattr(reader, "WINDOW_BYTES", 10_000)  # every tensor spans many windows
+    monkeypatch.setattr(read_plan, "WINDOW_BYTES", 10_000)  # every tensor spans many windows
     sd = {"big": torch.randn(100_003), "small": torch.arange(5.0), "k": {"x": 1}}
     directory, manifest = save_step(tmp_path / "stage", 2, sd)
     publish(directory, store, manifest)
@@ -112,10 +112,10 @@ def test_loading_one_key_reads_only_its_bytes(tmp_path):
 
 def test_flaky_remote_is_retried_by_the_store(tmp_path, monkeypatch):
     """A third of requests fail transiently: the store retries, the load still succeeds."""
-    import unbroken.checkpoint.format.reader as reader
+    import unbroken.checkpoint.format.read_plan as read_plan
     from unbroken.storage import RetryPolicy
 
-    monkeypatch.setattr(reader, "WINDOW_BYTES", 50_000)
+    monkeypatch.setattr(read_plan, "WINDOW_BYTES", 50_000)
     sd = {f"w{i}": torch.randn(20_000) for i in range(6)}
     directory, manifest = save_step(tmp_path / "stage", 2, sd)
     publish(directory, open_store(tmp_path / "durable"), manifest)

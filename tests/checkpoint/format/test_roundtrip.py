@@ -99,10 +99,10 @@ def test_round_trip_every_backend(store, tmp_path):
 
 
 def test_round_trip_no_verify_and_many_windows(tmp_path, monkeypatch):
-    import unbroken.checkpoint.format.reader as reader
+    import unbroken.checkpoint.format.read_plan as read_plan
 
-    monkeypatch.setattr(reader, "WINDOW_BYTES", 4096)  # force many windows and read-ahead
-    monkeypatch.setattr(reader, "MERGE_GAP", 0)
+    monkeypatch.setattr(read_plan, "WINDOW_BYTES", 4096)  # force many windows and read-ahead
+    monkeypatch.setattr(read_plan, "MERGE_GAP", 0)
     sd = {f"w{i}": torch.randn(300 + i) for i in range(20)}
     directory, manifest = save_step(tmp_path / "stage", 1, sd)
     store = open_store(tmp_path / "durable")

@@ -47,17 +47,10 @@ from unbroken.checkpoint.errors import (
 from unbroken.checkpoint.format.dcp_json import ItemLocation, dtype_from_name, metadata_from_json
 from unbroken.checkpoint.format.direct_read import read_into, writable_bytes
 from unbroken.checkpoint.format.manifest import METADATA_JSON, Manifest, crc32c_bytes, step_dir
+from unbroken.checkpoint.format.read_plan import IN_FLIGHT, Window, plan_windows
 from unbroken.checkpoint.format.tensor_record import tensor_from_raw
 from unbroken.checkpoint.format.values import UnsafeValueError, load_weights_only
 from unbroken.storage import LocalStore, ObjectNotFoundError, Store
-
-WINDOW_BYTES = 64 << 20
-"""Most bytes one ranged read fetches (a larger single payload is read alone)."""
-MERGE_GAP = 1 << 20
-"""Payloads closer than this are fetched in one ranged read (the gap is read and dropped)."""
-IN_FLIGHT = 4
-"""Windows fetched concurrently. Memory: about (IN_FLIGHT + 1) * WINDOW_BYTES of windows,
-plus the one large payload being assembled."""
 
 
 @dataclass(frozen=True)
@@ -68,52 +61,6 @@ class DirectRead:
     target: torch.Tensor
     memory: memoryview
     """The target's bytes (``writable_bytes``): the read buffer."""
-
-
-@dataclass(frozen=True)
-class Window:
-    """One ranged read [start, end) of a shard file and the payloads it (partly) holds."""
-
-    file: str
-    start: int
-    end: int
-    locations: tuple[ItemLocation, ...]
-
-
-def plan_windows(
-    file: str,
-    locations: list[ItemLocation],
-    *,
-    window_bytes: int = WINDOW_BYTES,
-    merge_gap: int = MERGE_GAP,
-) -> list[Window]:
-    """Cover one file's payloads with few ranged reads of at most ``window_bytes`` (pure).
-
-    Nearby small payloads share a read; a payload larger than a window is split over
-    consecutive windows (fetched in parallel, assembled by the reader). Sorted by offset.
-    """
-    windows: list[Window] = []
-    group: list[ItemLocation] = []
-    start = end = 0
-    for loc in sorted(set(locations), key=lambda x: (x.payload_offset, x.payload_length)):
-        lo, hi = loc.payload_offset, loc.payload_offset + loc.payload_length
-        if group and lo - end <= merge_gap and max(end, hi) - start <= window_bytes:
-            group.append(loc)
-            end = max(end, hi)
-            continue
-        if group:
-            windows.append(Window(file, start, end, tuple(group)))
-        if hi - lo > window_bytes:
-            windows.extend(
-                Window(file, a, min(hi, a + window_bytes), (loc,))
-                for a in range(lo, hi, window_bytes)
-            )
-            group = []
-            continue
-        group, start, end = [loc], lo, hi
-    if group:
-        windows.append(Window(file, start, end, tuple(group)))
-    return windows
 
 
 class TierReader(StorageReader):
