@@ -25,6 +25,7 @@ import torch.distributed as dist
 from unbroken.checkpoint import json_values
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
 from unbroken.checkpoint.collectives import Group
+from unbroken.checkpoint.elastic_env import warn_if_restarts_may_hang
 from unbroken.checkpoint.errors import SaveFailedError
 from unbroken.checkpoint.pipeline import PipelineConfig, SavePipeline
 from unbroken.checkpoint.save_job import SaveJob
@@ -174,6 +175,7 @@ class CheckpointManager:
             **options,
         )
         self.config = config
+        warn_if_restarts_may_hang(os.environ)
         self.store: Store = open_store(
             config.url, retry=config.retry, **(config.storage_options or {})
         )
