@@ -28,6 +28,7 @@ from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.elastic_env import warn_if_restarts_may_hang
 from unbroken.checkpoint.errors import SaveFailedError
 from unbroken.checkpoint.pipeline import PipelineConfig, SavePipeline
+from unbroken.checkpoint.preemption import EXIT_CODE, PreemptionWatch
 from unbroken.checkpoint.save_job import SaveJob
 from unbroken.checkpoint.staging.stager import StateStager
 from unbroken.checkpoint.state_dicts import collect
@@ -81,6 +82,12 @@ class CheckpointConfig:
     retry: RetryPolicy | None = None
     """How hard the durable tier retries a transient failure (None: the store default)."""
 
+    preemption: Literal["exit", "flag", "off"] = "exit"
+    """On SIGTERM (a scheduler about to take the node), the next maybe_save saves the step
+    reached, on every rank alike, and waits for its commit. Then "exit" ends the process
+    (``SystemExit(143)``), "flag" only sets ``mgr.preempted`` for a loop that stops
+    itself, "off" installs no handler. A handler installed before keeps running."""
+
     def __post_init__(self) -> None:
         for name in ("every_steps", "keep_last", "keep_every_steps", "upload_streams"):
             value = getattr(self, name)
@@ -89,6 +96,11 @@ class CheckpointConfig:
         if self.every_seconds is not None and self.every_seconds <= 0:
             raise ValueError(
                 f"CheckpointManager: every_seconds must be > 0, got {self.every_seconds}"
+            )
+        if self.preemption not in ("exit", "flag", "off"):
+            raise ValueError(
+                "CheckpointManager: preemption must be 'exit', 'flag' or 'off', got "
+                f"{self.preemption!r}"
             )
         if self.when_busy not in ("skip", "wait"):
             raise ValueError(
@@ -191,6 +203,11 @@ class CheckpointManager:
         self._stager = StateStager(
             max_bytes=config.staging_max_bytes, shared_memory=config.staging_shared_memory
         )
+        self._preemption = (
+            PreemptionWatch(Group.create(config.timeout)) if config.preemption != "off" else None
+        )
+        self.preempted = False
+        """True once a preemption signal's save has committed (see ``preemption``)."""
         self._attached: set[int] = set()
         self._failures: list[SaveFailedError] = []
         self.failures: list[SaveFailedError] = []
@@ -230,6 +247,8 @@ class CheckpointManager:
         """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
         _check_step(step)
         self._report_failures(raising=False)
+        if self._preemption is not None and self._preemption.poll():
+            return self._save_before_preemption(step, state)
         due = self._is_due(step)
         busy = self._stager.busy  # a snapshot still waits for its local write or upload
         if self._fg_group.world_size > 1 and (
@@ -239,6 +258,19 @@ class CheckpointManager:
         if not due:
             return False
         return self._save(step, state, skip_if_busy=busy and self.config.when_busy == "skip")
+
+    def _save_before_preemption(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Every rank, at the same call: save ``step`` (after the save in flight), wait for
+        the commit, then end the process or set ``preempted``."""
+        log.warning("preempted: saving step %d and waiting for its commit", step)
+        saved = self._save(step, state, skip_if_busy=False)
+        self.wait()  # raises if the save failed: the process must not end quietly then
+        self.preempted = True
+        if self.config.preemption == "exit":
+            log.warning("preempted: step %d is committed; ending the process", step)
+            self.close()
+            raise SystemExit(EXIT_CODE)
+        return saved
 
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save now (waits for a save still in flight); False if ``step`` is already committed,
@@ -364,6 +396,8 @@ class CheckpointManager:
             self._closed = True
             self._pipeline.close()
             self._stager.close()
+            if self._preemption is not None:
+                self._preemption.close()
         # After the worker stopped: a failure recorded while close() waited is raised too.
         self._report_failures(raising=True)
 

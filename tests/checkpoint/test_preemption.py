@@ -1,0 +1,156 @@
+"""Preemption: SIGTERM -> the step reached is saved on every rank, committed, process ends."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import unbroken as ub
+from unbroken.checkpoint.preemption import EXIT_CODE
+
+from .distributed import ROOT, free_port, kill_tree, rank_env
+
+WORKER = Path(__file__).with_name("_preempt_worker.py")
+
+
+def _loop(mgr, state, model, optim, steps, signal_at):
+    for step in range(1, steps + 1):
+        model(torch.ones(2, 4)).sum().backward()
+        optim.step()
+        if step == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if mgr.maybe_save(step, state) and mgr.preempted:
+            return step
+    return None
+
+
+def test_flag_mode_saves_the_step_reached_and_chains_the_users_handler(tmp_path):
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+    try:
+        model = nn.Linear(4, 4)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = {"model": model, "optim": optim}
+        mgr = ub.CheckpointManager(
+            tmp_path / "ck", staging_dir=tmp_path / "st", every_steps=1000, preemption="flag"
+        )
+        stopped = _loop(mgr, state, model, optim, 20, signal_at=7)
+        assert stopped == 7 and mgr.preempted
+        assert seen == [signal.SIGTERM]  # the user's handler ran too
+        assert [c.step for c in mgr.checkpoints() if c.committed] == [7]
+        mgr.close()
+        # close() put the user's handler back
+        assert signal.getsignal(signal.SIGTERM) is not None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == [signal.SIGTERM, signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_exit_mode_ends_the_process_after_the_commit(tmp_path):
+    previous = signal.getsignal(signal.SIGTERM)
+    model = nn.Linear(4, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": optim}
+    mgr = ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st", every_steps=3)
+    with pytest.raises(SystemExit) as exc:
+        _loop(mgr, state, model, optim, 20, signal_at=5)
+    assert exc.value.code == EXIT_CODE
+    assert signal.getsignal(signal.SIGTERM) == previous  # closed, handler restored
+    assert [c.step for c in ub.CheckpointManager(tmp_path / "ck").checkpoints()] == [3, 5]
+
+
+def test_off_installs_no_handler(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    mgr = ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st", preemption="off")
+    assert signal.getsignal(signal.SIGTERM) == before
+    mgr.close()
+    with pytest.raises(ValueError, match="preemption"):
+        ub.CheckpointManager(tmp_path / "ck", preemption="later")
+
+
+def _launch(out: Path, steps: int, max_restarts: int) -> subprocess.Popen:
+    out.mkdir(exist_ok=True)
+    for old in out.glob("pid-*"):
+        old.unlink()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        "--max-restarts", str(max_restarts), "--monitor-interval", "0.5", str(WORKER),
+        str(out / "ckpt"), str(out / "stage"), str(out), str(steps),
+    ]  # fmt: skip
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen, *, ok: bool = True, timeout: float = 180) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        raise AssertionError(f"job timed out:\n{out}") from None
+    assert (proc.returncode == 0) == ok, out
+    return out
+
+
+def _last(text: str, kind: str, rank: int, attempt: int) -> int:
+    hits = re.findall(rf"{kind} {rank} {attempt} (\d+)", text)  # lines may interleave
+    assert hits, text
+    return int(hits[-1])
+
+
+def _digests(text: str) -> set[str]:
+    return set(re.findall(r"DONE \d \d ([0-9a-f]{64})", text))
+
+
+def _signal_after_some_steps(out: Path, pid: int | None) -> None:
+    pid_file = out / "pid-1-0"  # written after rank 1's first step
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.uniform(0.2, 1.0))  # some steps of 0.02 s plus a few ms
+    os.kill(pid if pid is not None else int(pid_file.read_text()), signal.SIGTERM)
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_one_rank_loses_no_step_and_the_run_ends_bitwise_equal(tmp_path):
+    steps = 60
+    reference = _finish(_launch(tmp_path / "reference", steps, 0))
+    proc = _launch(tmp_path / "job", steps, 1)
+    _signal_after_some_steps(tmp_path / "job", None)  # one rank only: the others agree
+    out = _finish(proc)
+    restored = _last(out, "RESTORED", 0, 1)
+    assert 0 < restored < steps, out
+    for rank in (0, 1):  # zero steps lost: torchrun's restart resumes at the step reached
+        assert _last(out, "STEP", rank, 0) == restored, out
+        assert _last(out, "RESTORED", rank, 1) == restored, out
+    assert len(_digests(reference)) == 1 and _digests(out) == _digests(reference), out
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_agent_then_a_new_job_resumes_at_the_step_reached(tmp_path):
+    """What a scheduler does: SIGTERM to torchrun, which forwards it and exits; the job is
+    started again later, from nothing but the durable tier."""
+    proc = _launch(tmp_path / "job", 60, 1)
+    _signal_after_some_steps(tmp_path / "job", proc.pid)
+    first = _finish(proc, ok=False)
+    reached = _last(first, "STEP", 0, 0)
+    assert reached == _last(first, "STEP", 1, 0), first
+    for stage in (tmp_path / "job" / "stage").iterdir():  # a fresh node: empty local disk
+        shutil.rmtree(stage)
+    second = _finish(_launch(tmp_path / "job", 60, 0))
+    assert _last(second, "RESTORED", 0, 0) == reached == _last(second, "RESTORED", 1, 0)
