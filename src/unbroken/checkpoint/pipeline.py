@@ -219,6 +219,8 @@ class SavePipeline:
                     f"step {step} is already committed at {self.durable.url_for(name)}; "
                     "a committed checkpoint is never overwritten"
                 )
+            elif g.is_coordinator and (newer := self.index.newer_format(step)) is not None:
+                problem = newer.problem
         except Exception as e:
             problem, exc = describe(e), e
         self._agree(problem, f"staging step {step}", exc)
