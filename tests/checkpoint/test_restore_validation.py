@@ -1,11 +1,13 @@
 """What restore refuses or skips before it touches the state: a checkpoint from a newer
 unbroken (refused, and never deleted or overwritten), a checkpoint whose non-tensor parts
 are wrong (the previous step instead, the file named), a step directory named otherwise
-than unbroken names them (ignored, with a warning)."""
+than unbroken names them (ignored, with a warning); and the manager's own inputs."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import shutil
 import warnings
@@ -218,3 +220,31 @@ def test_a_step_directory_with_a_non_canonical_name_is_ignored_with_a_warning(tm
                 mgr.save(step, fresh)
                 mgr.wait()
     assert (odd / "manifest.json").exists()
+
+
+# -- the manager's own inputs, refused at construction ---------------------------------
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, math.nan, math.inf])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused(tmp_path, timeout):
+    with pytest.raises(ValueError, match="timeout"):
+        manager(tmp_path, timeout=timeout)
+
+
+def test_a_staging_dir_that_is_a_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "staging"
+    path.write_text("my notes")
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+        manager(tmp_path)
+    assert path.read_text() == "my notes"
+
+
+def test_an_unwritable_staging_dir_is_refused_naming_it(tmp_path):
+    if os.geteuid() == 0:
+        path = Path("/proc/self/fdinfo")  # root writes anywhere permissions would stop it
+    else:
+        path = tmp_path / "read-only"
+        path.mkdir()
+        path.chmod(0o500)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*not writable"):
+        ub.CheckpointManager(tmp_path / "durable", staging_dir=path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -92,6 +93,15 @@ class CheckpointConfig:
         if self.when_busy not in ("skip", "wait"):
             raise ValueError(
                 f"CheckpointManager: when_busy must be 'skip' or 'wait', got {self.when_busy!r}"
+            )
+        if (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or not 0 < self.timeout < math.inf
+        ):
+            raise ValueError(
+                "CheckpointManager: timeout must be a positive, finite number of seconds, "
+                f"got {self.timeout!r}"
             )
 
 
@@ -179,7 +189,7 @@ class CheckpointManager:
         )
         self.staging_dir = os.path.abspath(config.staging_dir or default_staging_dir(config.url))
         self._check_tiers()
-        os.makedirs(self.staging_dir, exist_ok=True)
+        _check_staging_dir(self.staging_dir)
         self.staging = LocalStore(self.staging_dir)
         self.stats = SaveStats()
         # Two groups: the worker's, and one for foreground agreement (due / busy), so the
@@ -411,6 +421,23 @@ class CheckpointManager:
             f"CheckpointManager({redact(self.store.url)!r}, staging_dir={self.staging_dir!r}, "
             f"every_steps={self.config.every_steps}, keep_last={self.config.keep_last})"
         )
+
+
+def _check_staging_dir(path: str) -> None:
+    """Create the staging directory and prove it writable, so that a bad one is refused
+    here, by path, rather than failing every save later."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"CheckpointManager: staging_dir {path} is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".unbroken-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(
+            f"CheckpointManager: staging_dir {path} is not writable "
+            f"({type(e).__name__}: {e.strerror or e})"
+        ) from e
 
 
 def _check_step(step: Any) -> None:
