@@ -248,3 +248,23 @@ def test_an_unwritable_staging_dir_is_refused_naming_it(tmp_path):
         path.chmod(0o500)
     with pytest.raises(ValueError, match=re.escape(str(path)) + ".*not writable"):
         ub.CheckpointManager(tmp_path / "durable", staging_dir=path)
+
+
+# -- wait() covers the save's retention --------------------------------------------------
+
+
+def test_wait_returns_once_the_saves_retention_is_done(tmp_path):
+    durable = tmp_path / "durable"
+    state = make_state()
+    with ub.CheckpointManager(
+        f"emulated::{durable}",
+        staging_dir=tmp_path / "staging",
+        keep_last=1,
+        storage_options={"latency": 0.05, "bandwidth": None},
+    ) as mgr:
+        for step in (2, 4, 6):
+            mgr.save(step, state)
+            mgr.wait()
+            committed = sorted(p.parent.name for p in durable.glob("step-*/manifest.json"))
+            assert committed == [step_dir(step)]
+        assert [c.step for c in mgr.checkpoints()] == [6]
