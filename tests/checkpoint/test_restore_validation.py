@@ -231,6 +231,14 @@ def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused(tmp_path,
         manager(tmp_path, timeout=timeout)
 
 
+@pytest.mark.parametrize("timeout", [-1.0, math.nan, "5"])
+def test_wait_refuses_a_timeout_that_is_not_seconds_and_polls_with_zero(tmp_path, timeout):
+    with manager(tmp_path) as mgr:
+        with pytest.raises(ValueError, match="wait: timeout"):
+            mgr.wait(timeout)
+        mgr.wait(0)  # nothing in flight: a poll returns
+
+
 def test_a_staging_dir_that_is_a_file_is_refused_naming_it(tmp_path):
     path = tmp_path / "staging"
     path.write_text("my notes")

@@ -94,15 +94,7 @@ class CheckpointConfig:
             raise ValueError(
                 f"CheckpointManager: when_busy must be 'skip' or 'wait', got {self.when_busy!r}"
             )
-        if (
-            isinstance(self.timeout, bool)
-            or not isinstance(self.timeout, (int, float))
-            or not 0 < self.timeout < math.inf
-        ):
-            raise ValueError(
-                "CheckpointManager: timeout must be a positive, finite number of seconds, "
-                f"got {self.timeout!r}"
-            )
+        _check_seconds("CheckpointManager: timeout", self.timeout, zero=False)
 
 
 @dataclass
@@ -356,7 +348,12 @@ class CheckpointManager:
     # -- waiting and closing -----------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the save in flight is committed; raise SaveFailedError if one failed."""
+        """Block until the save in flight is committed; raise SaveFailedError if one failed.
+
+        ``timeout``: seconds, after which TimeoutError (0 polls); None waits as long as it takes.
+        """
+        if timeout is not None:
+            _check_seconds("CheckpointManager.wait: timeout", timeout, zero=True)
         t0 = time.monotonic()
         self._pipeline.wait(timeout)
         self.stats.seconds_in_wait += time.monotonic() - t0
@@ -421,6 +418,14 @@ class CheckpointManager:
             f"CheckpointManager({redact(self.store.url)!r}, staging_dir={self.staging_dir!r}, "
             f"every_steps={self.config.every_steps}, keep_last={self.config.keep_last})"
         )
+
+
+def _check_seconds(what: str, value: Any, *, zero: bool) -> None:
+    """A finite number of seconds, above zero (or at it, where ``zero``)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        least = "a non-negative" if zero else "a positive"
+        raise ValueError(f"{what} must be {least}, finite number of seconds, got {value!r}")
 
 
 def _check_staging_dir(path: str) -> None:
