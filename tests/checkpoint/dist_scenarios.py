@@ -294,6 +294,26 @@ def scenario_collectives(a: argparse.Namespace) -> None:
     log(f"collectives ok: {s.committed} committed, {s.skipped_busy} skipped busy")
 
 
+def scenario_retention(a: argparse.Namespace) -> None:
+    """On every rank, wait() returns once the save's retention is done (the coordinator
+    runs it, on a slow remote): the durable tier then holds keep_last commits."""
+    durable = Path(a.url.removeprefix("emulated::"))
+    mgr = ub.CheckpointManager(
+        a.url,
+        staging_dir=a.staging,
+        keep_last=1,
+        storage_options={"latency": 0.05, "bandwidth": None},
+    )
+    state = {"model": make_model(0)}
+    for step in (2, 4, 6):
+        mgr.save(step, state)
+        mgr.wait()
+        committed = sorted(p.parent.name for p in durable.glob("step-*/manifest.json"))
+        assert committed == [f"step-{step:012d}"], (step, committed)
+    mgr.close()
+    log("retention ok")
+
+
 def scenario_train(a: argparse.Namespace) -> None:
     """Resumable training; rank 1 dies once at --crash-at (recovery under --max-restarts)."""
     model = make_model(0)
@@ -372,6 +392,7 @@ SCENARIOS = {
     "fsdp_save": scenario_fsdp_save,
     "fsdp_load": scenario_fsdp_load,
     "collectives": scenario_collectives,
+    "retention": scenario_retention,
     "train": scenario_train,
     "churn": scenario_churn,
 }

@@ -89,12 +89,7 @@ def plant_value(step_path, fqn: str, payload: bytes) -> None:
     import json
     from pathlib import Path
 
-    from unbroken.checkpoint.format.manifest import (
-        SELF_CHECKSUM,
-        crc32c_bytes,
-        crc32c_file,
-        manifest_checksum,
-    )
+    from unbroken.checkpoint.format.manifest import crc32c_bytes
 
     step_path = Path(step_path)
     doc = json.loads((step_path / "metadata.json").read_bytes())
@@ -106,11 +101,26 @@ def plant_value(step_path, fqn: str, payload: bytes) -> None:
     span = [offset, len(payload)]
     entry.update(record=span, payload=span, crc32c=crc32c_bytes(payload))
     (step_path / "metadata.json").write_bytes(json.dumps(doc).encode())
+    reseal(step_path, {entry["file"], "metadata.json"})
+
+
+def reseal(step_path, changed=(), edit=None) -> None:
+    """Make ``manifest.json`` of ``step_path`` agree with files rewritten in place
+    (``changed``: their names) and with ``edit(doc)`` applied to it, its own checksum
+    recomputed: what a writer with a bug, or with write access, could leave committed."""
+    import json
+    from pathlib import Path
+
+    from unbroken.checkpoint.format.manifest import SELF_CHECKSUM, crc32c_file, manifest_checksum
+
+    step_path = Path(step_path)
     manifest = json.loads((step_path / "manifest.json").read_bytes())
     for rec in manifest["files"]:
-        if rec["name"] in (entry["file"], "metadata.json"):
+        if rec["name"] in changed:
             path = step_path / rec["name"]
             rec.update(size=path.stat().st_size, crc32c=crc32c_file(path))
+    if edit is not None:
+        edit(manifest)
     manifest[SELF_CHECKSUM] = manifest_checksum(manifest)
     (step_path / "manifest.json").write_bytes(json.dumps(manifest).encode())
 

@@ -57,6 +57,12 @@ def test_user_collectives_during_async_saves_do_not_deadlock(tmp_path):
     assert out.count("collectives ok") == 2
 
 
+def test_wait_covers_the_coordinators_retention_on_every_rank(tmp_path):
+    durable = "emulated::" + str(tmp_path / "d")
+    out = check(torchrun(2, "retention", "--url", durable, "--staging", str(tmp_path / "s{rank}")))
+    assert out.count("retention ok") == 2
+
+
 def test_recovery_under_torchrun_max_restarts_is_exact(tmp_path):
     ref = tmp_path / "ref.pt"
     crashed = tmp_path / "crashed.pt"

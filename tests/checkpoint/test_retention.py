@@ -10,12 +10,13 @@ from unbroken.checkpoint.catalog import CheckpointInfo
 from unbroken.checkpoint.retention import plan_deletions
 
 
-def info(step: int, committed: bool) -> CheckpointInfo:
-    return CheckpointInfo(step, committed, 0, None, None, f"mem://x/{step}", None)
+def info(step: int, committed: bool, newer_format: bool = False) -> CheckpointInfo:
+    return CheckpointInfo(step, committed, 0, None, None, f"mem://x/{step}", None, newer_format)
 
 
-catalogs = st.dictionaries(st.integers(0, 200), st.booleans(), max_size=25).map(
-    lambda d: [info(s, c) for s, c in sorted(d.items())]
+KINDS = {"committed": (True, False), "partial": (False, False), "newer format": (False, True)}
+catalogs = st.dictionaries(st.integers(0, 200), st.sampled_from(sorted(KINDS)), max_size=25).map(
+    lambda d: [info(s, *KINDS[kind]) for s, kind in sorted(d.items())]
 )
 keep_last = st.one_of(st.none(), st.integers(1, 8))
 keep_every = st.one_of(st.none(), st.integers(1, 50))
@@ -42,9 +43,11 @@ def test_guarantees(cps, last, every):
         assert kept == committed
     if every is not None:
         assert all(s in kept for s in committed if s % every == 0)
-    partial_old = {c.step for c in cps if not c.committed and c.step < newest}
+    newer = {c.step for c in cps if c.newer_format}
+    assert not newer & set(doomed)  # what a newer unbroken committed is never deleted
+    partial_old = {c.step for c in cps if not c.committed and c.step < newest} - newer
     assert partial_old <= set(doomed)  # debris of crashed saves goes
-    assert all(c.step in doomed or c.committed or c.step > newest for c in cps)
+    assert all(c.step in doomed or c.committed or c.step in newer or c.step > newest for c in cps)
 
 
 @settings(max_examples=200, deadline=None)
@@ -67,6 +70,8 @@ def test_examples():
     assert plan_deletions(cps, keep_last=2, keep_every_steps=None) == [100, 200, 250, 300]
     assert plan_deletions(cps, keep_last=1, keep_every_steps=200) == [100, 250, 300]
     assert plan_deletions(cps, keep_last=None, keep_every_steps=None) == [250]
+    newer = [*cps, info(150, False, newer_format=True)]
+    assert plan_deletions(newer, keep_last=2, keep_every_steps=None) == [100, 200, 250, 300]
 
 
 @pytest.mark.parametrize("kw", [{"keep_last": 0}, {"keep_every_steps": 0}, {"keep_last": -1}])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import random
@@ -96,6 +97,10 @@ def _broken(edit) -> dict:
         (lambda s: s.update(cuda=["@@"]), r"'cuda\.0' is not valid base64"),
         (lambda s: s.update(cuda={}), r"'cuda' must be list"),
         (lambda s: s.update(python=[1]), r"'python' must be Mapping"),
+        (lambda s: s["python"].update(version=4), r"'python\.version' is 4"),
+        (lambda s: s["python"]["internal"].__setitem__(-1, 700), r"ends in position 700"),
+        (lambda s: s["numpy"].update(has_gauss=2), r"'numpy\.has_gauss' is 2"),
+        (lambda s: s.update(cuda=["AAAA"]), r"'cuda\.0': 3 bytes, a CUDA generator's"),
     ],
 )
 def test_malformed_records_name_the_key_and_change_nothing(edit, match):
@@ -120,7 +125,7 @@ def test_cuda_states_on_a_machine_without_cuda_warn_and_restore_the_rest():
     torch.manual_seed(3)
     saved = capture_rng_state()
     assert saved["cuda"] == []
-    saved["cuda"] = [saved["torch"]]  # as if captured on a GPU machine
+    saved["cuda"] = [base64.b64encode(bytes(16)).decode()]  # as if captured on a GPU machine
     expected = torch.rand(3)
     with pytest.warns(UserWarning, match="CUDA is not available"):
         restore_rng_state(saved)

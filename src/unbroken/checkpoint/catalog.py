@@ -7,15 +7,17 @@ manifest, never a request per file; ``verify_checkpoint(deep=True)`` re-checksum
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from unbroken.checkpoint.errors import CheckpointError
+from unbroken.checkpoint.errors import CheckpointError, NewerFormatError
 from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
     METADATA_JSON,
     Manifest,
     crc32c_bytes,
+    odd_step_dir,
     parse_step_dir,
     read_manifest,
     step_dir,
@@ -40,19 +42,42 @@ class CheckpointInfo:
     url: str
     problem: str | None
     """Why the checkpoint is not committed; None if it is."""
+    newer_format: bool = False
+    """Its manifest is of a format newer than this unbroken reads (a newer unbroken
+    committed it): not committed as far as this version can tell, but never deleted or
+    overwritten; ``problem`` says which version wrote it."""
 
 
 def list_checkpoints(store: Store) -> list[CheckpointInfo]:
     """Every ``step-*`` directory under the store root, sorted by step."""
-    by_step: dict[int, dict[str, int]] = {}
     # Temp files too: a step whose writer was killed mid-upload may hold nothing else,
     # and retention must still see (and remove) it.
-    for entry in store.list("", include_temp=True):
+    by_step = step_files(store, include_temp=True)
+    return [_describe(store, step, sizes) for step, sizes in sorted(by_step.items())]
+
+
+def step_files(store: Store, *, include_temp: bool) -> dict[int, dict[str, int]]:
+    """{step: {file name inside its directory: size}} from one listing of the root.
+
+    A directory named like a step but not as unbroken names them (``step-0000000000099``)
+    is left out, with a warning: nothing reads, counts or deletes it."""
+    by_step: dict[int, dict[str, int]] = {}
+    odd: set[str] = set()
+    for entry in store.list("", include_temp=include_temp):
         top, _, rest = entry.key.partition("/")
         step = parse_step_dir(top)
         if step is not None and rest:
             by_step.setdefault(step, {})[rest] = entry.size
-    return [_describe(store, step, sizes) for step, sizes in sorted(by_step.items())]
+        elif rest and odd_step_dir(top):
+            odd.add(top)
+    for top in sorted(odd):
+        warnings.warn(
+            f"{store.url_for(top)} is not a checkpoint directory unbroken wrote (a step's "
+            f"directory is named like {step_dir(0)}); it is ignored, never read or deleted",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return by_step
 
 
 def newest_committed(store: Store) -> CheckpointInfo | None:
@@ -116,7 +141,8 @@ def _describe(store: Store, step: int, sizes: dict[str, int]) -> CheckpointInfo:
     try:
         manifest = read_manifest(store, step)
     except CheckpointError as exc:  # a store failure propagates: unknown is not partial
-        return CheckpointInfo(step, False, present, None, None, url, str(exc))
+        newer = isinstance(exc, NewerFormatError)
+        return CheckpointInfo(step, False, present, None, None, url, str(exc), newer)
     problems = missing_or_short(manifest, sizes)
     if problems:
         why = "incomplete: " + "; ".join(problems[:5])

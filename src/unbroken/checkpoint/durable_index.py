@@ -4,13 +4,15 @@ The catalog reads every manifest to decide what is committed: right for a cold l
 on a remote with 20 ms per request it would add a round trip per kept checkpoint to every
 save. The coordinator reads the catalog once, then trusts its own commits and deletions;
 each retention pass costs one listing (to see partial steps) plus the deletions. A
-manifest that appears without this process writing it sends it back to the catalog.
+manifest that appears without this process writing it sends it back to the catalog. A
+step whose manifest a newer unbroken wrote is remembered as such: never deleted, never
+saved over.
 """
 
 from __future__ import annotations
 
-from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
-from unbroken.checkpoint.format.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
+from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints, step_files
+from unbroken.checkpoint.format.manifest import MANIFEST_NAME, Manifest, step_dir
 from unbroken.storage import Store
 
 
@@ -20,6 +22,8 @@ class DurableIndex:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._committed: dict[int, CheckpointInfo] | None = None
+        self._newer: dict[int, CheckpointInfo] = {}
+        """Steps whose manifest is of a newer format than this unbroken reads."""
 
     def committed_steps(self) -> set[int]:
         """Steps committed in the durable tier (read from the catalog the first time)."""
@@ -43,6 +47,12 @@ class DurableIndex:
             None,
         )
 
+    def newer_format(self, step: int) -> CheckpointInfo | None:
+        """The entry of ``step`` if a newer unbroken committed it (its ``problem`` says so)."""
+        if self._committed is None:
+            self._reload()
+        return self._newer.get(step)
+
     def forget(self, step: int) -> None:
         if self._committed is not None:
             self._committed.pop(step, None)
@@ -51,22 +61,18 @@ class DurableIndex:
         """Every step directory, committed or partial, by step: one listing of the root."""
         if self._committed is None:
             return self._reload()
-        by_step: dict[int, int] = {}
-        manifests: set[int] = set()
-        for entry in self.store.list("", include_temp=True):  # a crash may leave only temps
-            head, _, rest = entry.key.partition("/")
-            step = parse_step_dir(head)
-            if step is None:
-                continue
-            by_step[step] = by_step.get(step, 0) + entry.size
-            if rest == MANIFEST_NAME:
-                manifests.add(step)
-        if manifests - set(self._committed):
+        files = step_files(self.store, include_temp=True)  # a crash may leave only temps
+        manifests = {step for step, names in files.items() if MANIFEST_NAME in names}
+        if manifests - set(self._committed) - set(self._newer):
             return self._reload()  # someone else committed here: read it properly
         for gone in set(self._committed) - manifests:
             del self._committed[gone]
+        for gone in set(self._newer) - manifests:
+            del self._newer[gone]
+        by_step = {step: sum(names.values()) for step, names in files.items()}
         return [
             self._committed.get(step)
+            or self._newer.get(step)
             or CheckpointInfo(
                 step,
                 False,
@@ -82,4 +88,5 @@ class DurableIndex:
     def _reload(self) -> list[CheckpointInfo]:
         infos = list_checkpoints(self.store)
         self._committed = {c.step: c for c in infos if c.committed}
+        self._newer = {c.step: c for c in infos if c.newer_format}
         return infos

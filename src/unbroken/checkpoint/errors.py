@@ -24,6 +24,29 @@ class CheckpointCorruptError(CheckpointError):
         self.url = url
 
 
+class NewerFormatError(CheckpointError):
+    """A checkpoint was written by a newer unbroken, in a format this one cannot read.
+
+    It is not corrupt: restore refuses it instead of falling back to an older step (whose
+    run would save over it), and retention never deletes it. Upgrade unbroken to use it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        format: int | None = None,
+        library_version: str | None = None,
+        url: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.format = format
+        self.library_version = library_version
+        self.url = url
+
+
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint's keys or shapes differ from what the caller asked to load."""
 

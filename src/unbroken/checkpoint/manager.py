@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -106,6 +107,7 @@ class CheckpointConfig:
             raise ValueError(
                 f"CheckpointManager: when_busy must be 'skip' or 'wait', got {self.when_busy!r}"
             )
+        _check_seconds("CheckpointManager: timeout", self.timeout, zero=False)
 
 
 @dataclass
@@ -193,7 +195,7 @@ class CheckpointManager:
         )
         self.staging_dir = os.path.abspath(config.staging_dir or default_staging_dir(config.url))
         self._check_tiers()
-        os.makedirs(self.staging_dir, exist_ok=True)
+        _check_staging_dir(self.staging_dir)
         self.staging = LocalStore(self.staging_dir)
         self.stats = SaveStats()
         # Two groups: the worker's, and one for foreground agreement (due / busy), so the
@@ -380,7 +382,12 @@ class CheckpointManager:
     # -- waiting and closing -----------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the save in flight is committed; raise SaveFailedError if one failed."""
+        """Block until the save in flight is committed; raise SaveFailedError if one failed.
+
+        ``timeout``: seconds, after which TimeoutError (0 polls); None waits as long as it takes.
+        """
+        if timeout is not None:
+            _check_seconds("CheckpointManager.wait: timeout", timeout, zero=True)
         t0 = time.monotonic()
         self._pipeline.wait(timeout)
         self.stats.seconds_in_wait += time.monotonic() - t0
@@ -447,6 +454,31 @@ class CheckpointManager:
             f"CheckpointManager({redact(self.store.url)!r}, staging_dir={self.staging_dir!r}, "
             f"every_steps={self.config.every_steps}, keep_last={self.config.keep_last})"
         )
+
+
+def _check_seconds(what: str, value: Any, *, zero: bool) -> None:
+    """A finite number of seconds, above zero (or at it, where ``zero``)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        least = "a non-negative" if zero else "a positive"
+        raise ValueError(f"{what} must be {least}, finite number of seconds, got {value!r}")
+
+
+def _check_staging_dir(path: str) -> None:
+    """Create the staging directory and prove it writable, so that a bad one is refused
+    here, by path, rather than failing every save later."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"CheckpointManager: staging_dir {path} is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".unbroken-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(
+            f"CheckpointManager: staging_dir {path} is not writable "
+            f"({type(e).__name__}: {e.strerror or e})"
+        ) from e
 
 
 def _check_step(step: Any) -> None:

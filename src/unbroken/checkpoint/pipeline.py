@@ -131,12 +131,13 @@ class SavePipeline:
 
     @property
     def in_flight(self) -> SaveJob | None:
-        """The newest job not yet committed or failed, if any."""
+        """The newest job not yet finished (committed and its retention done, or failed)."""
         with self._lock:
             return self._jobs[-1] if self._jobs else None
 
     def wait(self, timeout: float | None = None) -> None:
-        """Until every queued job is committed or failed (retention may still be running)."""
+        """Until every queued job is committed, and its retention done, or failed: what the
+        durable tier holds then is what the job leaves there."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             jobs = list(self._jobs)
@@ -185,14 +186,12 @@ class SavePipeline:
             job.seconds["total"] = time.monotonic() - job.submitted
             try:
                 self._on_done(job)  # before the job leaves _jobs: wait() then sees its error
-            finally:
-                with self._lock:
-                    self._jobs.remove(job)
-                job.done.set()
-            try:
                 if job.manifest is not None:  # housekeeping, before the next job starts
                     self._after_commit(job.manifest)
             finally:
+                with self._lock:
+                    self._jobs.remove(job)
+                job.done.set()  # after retention: wait() leaves what a reader will find
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
@@ -219,6 +218,8 @@ class SavePipeline:
                     f"step {step} is already committed at {self.durable.url_for(name)}; "
                     "a committed checkpoint is never overwritten"
                 )
+            elif g.is_coordinator and (newer := self.index.newer_format(step)) is not None:
+                problem = newer.problem
         except Exception as e:
             problem, exc = describe(e), e
         self._agree(problem, f"staging step {step}", exc)
@@ -369,6 +370,14 @@ class SavePipeline:
                     self.durable.url,
                     describe(e),
                 )
+        try:  # every rank's wait() returns once the coordinator's retention is done
+            self.group.all_gather(None)
+        except Exception as e:
+            log.warning(
+                "step %d: waiting for retention on every rank failed: %s",
+                manifest.step,
+                describe(e),
+            )
 
     def _tidy_local(self, writing: int | None = None) -> None:
         """The staging tier keeps the copy of the step this run is at (``current_step``;

@@ -9,7 +9,11 @@ corrupt, the durable tier is read; when the corruption lies in a durable file th
 attempt read, the step is given up at once (its durable attempt would read the same bytes).
 Every decision is agreed over the manager's group, so all ranks walk the same (step, tier)
 sequence: a corrupt copy sends every rank on to the next candidate together, with a
-warning; a mismatch with the state (another model) raises at once, naming the keys.
+warning; a mismatch with the state (another model) raises at once, naming the keys; a
+checkpoint a newer unbroken wrote is refused at once (an older step's run would come to
+save over it). Everything that is not tensor bytes (the manifest, its plain values, this
+rank's RNG file) is read and checked before any tensor is loaded, so a fault there falls
+back like any corruption (naming the file) before anything of that step reaches the state.
 """
 
 from __future__ import annotations
@@ -29,19 +33,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from unbroken.checkpoint import json_values
-from unbroken.checkpoint.catalog import missing_or_short
+from unbroken.checkpoint.catalog import missing_or_short, step_files
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
+    NewerFormatError,
     NoCheckpointError,
 )
 from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
     METADATA_JSON,
     Manifest,
-    parse_step_dir,
     read_manifest,
     step_dir,
 )
@@ -50,7 +54,7 @@ from unbroken.checkpoint.format.reader import TierReader
 from unbroken.checkpoint.pipeline import MANIFEST
 from unbroken.checkpoint.save_job import describe, rng_file
 from unbroken.checkpoint.state_dicts import FlatState, apply, collect
-from unbroken.state.rng import restore_rng_state
+from unbroken.state.rng import RngState, apply_rng_state, decode_rng_state
 from unbroken.storage import Store
 
 log = logging.getLogger(__name__)
@@ -75,7 +79,7 @@ class Restored:
 class _Attempt:
     """What one rank found when preparing to load (step, tier)."""
 
-    verdict: str  # ok | corrupt | mismatch | error
+    verdict: str  # ok | corrupt | mismatch | newer | error
     message: str = ""
     local_files: int = 0
     """Files this rank found whole in its staging tier (the staging attempt)."""
@@ -168,12 +172,7 @@ def _agreed_listing(durable: Store, group: Group) -> dict[int, dict[str, int]]:
 
 def _listed_commits(store: Store) -> dict[int, dict[str, int]]:
     """{step: {file: size}} for every step directory that holds a manifest."""
-    by_step: dict[int, dict[str, int]] = {}
-    for entry in store.list(""):
-        head, _, rest = entry.key.partition("/")
-        step = parse_step_dir(head)
-        if step is not None and rest:
-            by_step.setdefault(step, {})[rest] = entry.size
+    by_step = step_files(store, include_temp=False)
     return {s: files for s, files in by_step.items() if MANIFEST_NAME in files}
 
 
@@ -191,12 +190,15 @@ def _try(
 ) -> tuple[Manifest, TierReader] | _Failed | None:
     """Load ``step`` from ``tier`` on every rank; None when the staging tier has nothing to
     offer (no rank holds a local file), ``_Failed`` when a copy was read and did not load."""
-    prepared: tuple[Manifest, TierReader, dict | None] | None = None
+    prepared: _Prepared | None = None
+    refused: NewerFormatError | None = None
     try:
         prepared = _prepare(flat, step, tier, store, durable, group, strict, durable_files)
-        mine = _Attempt("ok", local_files=len(prepared[1].local_files))
+        mine = _Attempt("ok", local_files=len(prepared.reader.local_files))
     except CheckpointMismatchError as e:
         mine = _Attempt("mismatch", str(e))
+    except NewerFormatError as e:
+        refused, mine = e, _Attempt("newer", str(e))
     except CheckpointCorruptError as e:
         mine = _Attempt("corrupt", str(e), durable_corrupt=_in_durable(e, durable, step))
     except Exception as e:
@@ -204,6 +206,8 @@ def _try(
     attempts = group.all_gather(mine)
     verdicts = {a.verdict for a in attempts}
     messages = "; ".join(sorted({a.message for a in attempts if a.message}))
+    if "newer" in verdicts:
+        raise refused or NewerFormatError(messages, step=step)
     if "mismatch" in verdicts:
         raise CheckpointMismatchError(messages)
     if tier == "staging" and verdicts == {"ok"} and not any(a.local_files for a in attempts):
@@ -213,7 +217,7 @@ def _try(
         _fail(tier, step, store, durable, in_durable, messages, problems, "error" in verdicts)
         return _Failed(in_durable)
     assert prepared is not None
-    manifest, reader, rng = prepared
+    manifest, reader, rng = prepared.manifest, prepared.reader, prepared.rng
     try:
         dcp.load(
             flat.tensors,
@@ -232,9 +236,9 @@ def _try(
         in_durable = any(_in_durable(err, durable, step) for err in corrupt)
         _fail(tier, step, store, durable, in_durable, describe(e), problems, not corrupt)
         return _Failed(in_durable)
-    apply(state, flat, json_values.decode(manifest.extra.get("values", {})))
+    apply(state, flat, prepared.values)
     if rng is not None:
-        restore_rng_state(rng)
+        apply_rng_state(rng)
     elif group.rank >= manifest.world_size:
         warnings.warn(
             f"rank {group.rank}: checkpoint step {step} was saved on {manifest.world_size} "
@@ -272,6 +276,19 @@ def _fail(
     warnings.warn(f"checkpoint {where} is not usable: {message}", RuntimeWarning, stacklevel=4)
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """Everything a (step, tier) attempt needs besides the tensor bytes, read and checked:
+    nothing here can fail once the state starts to change."""
+
+    manifest: Manifest
+    reader: TierReader
+    rng: RngState | None
+    """This rank's RNG state, decoded; None where the checkpoint has none for this rank."""
+    values: dict[str, Any]
+    """The plain values, decoded."""
+
+
 def _prepare(
     flat: FlatState,
     step: int,
@@ -281,7 +298,7 @@ def _prepare(
     group: Group,
     strict: bool,
     durable_files: dict[str, int],
-) -> tuple[Manifest, TierReader, dict | None]:
+) -> _Prepared:
     name = step_dir(step)
     manifest = read_manifest(durable, step)
     missing = missing_or_short(manifest, durable_files)
@@ -291,6 +308,7 @@ def _prepare(
             step=step,
             url=durable.url_for(name),
         )
+    values = _saved_values(manifest, durable)
     if tier == "staging":
         reader = TierReader(
             durable, step, manifest, local=store, local_files=_local_files(store, name, manifest)
@@ -306,8 +324,24 @@ def _prepare(
     )
     rng = None
     if group.global_rank < manifest.world_size:
-        rng = _read_rng(reader, manifest, group.global_rank)
-    return manifest, reader, rng
+        rng = _read_rng(reader, manifest, group.global_rank, durable)
+    return _Prepared(manifest, reader, rng, values)
+
+
+def _saved_values(manifest: Manifest, durable: Store) -> dict[str, Any]:
+    """The manifest's plain values, decoded. Not a mapping: the manifest is at fault (read
+    as names, a string would make its letters the keys, "another model?")."""
+    values = manifest.extra.get("values", {})
+    if not isinstance(values, dict):
+        url = durable.url_for(f"{step_dir(manifest.step)}/{MANIFEST_NAME}")
+        raise CheckpointCorruptError(
+            f"{url}: extra.values is a {type(values).__name__}, not a mapping of entry names "
+            "to plain values",
+            step=manifest.step,
+            file=MANIFEST_NAME,
+            url=url,
+        )
+    return json_values.decode(values)
 
 
 def _local_files(store: Store, name: str, manifest: Manifest) -> frozenset[str]:
@@ -334,11 +368,19 @@ def _local_files(store: Store, name: str, manifest: Manifest) -> frozenset[str]:
     return frozenset(present)
 
 
-def _read_rng(reader: TierReader, manifest: Manifest, rank: int) -> dict | None:
+def _read_rng(reader: TierReader, manifest: Manifest, rank: int, durable: Store) -> RngState | None:
+    """This rank's RNG state, decoded. Bytes that pass their checksum but do not decode
+    are the durable copy's fault too (every copy holds those bytes), so the error names
+    it and the step is given up at once."""
     fname = rng_file(rank)
     if fname not in manifest.files:
         return None
-    return json.loads(reader.read_whole(fname))
+    data = reader.read_whole(fname)
+    try:
+        return decode_rng_state(json.loads(data))
+    except ValueError as e:  # RngStateError, or not JSON / not UTF-8
+        url = durable.url_for(f"{step_dir(manifest.step)}/{fname}")
+        raise CheckpointCorruptError(f"{url}: {e}", step=manifest.step, file=fname, url=url) from e
 
 
 def check_compatible(

@@ -3,7 +3,8 @@
 Retention counts committed checkpoints only, and nothing at or above the newest committed
 step is ever returned: an async save above it may still be in flight, and the newest
 committed checkpoint is the one a restart needs. Partial checkpoints older than the newest
-committed one are debris of crashed saves and are returned for deletion.
+committed one are debris of crashed saves and are returned for deletion. A checkpoint a
+newer unbroken committed (its manifest's format is newer) is neither: it is never returned.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ class _Checkpoint(Protocol):
 
     @property
     def committed(self) -> bool: ...
+
+    @property
+    def newer_format(self) -> bool: ...
 
 
 def plan_deletions(
@@ -47,6 +51,7 @@ def plan_deletions(
         keep.update(committed[-keep_last:])
     if keep_every_steps is not None:
         keep.update(s for s in committed if s % keep_every_steps == 0)
-    partial = {c.step for c in checkpoints if not c.committed} - set(committed)
+    newer = {c.step for c in checkpoints if c.newer_format}
+    partial = {c.step for c in checkpoints if not c.committed} - set(committed) - newer
     doomed = {s for s in committed if s not in keep} | {s for s in partial if s < newest}
     return sorted(doomed)

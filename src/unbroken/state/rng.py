@@ -6,7 +6,10 @@ and (when CUDA is in use) every CUDA device's generator go into the checkpoint. 
 states are base64 text so the record is plain JSON: loading it never unpickles anything.
 
 ``restore_rng_state`` checks the whole record before touching any generator: a malformed
-record raises ``RngStateError`` naming the bad key and changes nothing.
+record raises ``RngStateError`` naming the bad key and changes nothing. A restore that
+must check everything before it changes anything (a checkpoint's) decodes the record
+first (``decode_rng_state``) and applies it later (``apply_rng_state``), which then has
+nothing left that can fail.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import binascii
 import random
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,10 +27,15 @@ import torch
 
 FORMAT = 1
 _MT_WORDS = 624  # Mersenne Twister state words, for python random and numpy alike
+_PYTHON_VERSION = 3  # what random.getstate() writes and random.setstate() takes
+_CUDA_STATE_BYTES = (8, 16)  # a CUDA generator's seed, and its offset (which may be absent)
 
 __all__ = [
+    "RngState",
     "RngStateError",
+    "apply_rng_state",
     "capture_rng_state",
+    "decode_rng_state",
     "generator_state",
     "restore_rng_state",
     "set_generator_state",
@@ -35,6 +44,16 @@ __all__ = [
 
 class RngStateError(ValueError):
     """A saved RNG record is malformed; the message names the key."""
+
+
+@dataclass(frozen=True)
+class RngState:
+    """A record checked and decoded: each generator's state as its setter takes it."""
+
+    python: tuple
+    numpy: tuple
+    cpu: torch.Tensor
+    cuda: list[torch.Tensor]
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -69,10 +88,15 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     Raises ``RngStateError`` naming the missing or bad key (nothing is changed then).
     CUDA states are restored for the devices present; a different device count warns.
     """
-    python, numpy_state, cpu, cuda = _decode(state)
-    random.setstate(python)
-    np.random.set_state(numpy_state)
-    torch.set_rng_state(cpu)
+    apply_rng_state(decode_rng_state(state))
+
+
+def apply_rng_state(state: RngState) -> None:
+    """Set every generator from a decoded record (see ``restore_rng_state``)."""
+    random.setstate(state.python)
+    np.random.set_state(state.numpy)
+    torch.set_rng_state(state.cpu)
+    cuda = state.cuda
     if not cuda:
         return
     if not torch.cuda.is_available():
@@ -110,8 +134,9 @@ def set_generator_state(generator: torch.Generator, state: str, *, key: str = "g
     generator.set_state(data)
 
 
-def _decode(state: Mapping[str, Any]) -> tuple[tuple, tuple, torch.Tensor, list[torch.Tensor]]:
-    """Every part of the record, validated and decoded, before any generator is touched."""
+def decode_rng_state(state: Mapping[str, Any]) -> RngState:
+    """Every part of a ``capture_rng_state`` record, checked and decoded, touching no
+    generator: whatever the setters would refuse raises ``RngStateError`` here."""
     if not isinstance(state, Mapping):
         raise RngStateError(f"rng state must be a dict, got {type(state).__name__}")
     fmt = _field(state, "format", int)
@@ -120,10 +145,18 @@ def _decode(state: Mapping[str, Any]) -> tuple[tuple, tuple, torch.Tensor, list[
 
     py = _field(state, "python", Mapping)
     version = _field(py, "version", int, "python.")
+    if version != _PYTHON_VERSION:
+        raise RngStateError(
+            f"rng state 'python.version' is {version}, python's random reads {_PYTHON_VERSION}"
+        )
     internal = _field(py, "internal", list, "python.")
     if len(internal) != _MT_WORDS + 1 or not all(_is_u32(v) for v in internal):
         raise RngStateError(
             f"rng state 'python.internal' must be {_MT_WORDS + 1} integers in [0, 2**32)"
+        )
+    if internal[-1] > _MT_WORDS:  # the position in the state, last
+        raise RngStateError(
+            f"rng state 'python.internal' ends in position {internal[-1]}, outside [0, {_MT_WORDS}]"
         )
     gauss_next = _field(py, "gauss_next", (float, int, type(None)), "python.")
 
@@ -138,11 +171,14 @@ def _decode(state: Mapping[str, Any]) -> tuple[tuple, tuple, torch.Tensor, list[
     pos = _field(npy, "pos", int, "numpy.")
     if not 0 <= pos <= _MT_WORDS:
         raise RngStateError(f"rng state 'numpy.pos' is {pos}, outside [0, {_MT_WORDS}]")
+    has_gauss = _field(npy, "has_gauss", int, "numpy.")
+    if has_gauss not in (0, 1):
+        raise RngStateError(f"rng state 'numpy.has_gauss' is {has_gauss}, not 0 or 1")
     numpy_state = (
         kind,
         key,
         pos,
-        _field(npy, "has_gauss", int, "numpy."),
+        has_gauss,
         float(_field(npy, "cached_gaussian", (float, int), "numpy.")),
     )
 
@@ -152,7 +188,15 @@ def _decode(state: Mapping[str, Any]) -> tuple[tuple, tuple, torch.Tensor, list[
         raise RngStateError(f"rng state 'torch': {cpu.numel()} bytes, expected {expected}")
     cuda_list = _field(state, "cuda", list)
     cuda = [_bytes_tensor(v, f"cuda.{i}") for i, v in enumerate(cuda_list)]
-    return (version, tuple(internal), gauss_next), numpy_state, cpu, cuda
+    for i, device_state in enumerate(cuda):
+        # Checked here: torch applies a CUDA state lazily, at CUDA's first use, where a
+        # refusal would come far from the restore.
+        if device_state.numel() not in _CUDA_STATE_BYTES:
+            raise RngStateError(
+                f"rng state 'cuda.{i}': {device_state.numel()} bytes, a CUDA generator's "
+                f"state has {' or '.join(map(str, _CUDA_STATE_BYTES))}"
+            )
+    return RngState((version, tuple(internal), gauss_next), numpy_state, cpu, cuda)
 
 
 def _field(record: Mapping[str, Any], name: str, kind: type | tuple, prefix: str = "") -> Any:

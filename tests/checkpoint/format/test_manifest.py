@@ -9,14 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from unbroken import open_store
-from unbroken.checkpoint.errors import CheckpointCorruptError, NoCheckpointError
+from unbroken import __version__, open_store
+from unbroken.checkpoint.errors import CheckpointCorruptError, NewerFormatError, NoCheckpointError
 from unbroken.checkpoint.format.manifest import (
     SELF_CHECKSUM,
     FileRecord,
     Manifest,
     crc32c_bytes,
     crc32c_file,
+    odd_step_dir,
     parse_step_dir,
     read_manifest,
     step_dir,
@@ -83,7 +84,9 @@ BAD = {
     "absolute name": edit(lambda d: d["files"][0].update(name="/etc/passwd")),
     "lists itself": edit(lambda d: d["files"][0].update(name="manifest.json")),
     "duplicate": edit(lambda d: d["files"].append(dict(d["files"][0]))),
-    "future format": edit(lambda d: _set(d, "format", 99)),
+    "format 0": edit(lambda d: _set(d, "format", 0)),
+    "format as text": edit(lambda d: _set(d, "format", "2")),
+    "no world": edit(lambda d: _set(d, "world_size", 0)),
     "extra not object": edit(lambda d: _set(d, "extra", [1])),
     "not utf8": b"\xff\xfe",
 }
@@ -93,6 +96,21 @@ BAD = {
 def test_bad_manifest_is_a_clear_error(name):
     with pytest.raises(CheckpointCorruptError, match=re.escape("s3://b/step-1/manifest.json")):
         Manifest.from_json(BAD[name], where="s3://b/step-1/manifest.json")
+
+
+def test_a_manifest_of_a_newer_format_is_refused_as_newer_not_as_corrupt():
+    """Its other fields may mean something else there: only the step and the version
+    that wrote it are read, to say so (its own checksum may be computed otherwise too)."""
+    doc = json.loads(sample().to_json())
+    doc.update(format=2, library_version="9.1.0", files="a layout of the future")
+    with pytest.raises(NewerFormatError) as info:
+        Manifest.from_json(json.dumps(doc).encode(), where="s3://b/step-1/manifest.json")
+    assert not isinstance(info.value, CheckpointCorruptError)
+    assert str(info.value).startswith(
+        "s3://b/step-1/manifest.json: step 1200 was written by unbroken 9.1.0 (format 2); "
+        f"this is unbroken {__version__}, which reads format 1: upgrade"
+    )
+    assert (info.value.step, info.value.format, info.value.library_version) == (1200, 2, "9.1.0")
 
 
 def test_a_manifest_changed_after_it_was_written_is_refused():
@@ -126,6 +144,13 @@ def test_step_dir_refuses_bad_steps(bad):
 @pytest.mark.parametrize("name", ["step-12", "step-", "stage-000000000001", "step-00000000001x"])
 def test_parse_step_dir_ignores_other_names(name):
     assert parse_step_dir(name) is None
+
+
+@pytest.mark.parametrize("name", ["step-0000000000099", "step-12", "step-01000000000000"])
+def test_a_step_name_step_dir_does_not_write_is_not_a_step(name):
+    """Read as a step, it would send readers to the canonical name: another directory."""
+    assert parse_step_dir(name) is None and odd_step_dir(name)
+    assert parse_step_dir("step-1000000000000") == 10**12 and not odd_step_dir(step_dir(99))
 
 
 def test_crc32c_known_vector_and_file(tmp_path):

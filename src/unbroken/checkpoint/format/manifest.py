@@ -18,7 +18,7 @@ from typing import Any
 import crc32c as _crc32c
 
 from unbroken._version import __version__
-from unbroken.checkpoint.errors import CheckpointCorruptError, NoCheckpointError
+from unbroken.checkpoint.errors import CheckpointCorruptError, NewerFormatError, NoCheckpointError
 from unbroken.storage import ObjectNotFoundError, Store
 
 MANIFEST_NAME = "manifest.json"
@@ -29,7 +29,7 @@ METADATA_PICKLE = ".metadata"
 FORMAT_VERSION = 1
 """Bumped when the layout changes in a way an older reader cannot follow."""
 STEP_DIGITS = 12
-_STEP_DIR = re.compile(rf"^step-(\d{{{STEP_DIGITS},}})$")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 8 << 20
 
 
@@ -93,8 +93,11 @@ class Manifest:
         try:
             if not isinstance(doc, dict):
                 raise TypeError("top level is not an object")
-            if doc.get("format") != FORMAT_VERSION:
-                raise ValueError(f"unknown manifest format {doc.get('format')!r}")
+            fmt = doc.get("format")
+            if _is_int(fmt) and fmt > FORMAT_VERSION:
+                raise _newer_format(doc, fmt, where)  # its other fields may mean other things
+            if not _is_int(fmt) or fmt != FORMAT_VERSION:
+                raise ValueError(f"unknown manifest format {fmt!r}")
             _check_self_checksum(doc)
             files: dict[str, FileRecord] = {}
             for item in doc["files"]:
@@ -106,9 +109,12 @@ class Manifest:
             extra = doc.get("extra", {})
             if not isinstance(extra, dict):
                 raise TypeError("extra is not an object")
+            world_size = _nonneg(doc["world_size"])
+            if world_size < 1:
+                raise ValueError("world_size is 0")
             return cls(
                 step=_nonneg(doc["step"]),
-                world_size=_nonneg(doc["world_size"]),
+                world_size=world_size,
                 files=files,
                 library_version=str(doc["library_version"]),
                 torch_version=str(doc["torch_version"]),
@@ -172,8 +178,30 @@ def new_manifest(
     )
 
 
+def _newer_format(doc: dict[str, Any], fmt: int, where: str) -> NewerFormatError:
+    """The refusal of a manifest a newer unbroken wrote: only the fields every format
+    keeps (step, writer's version) are read from it, and only to say so."""
+    step = doc.get("step") if _is_int(doc.get("step")) else None
+    version = doc.get("library_version")
+    version = version[:40] if isinstance(version, str) else "(version not recorded)"
+    what = f"step {step}" if step is not None else "this checkpoint"
+    return NewerFormatError(
+        f"{where}: {what} was written by unbroken {version} (format {fmt}); this is "
+        f"unbroken {__version__}, which reads format {FORMAT_VERSION}: upgrade unbroken to "
+        "restore it (it is never deleted or overwritten)",
+        step=step,
+        format=fmt,
+        library_version=version,
+        url=where,
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _nonneg(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not _is_int(value) or value < 0:
         raise ValueError(f"expected a non-negative integer, got {value!r}")
     return value
 
@@ -194,9 +222,21 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step of a ``step-*`` directory name, or None if the name is not one."""
+    """The step of a ``step-*`` directory name as ``step_dir`` writes it, or None.
+
+    A name that is not canonical (``step-0000000000099``, 13 digits) is None too: read as
+    step 99 it would send every reader to ``step-000000000099``, which is another
+    directory (see ``odd_step_dir``)."""
     m = _STEP_DIR.match(name.strip("/"))
-    return int(m.group(1)) if m else None
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir(step) == name.strip("/") else None
+
+
+def odd_step_dir(name: str) -> bool:
+    """``step-`` and digits, but not a name ``step_dir`` writes: not ours to read or delete."""
+    return _STEP_DIR.match(name.strip("/")) is not None and parse_step_dir(name) is None
 
 
 def crc32c_bytes(data: bytes | bytearray | memoryview, value: int = 0) -> int:
