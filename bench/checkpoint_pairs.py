@@ -54,7 +54,7 @@ from unbroken.storage.link import discard_link
 
 SETTLE_STEPS = 3
 """Untimed steps between the warm-up saves and the first pair (as in the probe whose log
-docs/arch/data/pairs-6366f39.jsonl is)."""
+bench/results/pairs-6366f39.jsonl is)."""
 NEVER_DUE = 10**9
 ALSO = {cls.key: cls for cls in (MemcpyFloor, TwoTierFloor, UnbrokenSharedStaging)}
 """Other ways of saving a round can also hold, by the benchmark's row keys."""
