@@ -104,3 +104,22 @@ def test_relative_links_between_the_docs_lead_somewhere():
     for path in doc_files():
         for target in link.findall(path.read_text()):
             assert os.path.exists(path.parent / target), f"{path}: broken link {target}"
+
+
+INTERNAL_ERRORS = {
+    "TransientStoreError": "retried inside the store; users see RetriesExhaustedError",
+    "StagingBusyError": "the manager checks stager.busy first; it skips or waits instead",
+    "UnsafeValueError": "reaches users as the cause of a SaveFailedError or as corruption",
+}
+"""Error classes no user meets as such, and why."""
+
+
+def test_every_error_a_user_can_meet_is_in_the_troubleshooting_guide():
+    """A new error class needs its entry: what it means and what to do."""
+    defined = set()
+    for path in (ROOT / "src" / "unbroken").rglob("*.py"):
+        defined |= set(re.findall(r"^\s*class (\w+Error)\(", path.read_text(), re.M))
+    guide = (ROOT / "docs" / "troubleshooting.md").read_text()
+    guide += (ROOT / "docs" / "storage.md").read_text()
+    missing = sorted(e for e in defined - set(INTERNAL_ERRORS) if e not in guide)
+    assert not missing, f"add these to docs/troubleshooting.md: {missing}"
