@@ -2,8 +2,8 @@
 
 Why a second checkpoint benchmark: where every core trains (as on the 2-core machines
 this project is tested on), what a background save costs the training loop is made of
-the CPU time it takes from it. bench/checkpoint.py measures that cost as extra wall
-time, through a few per cent of run-to-run drift; a change that saves 0.1 s of CPU per
+the CPU time it takes from it. bench/checkpoint.py measures that cost as time lost
+(wall time), through a few per cent of run-to-run drift; a change that saves 0.1 s of CPU per
 save is invisible there. This one measures the CPU itself, in one process, with nothing
 training, so such a change shows, and says how far a save is from the least any copy
 of the state costs.
