@@ -80,6 +80,8 @@ class Config:
     """The --quick smoke run: tiny state, few steps."""
     keep: bool = False
     """Keep the scratch directory afterwards (to look at what each row wrote)."""
+    all_columns: bool = False
+    """Print every column of the table and its legend, not only the compared ones."""
 
     @property
     def remote_options(self) -> dict[str, Any]:

@@ -151,28 +151,36 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
         "local_tier_bps": (results.get("unbroken") or {}).get("local_tier_bps"),
     }
     targets, ratios = evaluate(results, env)
-    opts = ", ".join(f"{k}={v}" for k, v in ROW_CLASSES["dcp_async_best"].OPTIONS.items())
+    link_floor = state_bytes / cfg.bandwidth + cfg.latency
+    noise = "" if spread is None else f"; the two no-saves runs differ by {spread / cfg.saves:.3f}"
     head = [
         f"checkpoint benchmark: {cfg.ranks} ranks (gloo, FSDP2, Adam), "
         f"state {state_bytes / (1 << 30):.3f} GiB in all "
         f"(params {cfg.params_gb:g} GiB + Adam), {cfg.saves} saves every {cfg.every} steps",
         f"remote: emulated, {cfg.latency * 1000:g} ms/request, {cfg.bandwidth / 1e6:g} MB/s "
-        f"node-wide link (bytes kept in {cfg.remote_dir}); link floor per save "
-        f"{state_bytes / cfg.bandwidth + cfg.latency:.3f} s",
-        f"dcp.async_save best = DefaultStager(StagingOptions({opts})), "
-        f"AsyncCheckpointerType.PROCESS",
-        "extra wall and CPU (machine-wide; off-loop: the ranks' other threads) are "
-        "against the mean of the no-saves runs"
-        + ("" if spread is None else f"; they differ by {spread / cfg.saves:.3f} s/save (noise)"),
-        "in-row: a row's save steps and steps with a save in flight against the mean of its "
-        "own quiet steps; on the no-saves runs, the same split (as if saving like unbroken) "
-        "shows that figure's noise",
-        "lasting: how much a row's quiet steps (after a save has committed) exceed the "
-        "no-saves runs' mean step, over the steps from the first save on, per save; "
-        "in-row + lasting is the part of extra wall that the saves' windows and their "
-        "aftermath make up",
-        "",
+        f"node-wide link; one save's bytes need at least {link_floor:.3f} s on it",
+        "time lost: how much longer the training loop ran, per save, than with no saves"
+        + (f"{noise} s/save (noise: a figure within that of zero is zero)" if noise else ""),
+        "loop blocked: time inside the save calls and waits; save to commit: one save at rest",
     ]
+    if cfg.all_columns:
+        opts = ", ".join(f"{k}={v}" for k, v in ROW_CLASSES["dcp_async_best"].OPTIONS.items())
+        head += [
+            f"remote bytes kept in {cfg.remote_dir}",
+            f"dcp.async_save best = DefaultStager(StagingOptions({opts})), "
+            f"AsyncCheckpointerType.PROCESS",
+            "machine CPU: CPU the whole machine spent beyond the no-saves runs, per save; "
+            "background CPU: the ranks' threads other than the training thread",
+            "lost in run: a row's save steps and steps with a save in flight against the mean "
+            "of its own quiet steps; on the no-saves runs, the same split (as if saving like "
+            "unbroken) shows that figure's noise",
+            "lost after commit: how much a row's quiet steps (after a save has committed) "
+            "exceed the no-saves runs' mean step, over the steps from the first save on, per "
+            "save; lost in run + lost after commit make up time lost",
+        ]
+    else:
+        head.append("(--all-columns: CPU, peak memory and the split of the time lost)")
+    head.append("")
     error = (results.get("unbroken") or {}).get("error")
     extra = {
         "quick": cfg.quick,
@@ -186,7 +194,13 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
         "unbroken_lasting_s_per_save": (results.get("unbroken") or {}).get("lasting_extra_s"),
     }
     return "\n".join(
-        [*head, format_table(rows), "", format_targets(targets), json_line(ratios, extra)]
+        [
+            *head,
+            format_table(rows, cfg.all_columns),
+            "",
+            format_targets(targets),
+            json_line(ratios, extra),
+        ]
     )
 
 
@@ -224,6 +238,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
         "e.g. /dev/shm, so the remote's writes do not share the staging tier's disk",
     )
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    p.add_argument(
+        "--all-columns",
+        action="store_true",
+        help="print every column (CPU, peak memory, the split of the time lost)",
+    )
     p.add_argument("--row-timeout", type=float, default=None, help="seconds per row")
     a = p.parse_args(argv)
     keys = [k.strip() for k in a.rows.split(",") if k.strip()]
@@ -254,6 +273,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         row_timeout_s=a.row_timeout or (120.0 if a.quick else 3600.0),
         keep=a.keep,
         quick=a.quick,
+        all_columns=a.all_columns,
     )
     if cfg.ranks < 1:
         p.error(f"--ranks must be >= 1, got {cfg.ranks}")

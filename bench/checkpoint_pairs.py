@@ -10,8 +10,8 @@ cancels. Per step position the difference between the two blocks is what the sav
 cost; over pairs the report gives it with a standard error:
 
 - in flight: the save call's own seconds, then the steps after it until the commit
-  (the in-row figure; the rest of the step that makes the call ran before the save
-  existed, so its difference is noise and is left out);
+  (checkpoint.py's "lost in run"; the rest of the step that makes the call ran before
+  the save existed, so its difference is noise and is left out);
 - after the commit: the rest of the block (a lasting cost would show here);
 - the whole block: both, the figure to hold against torch.save / 50.
 
@@ -54,7 +54,7 @@ from unbroken.storage.link import discard_link
 
 SETTLE_STEPS = 3
 """Untimed steps between the warm-up saves and the first pair (as in the probe whose log
-docs/arch/data/pairs-6366f39.jsonl is)."""
+bench/results/pairs-6366f39.jsonl is)."""
 NEVER_DUE = 10**9
 ALSO = {cls.key: cls for cls in (MemcpyFloor, TwoTierFloor, UnbrokenSharedStaging)}
 """Other ways of saving a round can also hold, by the benchmark's row keys."""

@@ -203,6 +203,41 @@ def unbroken_epochs(
     return e1, e2, cold, warm
 
 
+# -- the report --------------------------------------------------------------------------
+
+ROW_ORDER = ("stock remote", "unbroken e1", "unbroken e2", "stock local")
+MAIN_COLUMNS = ("images/s", "x stock remote", "CPU ms per image")
+"""What a user compares; ``--all-columns`` adds the rest."""
+
+
+def table(
+    rows: dict[str, Epoch], labels: dict[str, str], published: dict[str, str], all_columns: bool
+) -> str:
+    """The rows side by side: the compared columns, or every one."""
+    stock = rows["stock remote"].rate
+    cells: dict[str, list[str]] = {}
+    for name in ROW_ORDER:
+        r = rows[name]
+        cells[name] = [
+            f"{r.images}",
+            f"{r.seconds:.2f}",
+            f"{r.first_batch:.2f}",
+            f"{r.rate:.1f}",
+            f"{r.rate / stock:.1f}x",
+            f"{r.cpu_ms:.2f}",
+            published.get(name, ""),
+        ]
+    titles = ["images", "epoch s", "first batch s", *MAIN_COLUMNS, "published: stock -> theirs"]
+    keep = [i for i, t in enumerate(titles) if all_columns or t in MAIN_COLUMNS]
+    lines = [["run", *(titles[i] for i in keep)]]
+    lines += [[labels[n], *(cells[n][i] for i in keep)] for n in ROW_ORDER]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join(
+        "  ".join([line[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(line[1:], widths[1:]))])
+        for line in lines
+    )
+
+
 # -- the run -----------------------------------------------------------------------------
 
 
@@ -214,6 +249,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument(
         "--repeat", type=int, default=None, help="rounds, best of each row (1 quick, 2 full)"
+    )
+    parser.add_argument(
+        "--all-columns",
+        action="store_true",
+        help="also print images, epoch and first-batch seconds, published figures, cache",
     )
     parser.add_argument(
         "--bench-dir",
@@ -279,16 +319,7 @@ def main() -> None:
         f"{CROP} crop + flip; stock remote reads with store.read_bytes in a plain Dataset; "
         f"best of {args.repeat} round(s); load average {os.getloadavg()[0]:.1f} on {cores} cores"
     )
-    print(
-        f"{'run':<30} {'images':>7} {'epoch s':>8} {'1st batch s':>11} {'images/s':>9} "
-        f"{'vs stock':>9} {'CPU ms/img':>10}  published (stock -> theirs)"
-    )
-    for name in ("stock remote", "unbroken e1", "unbroken e2", "stock local"):
-        r = rows[name]
-        print(
-            f"{labels[name]:<30} {r.images:>7} {r.seconds:>8.2f} {r.first_batch:>11.2f} "
-            f"{r.rate:>9.1f} {r.rate / stock:>8.1f}x {r.cpu_ms:>10.2f}  {published.get(name, '')}"
-        )
+    print(table(rows, labels, published, args.all_columns))
     e1_ratio = ips["unbroken e1"] / binding
     e2_ratio = ips["unbroken e2"] / ips["stock local"]
     e1_idle = min(link_ips, cores * 1000 / rows["unbroken e1"].cpu_ms)
@@ -304,8 +335,11 @@ def main() -> None:
           f"epoch 2 = {e2_cpu_ratio:.2f}")  # fmt: skip
     e1_cache = {k: cold.get(k, 0) for k in ("hits", "misses", "bytes_fetched", "retries")}
     waits = (cold["fetch_seconds"], warm["fetch_seconds"] - cold["fetch_seconds"])
-    print(f"unbroken cache, epoch 1: {e1_cache}; "
-          f"blocked in next(): {waits[0]:.2f} s (e1), {waits[1]:.2f} s (e2)")  # fmt: skip
+    if args.all_columns:
+        print(f"unbroken cache, epoch 1: {e1_cache}; "
+              f"blocked in next(): {waits[0]:.2f} s (e1), {waits[1]:.2f} s (e2)")  # fmt: skip
+    else:
+        print("(--all-columns: images, epoch and first-batch seconds, published ratios, cache)")
     summary = {
         "files": files,
         "mean_bytes": round(mean),

@@ -71,10 +71,13 @@ def main() -> None:
         finally:
             discard_link(profile.link)
     print(f"standard remote profile: {profile.describe()}")
-    print(f"{'op':<9} {'streams':>7} {'object':>10} {'MB/s':>8} {'ideal MB/s':>11} {'ratio':>6}")
+    print(
+        f"{'op':<9} {'streams':>7} {'object size':>11} {'MB/s':>8} {'link allows MB/s':>16} "
+        f"{'of that':>7}"
+    )
     for op, streams, size, mbps, ideal in rows:
         obj = format_size(size)
-        print(f"{op:<9} {streams:>7} {obj:>10} {mbps:>8.1f} {ideal:>11.1f} {mbps / ideal:>6.2f}")
+        print(f"{op:<9} {streams:>7} {obj:>11} {mbps:>8.1f} {ideal:>16.1f} {mbps / ideal:>7.0%}")
     summary = {
         f"{op}_{streams}x_{'large' if size == large else 'small'}_mbps": round(mbps, 1)
         for op, streams, size, mbps, _ in rows

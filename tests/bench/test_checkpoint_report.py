@@ -18,6 +18,7 @@ from _ckpt_measure import (
     in_row_extra,
     json_line,
     lasting_extra,
+    shown_columns,
     split_steps,
 )
 from checkpoint import baseline_loop, parse_args, report
@@ -107,12 +108,12 @@ def test_targets_met_and_not_met():
     }
     targets, ratios = evaluate(rows, ENV)
     met = {t.name: t.met for t in targets}
-    assert met["extra wall s/save <= 0.5 x best dcp.async_save"] is True  # 0.5 <= 1.0
-    assert met["extra wall s/save <= torch.save / 50"] is True  # 0.5 <= 0.6
-    assert met["commit s <= 1.25 x (bytes/bandwidth + latency)"] is True  # 11 <= 12.525
-    assert met["RSS growth beyond one staging pool and the no-saves run's ~ 0"] is True
-    assert met["restore local >= 0.8 x local tier bandwidth"] is True  # 2e9/1 / 2e9 = 1
-    assert met["restore durable >= 0.8 x link bandwidth"] is False  # 1e8 / 2e8 = 0.5
+    assert met["time lost s/save <= 0.5 x best dcp.async_save"] is True  # 0.5 <= 1.0
+    assert met["time lost s/save <= torch.save / 50"] is True  # 0.5 <= 0.6
+    assert met["save to commit s <= 1.25 x (bytes/bandwidth + latency)"] is True  # 11 <= 12.525
+    assert met["memory growth beyond one staging pool and the no-saves run's ~ 0"] is True
+    assert met["restore local >= 0.8 x local disk bandwidth"] is True  # 2e9/1 / 2e9 = 1
+    assert met["restore remote >= 0.8 x link bandwidth"] is False  # 1e8 / 2e8 = 0.5
     assert ratios["extra_wall_unbroken_over_best_dcp_async"] == pytest.approx(0.25)
     assert ratios["extra_wall_torch_save_over_unbroken"] == pytest.approx(60.0)
     assert ratios["restore_durable_fraction_of_link_bw"] == pytest.approx(0.5)
@@ -130,11 +131,11 @@ def test_rss_growth_target_counts_only_what_saves_add_to_the_loops_own_growth():
         "unbroken": {"rss_growth": pool + (150 << 20)},
     }
     targets, ratios = evaluate(rows, ENV)
-    rss = next(t for t in targets if t.name.startswith("RSS growth"))
+    rss = next(t for t in targets if t.name.startswith("memory growth"))
     assert rss.measured == 50 << 20 and rss.met is True  # 150 - 100 MiB <= 64 MiB
     assert ratios["rss_growth_beyond_pool_gib"] == pytest.approx(150 / 1024)
     rows["unbroken"]["rss_growth"] = pool + (200 << 20)
-    rss = next(t for t in evaluate(rows, ENV)[0] if t.name.startswith("RSS growth"))
+    rss = next(t for t in evaluate(rows, ENV)[0] if t.name.startswith("memory growth"))
     assert rss.met is False  # 100 MiB beyond what the loop alone keeps
 
 
@@ -152,7 +153,8 @@ def test_a_missing_unbroken_row_reports_na_and_keeps_the_baselines():
         [
             {"name": "dcp.save", "blocked_s": 1.25, "peak_pss": 3 * GiB},
             {"name": "unbroken", "error": "ModuleNotFoundError: x"},
-        ]
+        ],
+        all_columns=True,
     )
     lines = table.splitlines()
     assert lines[0].startswith("row") and set(lines[1]) <= {"-", " "}
@@ -160,6 +162,18 @@ def test_a_missing_unbroken_row_reports_na_and_keeps_the_baselines():
     assert "1.250" in lines[2] and "3.00" in lines[2]
     assert lines[3].split()[1:] == ["n/a"] * len(COLUMNS)
     assert lines[-1].strip() == "unbroken: n/a: ModuleNotFoundError: x"
+
+
+def test_the_default_table_shows_the_compared_columns_and_all_columns_shows_the_rest():
+    rows = [{"name": "unbroken", "extra_s": 0.25, "off_main_cpu_s": 0.75, "peak_pss": 3 * GiB}]
+    short, full = format_table(rows), format_table(rows, all_columns=True)
+    head = short.splitlines()[0]
+    for title in ("time lost s/save", "save to commit s", "memory growth GiB", "restore remote s"):
+        assert title in head  # every target's figure is in the default table
+    assert "background CPU s/save" not in head and "0.750" not in short
+    assert "background CPU s/save" in full and "0.750" in full and "3.00" in full
+    assert len(short.splitlines()[2].split()) == 1 + len(shown_columns())
+    assert len(full.splitlines()[2].split()) == 1 + len(COLUMNS) > 1 + len(shown_columns())
 
 
 def test_json_line_is_one_line_with_nulls_for_nan():
@@ -265,17 +279,23 @@ def test_report_judges_the_targets_on_the_per_save_figures_it_prints():
         "unbroken": dict(row, loop_s=103.0, machine_cpu_s=155.0, off_main_cpu_s=15.0),
     }
     text = report(cfg, results, started=0.0)
-    best = "extra wall s/save <= 0.5 x best dcp.async_save: measured 0.400, bound 2.000: MET"
+    best = "time lost s/save <= 0.5 x best dcp.async_save: measured 0.400, bound 2.000: MET"
     assert best in text
-    assert "extra wall s/save <= torch.save / 50: measured 0.400, bound 0.640: MET" in text
+    assert "time lost s/save <= torch.save / 50: measured 0.400, bound 0.640: MET" in text
     ratios = json.loads(text.splitlines()[-1])
     assert ratios["extra_wall_unbroken_over_best_dcp_async"] == pytest.approx(0.1)
+    unbroken_line = next(line for line in text.splitlines() if line.startswith("unbroken "))
+    assert unbroken_line.split()[1:4] == ["n/a", "0.400", "18.000"]  # blocked, lost, commit
+    cfg.all_columns = True
+    text = report(cfg, results, started=0.0)
     unbroken_line = next(line for line in text.splitlines() if line.startswith("unbroken "))
     assert unbroken_line.split()[1:7] == ["n/a", "0.400", "n/a", "n/a", "18.000", "1.000"]
 
 
 def test_report_shows_the_in_row_figure_beside_the_extra_wall_verdicts():
-    cfg = parse_args(["--saves", "2", "--every", "4", "--rows", "dcp_async_best,unbroken"])
+    cfg = parse_args(
+        ["--saves", "2", "--every", "4", "--rows", "dcp_async_best,unbroken", "--all-columns"]
+    )
     loop = {"loop_s": 11.0, "machine_cpu_s": 20.0, "off_main_cpu_s": 1.0}
     durations = [1.0, 1.0, 1.0, 1.5, 1.2, 1.2, 1.0, 1.5, 1.2, 1.2, 1.0]
     row = {"state_bytes": 3 * GiB, "rank_bytes": 1.5 * GiB, "every": 4, "commit_s": 2.0}
@@ -288,7 +308,7 @@ def test_report_shows_the_in_row_figure_beside_the_extra_wall_verdicts():
     unbroken_line = next(line for line in text.splitlines() if line.startswith("unbroken "))
     # in-row 0.9; lasting: quiet steps of 1.0 s against the no-saves run's 1.0 s
     assert unbroken_line.split()[1:5] == ["n/a", "0.900", "0.900", "0.000"]
-    verdict = "bound 1.250: MET (in-row 0.900, lasting 0.000)"
+    verdict = "bound 1.250: MET (lost in run 0.900, after commit 0.000)"
     assert verdict in text
     # the no-saves run split like unbroken's saves: steady steps, no noise to show
     baseline_line = next(line for line in text.splitlines() if line.startswith("no saves "))

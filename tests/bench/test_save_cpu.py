@@ -21,6 +21,17 @@ def test_quick_run_reports_cpu_per_gib_for_every_row(capsys, tmp_path):
     floor = summary["memcpy_floor_process_cpu_s_per_gib"]
     assert summary["unbroken_process_cpu_s_per_gib"] > floor
     assert list(tmp_path.iterdir()) == []  # its files (and the remote's) are removed
+    assert "CPU s per GiB" in out and "x memcpy floor" in out and "user s/GiB" not in out
+
+
+def test_all_columns_adds_the_process_cpu_split():
+    results = {
+        "memcpy floor": {"user": 0.1, "system": 0.05, "machine": 0.2, "wall": 0.1},
+        "unbroken": {"user": 0.3, "system": 0.2, "machine": 0.5, "wall": 0.4},
+    }
+    short, full = save_cpu.table(results), save_cpu.table(results, all_columns=True)
+    assert "2.5x" in short.splitlines()[2]  # 0.5 / 0.2 of the floor's machine CPU
+    assert "user s/GiB" not in short and "user s/GiB" in full and "0.300" in full
 
 
 def test_state_is_about_the_size_asked_for():
