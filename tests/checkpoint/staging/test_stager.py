@@ -6,6 +6,7 @@ import gc
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import crc32c
@@ -469,7 +470,7 @@ def test_a_write_through_data_after_its_copy_is_reported_never_kept_mixed():
     for attempt in range(3):
         staged = stager.stage(state)
         while _copied(staged) < state["a.first"].numel() * 4:  # a.first is copied first
-            pass
+            time.sleep(0.0002)  # hands the copy the GIL
         state["a.first"].data.fill_(float(attempt + 1))
         state["z.last"].data.fill_(float(attempt + 1))
         still_copying = _copied(staged) < total  # so the comparison had not begun
