@@ -41,7 +41,7 @@ import torch
 from unbroken._util.priority import lower_thread_priority
 from unbroken._util.thread_names import name_native_thread
 from unbroken.checkpoint.format.manifest import crc32c_bytes
-from unbroken.checkpoint.staging.verify import differing_cuda, same_bytes_cpu, source_bytes
+from unbroken.checkpoint.staging.verify import differing_on_device, same_bytes_cpu, source_bytes
 
 DEFAULT_CHUNK_BYTES = 32 * 2**20
 CHECKSUM_SLICE_BYTES = 4 * 2**20
@@ -262,7 +262,7 @@ class CopyJob:
         try:
             cuda = [(x.name, x.src, x.dst) for x in self.leaves if x.src.is_cuda and x.nbytes]
             if cuda:
-                changed = differing_cuda(cuda, self.streams, side_stream)
+                changed = differing_on_device(cuda, self._on_side_stream)
                 if changed:
                     return changed
             for leaf in self.leaves:
@@ -274,6 +274,9 @@ class CopyJob:
             return []
         finally:
             self.verify_seconds = time.perf_counter() - began
+
+    def _on_side_stream(self, device: torch.device) -> object:
+        return torch.cuda.stream(side_stream(device, self.streams))
 
     def _quiesce(self) -> None:
         """After a failure too: no queued device copy may still read a source we drop."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -70,25 +71,23 @@ def same_bytes_cpu(a: torch.Tensor, b: torch.Tensor, aborted: Callable[[], bool]
     return True
 
 
-def differing_cuda(
+def differing_on_device(
     pairs: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
-    streams: dict[torch.device, object],
-    side_stream: Callable[[torch.device, dict], object],
+    on_stream: Callable[[torch.device], AbstractContextManager],
+    slice_bytes: int = VERIFY_SLICE_BYTES,
 ) -> list[str]:
-    """Names of CUDA sources whose bytes differ from their host buffers: each buffer goes
-    back to the device slice by slice on the copy's side stream, queued after the copies,
-    and is compared there. ``pairs``: (name, source, host buffer), none of them empty."""
+    """Names of device sources whose bytes differ from their host buffers: each buffer goes
+    back to its source's device slice by slice, inside ``on_stream(device)`` (the copy's
+    side stream, so after its copies), and is compared there; one transfer of the verdicts
+    per device. ``pairs``: (name, source, host buffer), none of them empty."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for pair in pairs:
         by_device.setdefault(pair[1].device, []).append(pair)
     names: list[str] = []
     for device, group in by_device.items():
-        stream = side_stream(device, streams)
-        with torch.cuda.stream(stream):
+        with on_stream(device):
             largest = max(src.numel() * src.element_size() for _, src, _ in group)
-            scratch = torch.empty(
-                min(largest, VERIFY_SLICE_BYTES), dtype=torch.uint8, device=device
-            )
+            scratch = torch.empty(min(largest, slice_bytes), dtype=torch.uint8, device=device)
             flags = []
             for _, src, dst in group:
                 flat_src, flat_dst = source_bytes(src), dst.reshape(-1).view(torch.uint8)
@@ -99,7 +98,7 @@ def differing_cuda(
                     back.copy_(piece, non_blocking=True)
                     differs |= back.ne(flat_src[begin : begin + piece.numel()]).any()
                 flags.append(differs)
-            # One transfer per device; it waits for this side stream only, not the loop's.
+            # It waits for this stream's work only, not the training loop's.
             verdicts = torch.stack(flags).cpu().tolist()
         names += [name for (name, _, _), bad in zip(group, verdicts) if bad]
     return names
