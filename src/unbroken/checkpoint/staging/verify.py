@@ -14,9 +14,9 @@ at that moment and is kept: it cannot be told from a write made before ``save()`
 reading every byte during ``save()``, which is what overlapping the copy avoids. Two more
 things no comparison sees: a write undone to the very same bytes before its comparison,
 and an in-place op still running at the moment the copy ends (the snapshot is then that
-moment, the tensor part written) that stays ahead of the comparison; a counted op
-(``add_``) of the training thread is caught there by the version check sealed before the
-next ``step()``, one through ``.data`` is not.
+moment, the tensor part written) that stays ahead of the comparison. A counted op
+(``add_``) is caught there by the version check if the verdict is sealed after the op
+returned (the step pre-hook seals on the training thread); one through ``.data`` is not.
 
 Cost, in the copy's own background thread: CPU sources one ``memcmp`` of the source with
 its buffer (reads both; about as long as the copy itself, 0.06 s/GiB on one thread here);
