@@ -20,7 +20,6 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 
 from unbroken.checkpoint import json_values
@@ -210,7 +209,6 @@ class CheckpointManager:
         )
         self.preempted = False
         """True once a preemption signal's save has committed (see ``preemption``)."""
-        self._attached: set[int] = set()
         self._failures: list[SaveFailedError] = []
         self.failures: list[SaveFailedError] = []
         """Every background save failure so far (reported or not)."""
@@ -305,7 +303,6 @@ class CheckpointManager:
             log.info("checkpoint step %d skipped: the previous save is still in flight", step)
             return False
         flat = collect(state)
-        self._attach([v for v in state.values() if isinstance(v, torch.optim.Optimizer)])
         busy, began = self._stager.busy, time.monotonic()
         # stage() first waits for the previous snapshot's local write, if still running.
         staged = self._stager.stage(flat.tensors, first=flat.first)
@@ -338,12 +335,6 @@ class CheckpointManager:
                 f"of {dist.get_world_size()}: create the manager after "
                 "init_process_group, on every rank"
             )
-
-    def _attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        new = [o for o in optimizers if id(o) not in self._attached]
-        if new:
-            self._stager.attach(new)
-            self._attached.update(id(o) for o in new)
 
     def _on_done(self, job: SaveJob) -> None:
         """Worker thread: account for a finished job."""

@@ -63,7 +63,6 @@ def main(directory: str) -> None:
     expected = full(state)
 
     stager = StateStager()
-    stager.attach([opt])
     staged = stager.stage(state)
     step(model, opt)  # overlaps the copy; step() waits for it
     staged.wait()

@@ -17,7 +17,10 @@ torch bumps the counter only after an in-place op has written its data, so a cop
 concurrently can read new data while the counter still shows the old version. The
 background thread's checks therefore only abort early; the verdict is sealed later, on
 the training thread (the optimizer step pre-hook) or in ``wait()``, once the ops issued
-before it have finished and bumped their counters (``CopyJob.seal``).
+before it have finished and bumped their counters (``CopyJob.seal``). Writes the counter
+does not see (through ``.data``) are caught by comparing every source with its buffer once
+the whole copy has ended, still on the background thread (``verify``, which says exactly
+what that guarantees).
 
 CUDA sources are copied with ``non_blocking=True`` on a side stream that first waits for
 the work already queued on the current stream; the background thread then waits on an
@@ -38,6 +41,7 @@ import torch
 from unbroken._util.priority import lower_thread_priority
 from unbroken._util.thread_names import name_native_thread
 from unbroken.checkpoint.format.manifest import crc32c_bytes
+from unbroken.checkpoint.staging.verify import differing_on_device, same_bytes_cpu, source_bytes
 
 DEFAULT_CHUNK_BYTES = 32 * 2**20
 CHECKSUM_SLICE_BYTES = 4 * 2**20
@@ -157,6 +161,11 @@ class CopyJob:
     error: BaseException | None = None
     bytes_copied: int = 0
     seconds: float = 0.0
+    changed: list[str] = field(default_factory=list)
+    """Sources whose bytes differ from their buffers once the copy ended (``verify``):
+    written in a way ``_version`` does not show. The first found; the check stops there."""
+    verify_seconds: float = 0.0
+    """Of ``seconds``, the comparison of the sources with their buffers."""
     complete: bool = False
     """Every leaf was copied (no abort, no torn source cut the copy short)."""
     sealed: bool = False
@@ -213,6 +222,8 @@ class CopyJob:
                 for event in self.events:
                     event.synchronize()
                 self.bytes_copied += sum(leaf.nbytes for leaf in self.leaves if leaf.src.is_cuda)
+                if complete and not self.aborted:
+                    self.changed = self._verify()
                 self.complete = complete and not self.aborted
         except BaseException as exc:  # surfaced by StagedState.wait()
             self.error = exc
@@ -233,6 +244,7 @@ class CopyJob:
             if not self.sealed:
                 # Report every source that moved, not only the first one found.
                 self.torn = [leaf.name for leaf in self.leaves if leaf.changed()]
+                self.torn += [name for name in self.changed if name not in self.torn]
                 if self.complete and not self.torn and self.error is None:
                     self.checksums = {
                         buffer_key(leaf.dst.data_ptr(), leaf.nbytes): leaf.crc32c
@@ -242,6 +254,29 @@ class CopyJob:
                 self.sealed = True
                 self.leaves = []  # do not keep the sources alive any longer
         return self.torn
+
+    def _verify(self) -> list[str]:
+        """After every copy ended: the first source whose bytes differ from its buffer
+        (CUDA: every one), or none. Stopping at the first keeps the step that waits short."""
+        began = time.perf_counter()
+        try:
+            cuda = [(x.name, x.src, x.dst) for x in self.leaves if x.src.is_cuda and x.nbytes]
+            if cuda:
+                changed = differing_on_device(cuda, self._on_side_stream)
+                if changed:
+                    return changed
+            for leaf in self.leaves:
+                if leaf.src.is_cuda or not leaf.nbytes:
+                    continue
+                src, dst = source_bytes(leaf.src), flat_bytes(leaf.dst)
+                if not same_bytes_cpu(src, dst, self._abort.is_set):
+                    return [leaf.name]
+            return []
+        finally:
+            self.verify_seconds = time.perf_counter() - began
+
+    def _on_side_stream(self, device: torch.device) -> object:
+        return torch.cuda.stream(side_stream(device, self.streams))
 
     def _quiesce(self) -> None:
         """After a failure too: no queued device copy may still read a source we drop."""
@@ -257,7 +292,8 @@ class CopyJob:
         With ``checksum``, each slice is checksummed right after its copy, from the cache.
         """
         src, dst = leaf.src, leaf.dst
-        if not src.is_contiguous() or leaf.nbytes == 0:
+        lazy = src.is_conj() or src.is_neg()  # its bytes are not its values
+        if not src.is_contiguous() or lazy or leaf.nbytes == 0:
             self._copy_slice(dst, src)
             self.bytes_copied += leaf.nbytes
             if leaf.changed() or self.aborted:

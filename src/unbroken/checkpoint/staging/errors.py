@@ -26,16 +26,19 @@ class TornSnapshotError(CheckpointError):
     """A source tensor changed in place before its copy finished: the snapshot is abandoned.
 
     ``keys`` names the tensors whose version counter moved between ``stage()`` and the end
-    of their copy. Nothing was committed with mixed values.
+    of their copy, or whose bytes no longer matched their copy once it ended (a write
+    through ``.data``; that check stops at the first). Nothing was committed with mixed
+    values.
     """
 
     def __init__(self, keys: Sequence[str]) -> None:
         self.keys = list(keys)
         super().__init__(
-            f"torn snapshot abandoned: {len(self.keys)} tensor(s) changed in place before "
-            f"their copy finished: {_some(self.keys)}. Attach the optimizers to the stager "
-            "(StateStager.attach) so step() waits for the copy, and pass tensors mutated in "
-            "forward (e.g. BatchNorm buffers) in stage(first=...)."
+            f"torn snapshot abandoned, nothing of it kept: written in place while the save "
+            f"was copying them: {_some(self.keys)}. Write tensors outside the optimizer (an "
+            "EMA, weight clipping, anything through .data) before save() or after the next "
+            "optimizer.step(), not between the two; a tensor that forward changes in place "
+            "must be a module buffer (register_buffer), which is copied before save() returns."
         )
 
 

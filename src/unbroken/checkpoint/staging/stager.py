@@ -4,10 +4,11 @@ The training loop pays for ``stage()``: it walks the state, copies the keys that
 mutates (``first``, e.g. BatchNorm statistics) and deep-copies non-tensor values, then
 returns. Every other tensor is copied on a background thread (CUDA: a side stream) while
 the loop runs the next forward/backward. Parameters and optimizer state only change in
-``optimizer.step()``, so an attached optimizer waits in a step pre-hook until the copy is
-done; usually it already is. A source changed in place by anything else before its copy
-finished makes ``StagedState.wait()`` raise ``TornSnapshotError``: the snapshot is
-abandoned, never kept with mixed values.
+``optimizer.step()``, so every optimizer's step waits in a global pre-hook until the copy
+is done and checked (``step_gate``); usually it already is. A source changed in place by
+anything else before its copy finished, through ``.data`` too (``verify``), makes
+``StagedState.wait()`` raise ``TornSnapshotError``: the snapshot is abandoned, never kept
+with mixed values.
 
 Buffers come from a ``HostBufferPool`` and are reused save after save, so one snapshot is
 staged at a time: the consumer calls ``StagedState.release()`` once it has written the
@@ -18,13 +19,13 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
+from unbroken.checkpoint.staging import step_gate
 from unbroken.checkpoint.staging.copy import (
     DEFAULT_CHUNK_BYTES,
     CopyJob,
@@ -98,9 +99,11 @@ class StagedState:
     @property
     def stats(self) -> dict[str, float]:
         """bytes, bytes_first, tensors, allocated_bytes, stage_seconds, hook_wait_seconds,
-        blocking_seconds (what the training loop paid), background_seconds."""
+        blocking_seconds (what the training loop paid), background_seconds, and of those
+        verify_seconds (comparing the sources with their copies)."""
         out = dict(self._stats)
         out["background_seconds"] = self._job.seconds
+        out["verify_seconds"] = self._job.verify_seconds
         out["bytes_copied"] = self._stats["bytes_first"] + self._job.bytes_copied
         out["blocking_seconds"] = out["stage_seconds"] + out["hook_wait_seconds"]
         return out
@@ -116,7 +119,7 @@ class StagedState:
                 f"staging of {int(self._stats['bytes'])} bytes still copying after {timeout} s"
             )
         job = self._job
-        torn = job.seal()
+        torn = self._seal()
         if job.error is not None:
             raise CheckpointError(f"staging failed while copying: {job.error!r}") from job.error
         if torn:
@@ -133,7 +136,7 @@ class StagedState:
                 return
             if not self._job.finished.is_set():
                 self._job.abort()
-            self._job.seal()
+            self._seal()
             self._released = True
             # Whoever still holds this object (a failure's traceback) must not hold the pool.
             self.state_dict = {}
@@ -148,10 +151,18 @@ class StagedState:
     def _hook_wait(self) -> None:
         """In the step pre-hook, on the training thread: wait for the copy and seal it."""
         if self._job.sealed:
+            step_gate.let_go(self)
             return
         began = time.perf_counter()
-        self._job.seal()
+        self._seal()
         self._stats["hook_wait_seconds"] += time.perf_counter() - began
+
+    def _seal(self) -> list[str]:
+        """Wait for the copy, fix its verdict; optimizer steps no longer wait for it."""
+        try:
+            return self._job.seal()
+        finally:
+            step_gate.let_go(self)
 
 
 class StateStager:
@@ -195,32 +206,14 @@ class StateStager:
         self._current: StagedState | None = None
         self._cond = threading.Condition()
         self._stage_lock = threading.Lock()
-        self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._closed = False
+        step_gate.open_gate()  # until close(): every optimizer's step waits for a copy
 
     @property
     def busy(self) -> bool:
         """A staged state still holds the buffers: ``stage()`` would wait."""
         current = self._current
         return current is not None and not current.released
-
-    def attach(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Make each optimizer's ``step()`` wait for an in-flight copy (once per optimizer)."""
-        if isinstance(optimizers, torch.optim.Optimizer):
-            optimizers = [optimizers]
-        me = weakref.ref(self)
-
-        def wait_for_copy(_optimizer, _args, _kwargs) -> None:
-            stager = me()
-            current = stager._current if stager is not None else None
-            if current is not None:
-                current._hook_wait()
-
-        for optimizer in optimizers:
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(f"attach() takes torch optimizers, got {type(optimizer)!r}")
-            if optimizer not in self._hooks:
-                self._hooks[optimizer] = optimizer.register_step_pre_hook(wait_for_copy)
 
     def stage(
         self,
@@ -276,21 +269,22 @@ class StateStager:
             with self._cond:
                 self._current = staged
             job.start()
+            step_gate.hold(staged)  # no step runs on this thread in between
             stats["stage_seconds"] = time.perf_counter() - began
             return staged
 
     def close(self) -> None:
-        """Stop any copy, detach from the optimizers and drop the buffers."""
-        self._closed = True
+        """Stop any copy and drop the buffers; the last stager to close removes the
+        optimizer step hook. Call it on the training thread (not during a step)."""
+        if not self._closed:
+            self._closed = True
+            step_gate.close_gate()
         current = self._current
         if current is not None:
             if not current.done:
                 current._job.abort()
-            current._job.seal()
+            current._seal()
             self._current = None  # the staged views would keep the buffers alive
-        for handle in list(self._hooks.values()):
-            handle.remove()
-        self._hooks.clear()
         self.pool.clear()
 
     def _wait_released(self, timeout: float | None) -> None:
