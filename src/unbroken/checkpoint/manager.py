@@ -30,6 +30,7 @@ from unbroken.checkpoint.pipeline import PipelineConfig, SavePipeline
 from unbroken.checkpoint.save_job import SaveJob
 from unbroken.checkpoint.staging.stager import StateStager
 from unbroken.checkpoint.state_dicts import collect
+from unbroken.goodput import recorder as goodput_recorder
 from unbroken.state.rng import capture_rng_state
 from unbroken.storage import LocalStore, RetryPolicy, Store, open_store
 from unbroken.storage.errors import redact
@@ -79,6 +80,9 @@ class CheckpointConfig:
     """Seconds a background collective may wait for a peer before failing the save."""
     retry: RetryPolicy | None = None
     """How hard the durable tier retries a transient failure (None: the store default)."""
+    goodput: bool = True
+    """Record this job's goodput events beside the checkpoints (``unbroken goodput URL``);
+    also off with ``UNBROKEN_GOODPUT=0``."""
 
     def __post_init__(self) -> None:
         for name in ("every_steps", "keep_last", "keep_every_steps", "upload_streams"):
@@ -186,6 +190,9 @@ class CheckpointManager:
         # two threads never share a group and neither touches the default group.
         self._group = Group.create(config.timeout)
         self._fg_group = Group.create(config.timeout)
+        self._goodput = goodput_recorder.start(
+            self.store, self.staging_dir, self._fg_group, enabled=config.goodput, owner=self
+        )
         self._stager = StateStager(
             max_bytes=config.staging_max_bytes, shared_memory=config.staging_shared_memory
         )
@@ -227,6 +234,7 @@ class CheckpointManager:
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
         _check_step(step)
+        self._goodput.step(step)
         self._report_failures(raising=False)
         due = self._is_due(step)
         busy = self._stager.busy  # a snapshot still waits for its local write or upload
@@ -268,6 +276,7 @@ class CheckpointManager:
             self.stats.skipped_busy += 1
             log.info("checkpoint step %d skipped: the previous save is still in flight", step)
             return False
+        self._goodput.save_begin(step)
         flat = collect(state)
         self._attach([v for v in state.values() if isinstance(v, torch.optim.Optimizer)])
         busy, began = self._stager.busy, time.monotonic()
@@ -290,6 +299,7 @@ class CheckpointManager:
             job.done.wait()
             self._report_failures(raising=self.config.raise_on_failure)
         self.stats.seconds_blocked += time.monotonic() - t0
+        self._goodput.save_end(step)
         return self.config.async_save or job.error is None
 
     def _check_group(self) -> None:
@@ -316,6 +326,12 @@ class CheckpointManager:
             self.stats.bytes_direct += job.direct_bytes
             self.stats.bytes_from_memory += job.memory_bytes
             self.stats.bytes_checksummed_in_copy += job.checksummed_in_copy_bytes
+            self._goodput.commit(
+                job.step,
+                ok=job.error is None,
+                seconds=job.seconds.get("total"),
+                nbytes=job.manifest.nbytes if job.manifest is not None else 0,
+            )
             if job.error is not None:
                 if self._last_step == job.step:  # a later save of this step may try again
                     self._last_step = None
@@ -348,7 +364,9 @@ class CheckpointManager:
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save in flight is committed; raise SaveFailedError if one failed."""
         t0 = time.monotonic()
+        self._goodput.save_begin(None, wait=True)
         self._pipeline.wait(timeout)
+        self._goodput.save_end(None, wait=True)
         self.stats.seconds_in_wait += time.monotonic() - t0
         self._report_failures(raising=True)
 
@@ -357,11 +375,14 @@ class CheckpointManager:
         if self._closed:
             return
         try:
+            self._goodput.save_begin(None, wait=True)
             self._pipeline.wait()
         finally:
+            self._goodput.save_end(None, wait=True)
             self._closed = True
             self._pipeline.close()
             self._stager.close()
+            self._goodput.close()
         # After the worker stopped: a failure recorded while close() waited is raised too.
         self._report_failures(raising=True)
 
@@ -386,6 +407,7 @@ class CheckpointManager:
         self._check_group()
         self._pipeline.drain()
         self._report_failures(raising=False)
+        self._goodput.restore_begin()
         restored = restore(
             state,
             durable=self.store,
@@ -395,6 +417,7 @@ class CheckpointManager:
             strict=strict,
         )
         self.last_restore = restored
+        self._goodput.restore_end(restored.step if restored is not None else None)
         if restored is None:
             return None
         self._committed.add(restored.step)
