@@ -180,7 +180,7 @@ class EventLog:
         self.durable_seconds = durable_seconds
         self.local_dir = os.path.join(staging_dir, PREFIX)
         self.local_path = os.path.join(self.local_dir, f"attempt-{attempt}-rank-{rank}.jsonl")
-        self._queue: collections.deque[Event] = collections.deque()
+        self._queue: collections.deque[Event | tuple] = collections.deque()
         self._unsent: list[Event] = []
         self._beat: Event | None = None
         self._last_durable = float("-inf")  # the first flush goes durable: START lands
@@ -188,19 +188,16 @@ class EventLog:
         self._stop = threading.Event()
         self._warned = False
         self._local: Any = None
+        self._local_failed = False
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        try:
-            os.makedirs(self.local_dir, exist_ok=True)
-            self._local = open(self.local_path, "a", encoding="utf-8")  # noqa: SIM115
-        except OSError as exc:
-            log.warning("goodput: no local copy of the event log (%s)", exc)
         self._thread = threading.Thread(target=self._run, name="unbroken-goodput", daemon=True)
         self._thread.start()
 
-    def append(self, event: Event) -> None:
-        """Called by the training loop: never blocks on I/O."""
+    def append(self, event: Event | tuple) -> None:
+        """Called by the training loop: never blocks on I/O. A tuple holds an Event's
+        first fields in order (cheaper to make than the Event, which the thread builds)."""
         self._queue.append(event)
 
     def flush(self, *, durable: bool, beat: float | None = None) -> bool:
@@ -209,7 +206,8 @@ class EventLog:
         with self._io:
             batch = []
             while self._queue:
-                batch.append(self._queue.popleft())
+                item = self._queue.popleft()
+                batch.append(item if isinstance(item, Event) else Event(*item))
             if beat is not None:
                 batch.append(Event(BEAT, beat))
             self._write_local(batch)
@@ -247,13 +245,17 @@ class EventLog:
         return ok
 
     def _write_local(self, batch: list[Event]) -> None:
-        if self._local is None or not batch:
+        if self._local_failed or not batch:
             return
         try:
+            if self._local is None:
+                os.makedirs(self.local_dir, exist_ok=True)
+                self._local = open(self.local_path, "a", encoding="utf-8")  # noqa: SIM115
             self._local.write("".join(e.to_json() + "\n" for e in batch))
             self._local.flush()  # to the page cache: survives the process, not the node
-        except (OSError, ValueError):
-            self._local = None
+        except (OSError, ValueError) as exc:
+            log.warning("goodput: no local copy of the event log (%s)", exc)
+            self._local, self._local_failed = None, True
 
     def _run(self) -> None:
         from unbroken._util.thread_names import name_native_thread

@@ -1,0 +1,112 @@
+"""The manager and the loader record goodput by themselves: no code in the loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import unbroken as ub
+from unbroken.goodput import events as ev
+from unbroken.goodput.breakdown import job_breakdown
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = Path(__file__).with_name("job.py")
+
+
+def make_volume(path: Path, n: int = 32) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (path / f"f{i:03d}.bin").write_bytes(os.urandom(64))
+    return str(path)
+
+
+def decode(data: bytes, path: str) -> torch.Tensor:
+    return torch.tensor(list(data[:16]), dtype=torch.float32)
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def test_a_loop_with_no_goodput_code_is_accounted(tmp_path):
+    data = make_volume(tmp_path / "data")
+    model = nn.Linear(16, 2)
+    optim = torch.optim.AdamW(model.parameters())
+    loader = ub.DataLoader(
+        ub.VolumeDataset(data, decode=decode, cache_dir=str(tmp_path / "cache")),
+        batch_size=4,
+        num_workers=0,
+    )
+    state = {"model": model, "optim": optim, "loader": loader}
+    url = str(tmp_path / "ck")
+    with ub.CheckpointManager(url, staging_dir=tmp_path / "st", every_steps=4) as mgr:
+        step = mgr.restore(state) or 0
+        for x in loader:
+            model(x).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            step += 1
+            mgr.maybe_save(step, state)
+    log = ev.read_log(ub.open_store(url))
+    b = job_breakdown(log)
+    assert b.steps == 8 and b.restarts == 0 and b.attempts[0].clean
+    assert b.seconds["data_wait"] > 0 and b.seconds["checkpoint_save"] > 0
+    assert b.seconds["startup"] > 0 and b.seconds["productive"] > 0
+    assert sum(b.seconds.values()) == pytest.approx(b.wall_seconds)
+    kinds = [e.kind for e in log[next(iter(log))][0]]
+    assert kinds[0] == ev.START and ev.END in kinds and ev.COMMIT in kinds
+    assert not os.path.exists(tmp_path / "st" / ev.PREFIX)  # clean end: local copy gone
+
+
+def test_recording_switched_off_writes_nothing(tmp_path, monkeypatch):
+    state = {"w": torch.zeros(3)}
+    with ub.CheckpointManager(tmp_path / "a", staging_dir=tmp_path / "sa", goodput=False) as m:
+        m.save(1, state)
+    monkeypatch.setenv("UNBROKEN_GOODPUT", "0")
+    with ub.CheckpointManager(tmp_path / "b", staging_dir=tmp_path / "sb") as m:
+        m.save(1, state)
+    for d in ("a", "b", "sa", "sb"):
+        assert ev.PREFIX not in os.listdir(tmp_path / d)
+
+
+@pytest.mark.multiprocess
+def test_a_killed_job_and_its_restart_count_the_restart_and_the_redone_steps(tmp_path):
+    data = make_volume(tmp_path / "data")
+    url, staging = str(tmp_path / "ck"), str(tmp_path / "st")
+    args = [sys.executable, str(JOB), "--url", url, "--staging", staging, "--data", data]
+    slow_flush = {**env(), "UNBROKEN_GOODPUT_FLUSH": "600"}  # the tail stays local
+    first = subprocess.run([*args, "--crash-at", "25"], env=slow_flush, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == -9, first.stderr
+    second = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    plot = tmp_path / "timeline.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "unbroken.cli", "goodput", url, "--json", "--plot", str(plot)],
+        env=env(), capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["restarts"] == 1
+    assert report["wasted_steps"] == 5  # steps 21..25 ran twice (restored at 20)
+    assert report["steps"] == 25 + 20
+    first_att, second_att = report["attempts"]
+    assert not first_att["clean"] and second_att["clean"]
+    assert first_att["last_step"] == 25 and second_att["restored_step"] == 20
+    secs = report["seconds"]
+    assert set(secs) == {"productive", "data_wait", "checkpoint_save", "checkpoint_restore",
+                         "startup", "wasted", "down", "other"}
+    assert sum(secs.values()) == pytest.approx(report["wall_seconds"])
+    assert secs["wasted"] > 0 and secs["down"] > 0 and secs["checkpoint_restore"] > 0
+    assert report["goodput"] == pytest.approx(secs["productive"] / report["wall_seconds"])
+    assert plot.stat().st_size > 0
