@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--crash-at", type=int, default=None)
+    p.add_argument("--step-seconds", type=float, default=0.01)
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -42,7 +43,7 @@ def main() -> None:
             optim.zero_grad()
             loss.backward()
             optim.step()
-            time.sleep(0.01)
+            time.sleep(args.step_seconds)
             step += 1
             mgr.maybe_save(step, state)
             if step == args.crash_at:

@@ -85,15 +85,19 @@ def test_a_killed_job_and_its_restart_count_the_restart_and_the_redone_steps(tmp
     url, staging = str(tmp_path / "ck"), str(tmp_path / "st")
     args = [sys.executable, str(JOB), "--url", url, "--staging", staging, "--data", data]
     slow_flush = {**env(), "UNBROKEN_GOODPUT_FLUSH": "600"}  # the tail stays local
-    first = subprocess.run([*args, "--crash-at", "25"], env=slow_flush, capture_output=True,
-                           text=True, timeout=300)
+    first = subprocess.run(
+        [*args, "--crash-at", "25"], env=slow_flush, capture_output=True, text=True, timeout=300
+    )
     assert first.returncode == -9, first.stderr
     second = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     plot = tmp_path / "timeline.png"
     out = subprocess.run(
         [sys.executable, "-m", "unbroken.cli", "goodput", url, "--json", "--plot", str(plot)],
-        env=env(), capture_output=True, text=True, timeout=300,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
@@ -104,8 +108,16 @@ def test_a_killed_job_and_its_restart_count_the_restart_and_the_redone_steps(tmp
     assert not first_att["clean"] and second_att["clean"]
     assert first_att["last_step"] == 25 and second_att["restored_step"] == 20
     secs = report["seconds"]
-    assert set(secs) == {"productive", "data_wait", "checkpoint_save", "checkpoint_restore",
-                         "startup", "wasted", "down", "other"}
+    assert set(secs) == {
+        "productive",
+        "data_wait",
+        "checkpoint_save",
+        "checkpoint_restore",
+        "startup",
+        "wasted",
+        "down",
+        "other",
+    }
     assert sum(secs.values()) == pytest.approx(report["wall_seconds"])
     assert secs["wasted"] > 0 and secs["down"] > 0 and secs["checkpoint_restore"] > 0
     assert report["goodput"] == pytest.approx(secs["productive"] / report["wall_seconds"])

@@ -83,6 +83,11 @@ class CheckpointConfig:
     goodput: bool = True
     """Record this job's goodput events beside the checkpoints (``unbroken goodput URL``);
     also off with ``UNBROKEN_GOODPUT=0``."""
+    mlflow: bool = True
+    """With ``MLFLOW_TRACKING_URI`` set or an MLflow run active, rank 0 logs the loop's
+    figures (fetch_seconds, checkpoint times, cache hit ratio, goodput) to that run every
+    ``UNBROKEN_MLFLOW_EVERY_STEPS`` (50) steps, from a thread; also off with
+    ``UNBROKEN_MLFLOW=0``."""
 
     def __post_init__(self) -> None:
         for name in ("every_steps", "keep_last", "keep_every_steps", "upload_streams"):
@@ -191,7 +196,12 @@ class CheckpointManager:
         self._group = Group.create(config.timeout)
         self._fg_group = Group.create(config.timeout)
         self._goodput = goodput_recorder.start(
-            self.store, self.staging_dir, self._fg_group, enabled=config.goodput, owner=self
+            self.store,
+            self.staging_dir,
+            self._fg_group,
+            enabled=config.goodput,
+            owner=self,
+            mlflow=config.mlflow,
         )
         self._stager = StateStager(
             max_bytes=config.staging_max_bytes, shared_memory=config.staging_shared_memory
@@ -331,6 +341,7 @@ class CheckpointManager:
                 ok=job.error is None,
                 seconds=job.seconds.get("total"),
                 nbytes=job.manifest.nbytes if job.manifest is not None else 0,
+                upload_seconds=job.seconds.get("upload"),
             )
             if job.error is not None:
                 if self._last_step == job.step:  # a later save of this step may try again

@@ -31,7 +31,7 @@ def plot_timeline(b: Breakdown, path: str) -> None:
         ) from exc
     t0 = b.attempts[0].start
     lanes = {a.attempt: i for i, a in enumerate(b.attempts)}
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.5 * len(lanes)))
+    fig, ax = plt.subplots(figsize=(11, 1.8 + 0.5 * len(lanes)))
     for s in b.segments:
         y = lanes[s.attempt]
         ax.broken_barh(
@@ -46,17 +46,12 @@ def plot_timeline(b: Breakdown, path: str) -> None:
     ax.set_yticks(range(len(lanes)), [f"attempt {i + 1}" for i in range(len(lanes))])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first process started")
-    ax.set_title(f"goodput {b.goodput:.1%}, {b.restarts} restarts (x: crash)")
+    restarts = f"{b.restarts} restart" + ("" if b.restarts == 1 else "s")
+    ax.set_title(f"goodput {b.goodput:.1%}, {restarts} (x: a crash)")
     used = [c for c in CATEGORIES if b.seconds[c] > 0]
-    ax.legend(
-        handles=[Patch(color=COLORS[c], label=c) for c in used],
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.35),
-        ncol=len(used),
-        fontsize=8,
-        frameon=False,
-    )
-    fig.tight_layout()
+    handles = [Patch(color=COLORS[c], label=c) for c in used]
+    fig.legend(handles=handles, loc="lower center", ncol=len(used), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     try:
         fig.savefig(path, dpi=110)
     except OSError as exc:

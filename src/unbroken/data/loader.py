@@ -165,7 +165,7 @@ class DataLoader(torch.utils.data.DataLoader):
             self._accept(d, epoch, expected)
             self.metrics.add(d.stats)
             self.metrics.record_wait(wait, counted_batch=d.batch is not None)
-            note_data_wait(wait)
+            note_data_wait(wait, self.metrics)
             self._consumed = d.position
             if d.batch is not None:
                 yield d.batch

@@ -182,6 +182,8 @@ class EventLog:
         self.local_path = os.path.join(self.local_dir, f"attempt-{attempt}-rank-{rank}.jsonl")
         self._queue: collections.deque[Event | tuple] = collections.deque()
         self._unsent: list[Event] = []
+        self.history: list[Event] | None = None
+        """Every event so far, when a sink asked for it (``keep_history``)."""
         self._beat: Event | None = None
         self._last_durable = float("-inf")  # the first flush goes durable: START lands
         self._io = threading.Lock()
@@ -212,6 +214,8 @@ class EventLog:
                 batch.append(Event(BEAT, beat))
             self._write_local(batch)
             self._unsent.extend(e for e in batch if e.n >= 0)
+            if self.history is not None:
+                self.history.extend(batch)
             if beat is not None:
                 self._beat = batch[-1]
             if not durable or not self._unsent:
@@ -243,6 +247,17 @@ class EventLog:
         if ok and remove_local:
             _remove_local(self.local_path, self.local_dir)
         return ok
+
+    def keep_history(self) -> None:
+        with self._io:
+            if self.history is None:
+                self.history = []
+
+    def events_so_far(self) -> list[Event]:
+        """What was flushed so far (``keep_history`` first), plus what is queued."""
+        with self._io:
+            queued = [e if isinstance(e, Event) else Event(*e) for e in list(self._queue)]
+            return [*(self.history or []), *queued]
 
     def _write_local(self, batch: list[Event]) -> None:
         if self._local_failed or not batch:

@@ -37,11 +37,12 @@ def current() -> Recorder | None:
     return _current
 
 
-def note_data_wait(seconds: float) -> None:
-    """The loader's hook: the training loop waited ``seconds`` for a batch."""
+def note_data_wait(seconds: float, metrics: Any = None) -> None:
+    """The loader's hook: the training loop waited ``seconds`` for a batch (``metrics``:
+    the loader's LoaderMetrics, read by the MLflow sink for the cache hit ratio)."""
     rec = _current
     if rec is not None:
-        rec.data_wait(seconds)
+        rec.data_wait(seconds, metrics)
 
 
 def enabled_by_env() -> bool:
@@ -69,10 +70,18 @@ class NullRecorder:
     def restore_begin(self) -> None: ...
     def restore_end(self, step: int | None) -> None: ...
     def step(self, step: int) -> None: ...
-    def data_wait(self, seconds: float) -> None: ...
+    def data_wait(self, seconds: float, metrics: Any = None) -> None: ...
     def save_begin(self, step: int | None, *, wait: bool = False) -> None: ...
     def save_end(self, step: int | None, *, wait: bool = False) -> None: ...
-    def commit(self, step: int, *, ok: bool, seconds: float | None, nbytes: int) -> None: ...
+    def commit(
+        self,
+        step: int,
+        *,
+        ok: bool,
+        seconds: float | None,
+        nbytes: int,
+        upload_seconds: float | None = None,
+    ) -> None: ...
     def close(self) -> None: ...
 
 
@@ -86,6 +95,15 @@ class Recorder(NullRecorder):
         self._step_begin = self.now()
         self._waited = 0.0
         self._closed = False
+        self._save_t0: float | None = None
+        # Running figures for a sink (MLflow); plain attributes, read by its thread.
+        self.steps_seen = 0
+        self.last_step: int | None = None
+        self.waited_total = 0.0
+        self.blocked_total = 0.0
+        self.last_commit: dict[str, Any] | None = None
+        self.loader_metrics: Any = None
+        self.sink: Any = None
 
     def now(self) -> float:
         """Wall time on a monotonic clock (an NTP step does not bend the timeline)."""
@@ -106,46 +124,74 @@ class Recorder(NullRecorder):
         t = self._wall0 + (time.monotonic() - self._mono0)
         self.log.append((ev.STEP, t, next(self._n), step, self._step_begin, self._waited))
         self._step_begin, self._waited = t, 0.0
+        self.steps_seen += 1
+        self.last_step = step
 
-    def data_wait(self, seconds: float) -> None:
+    def data_wait(self, seconds: float, metrics: Any = None) -> None:
         self._waited += seconds
+        self.waited_total += seconds
+        self.loader_metrics = metrics
 
     def save_begin(self, step: int | None, *, wait: bool = False) -> None:
+        self._save_t0 = time.monotonic()
         self._add(ev.SAVE_BEGIN, step=step, info={"wait": True} if wait else {})
 
     def save_end(self, step: int | None, *, wait: bool = False) -> None:
+        if self._save_t0 is not None:
+            self.blocked_total += time.monotonic() - self._save_t0
+            self._save_t0 = None
         self._add(ev.SAVE_END, step=step, info={"wait": True} if wait else {})
 
-    def commit(self, step: int, *, ok: bool, seconds: float | None, nbytes: int) -> None:
+    def commit(
+        self,
+        step: int,
+        *,
+        ok: bool,
+        seconds: float | None,
+        nbytes: int,
+        upload_seconds: float | None = None,
+    ) -> None:
         """Worker thread: a save finished (committed or failed)."""
-        self._add(ev.COMMIT, step=step, info={"ok": ok, "seconds": seconds, "nbytes": nbytes})
+        info = {"ok": ok, "seconds": seconds, "nbytes": nbytes, "upload_seconds": upload_seconds}
+        self._add(ev.COMMIT, step=step, info=info)
+        if ok:
+            self.last_commit = info
 
     def close(self) -> None:
         """A clean end: the last event, flushed to the durable tier now."""
         if self._closed:
             return
         self._add(ev.END)
-        self._finish(remove_local=True)
+        self._finish(clean=True)
 
     def abandon(self) -> None:
         """The owner went away without close() (or the interpreter exits): flush, no END."""
         if not self._closed:
-            self._finish(remove_local=True)
+            self._finish(clean=False)
 
-    def _finish(self, *, remove_local: bool) -> None:
+    def _finish(self, *, clean: bool) -> None:
         global _current
         self._closed = True
         _open.discard(self)
         if _current is self:
             _current = None
-        self.log.close(beat=self.now(), remove_local=remove_local)
+        self.log.close(beat=self.now(), remove_local=True)
+        if self.sink is not None:
+            self.sink.close(clean=clean)
 
 
 def start(
-    store: Store, staging_dir: str, group: Any, *, enabled: bool, owner: object
+    store: Store,
+    staging_dir: str,
+    group: Any,
+    *,
+    enabled: bool,
+    owner: object,
+    mlflow: bool = True,
 ) -> NullRecorder:
     """The recorder of a new manager (collective over ``group``: rank 0 names the
-    attempt); a NullRecorder when switched off. Never fails the manager."""
+    attempt); a NullRecorder when switched off. Rank 0 also feeds MLflow when it is
+    configured (see :mod:`unbroken.goodput.mlflow_sink`) and ``mlflow``."""
     global _current, _process_start_claimed
     if not (enabled and enabled_by_env()):
         return NullRecorder()
@@ -177,6 +223,13 @@ def start(
     }
     event_log.append(ev.Event(ev.START, started, next(rec._n), info=info))
     event_log.start()
+    if rank == 0:
+        from unbroken.goodput import mlflow_sink
+
+        try:
+            rec.sink = mlflow_sink.start(store, rec, attempt, enabled=mlflow)
+        except Exception as exc:  # never fail the manager over a dashboard
+            log.warning("goodput: MLflow logging not started: %s", exc)
     _open.add(rec)
     _current = rec
     weakref.finalize(owner, rec.abandon)
