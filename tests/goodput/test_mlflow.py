@@ -12,36 +12,14 @@ import urllib.request
 
 import pytest
 import torch
-from torch import nn
 
 import unbroken as ub
 from unbroken.goodput.mlflow_sink import METRICS, RUN_KEY
 
-from .test_recording import JOB, decode, env, make_volume
+from .helpers import JOB, env, make_volume, train
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
-
-
-def train(tmp_path, url: str, steps_per_log: int = 2) -> None:
-    data = make_volume(tmp_path / "data")
-    model = nn.Linear(16, 2)
-    optim = torch.optim.AdamW(model.parameters())
-    loader = ub.DataLoader(
-        ub.VolumeDataset(data, decode=decode, cache_dir=str(tmp_path / "cache")),
-        batch_size=4,
-        num_workers=0,
-    )
-    state = {"model": model, "optim": optim, "loader": loader}
-    with ub.CheckpointManager(url, staging_dir=tmp_path / "st", every_steps=3) as mgr:
-        step = mgr.restore(state) or 0
-        for x in loader:
-            model(x).sum().backward()
-            optim.step()
-            optim.zero_grad()
-            time.sleep(0.2)
-            step += 1
-            mgr.maybe_save(step, state)
 
 
 def saved_run(url: str) -> str:
@@ -54,7 +32,7 @@ def test_a_sqlite_tracking_uri_gets_every_metric(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("UNBROKEN_MLFLOW_EVERY_STEPS", "2")
     url = str(tmp_path / "ck")
-    train(tmp_path, url)
+    train(tmp_path, url, every_steps=3, step_seconds=0.2)
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(saved_run(url))
     assert run.info.status == "FINISHED"
@@ -74,7 +52,7 @@ def test_an_active_run_is_logged_to_and_left_open(tmp_path, monkeypatch):
     try:
         with mlflow.start_run() as run:
             url = str(tmp_path / "ck")
-            train(tmp_path, url)
+            train(tmp_path, url, every_steps=3, step_seconds=0.2)
             assert saved_run(url) == run.info.run_id
             assert MlflowClient(uri).get_run(run.info.run_id).info.status == "RUNNING"
         assert "goodput" in MlflowClient(uri).get_run(run.info.run_id).data.metrics

@@ -6,57 +6,20 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import unbroken as ub
 from unbroken.goodput import events as ev
-from unbroken.goodput.breakdown import job_breakdown
+from unbroken.goodput.breakdown import CATEGORIES, job_breakdown
 
-ROOT = Path(__file__).resolve().parents[2]
-JOB = Path(__file__).with_name("job.py")
-
-
-def make_volume(path: Path, n: int = 32) -> str:
-    path.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        (path / f"f{i:03d}.bin").write_bytes(os.urandom(64))
-    return str(path)
-
-
-def decode(data: bytes, path: str) -> torch.Tensor:
-    return torch.tensor(list(data[:16]), dtype=torch.float32)
-
-
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
-    e["OMP_NUM_THREADS"] = "1"
-    return e
+from .helpers import JOB, env, make_volume, train
 
 
 def test_a_loop_with_no_goodput_code_is_accounted(tmp_path):
-    data = make_volume(tmp_path / "data")
-    model = nn.Linear(16, 2)
-    optim = torch.optim.AdamW(model.parameters())
-    loader = ub.DataLoader(
-        ub.VolumeDataset(data, decode=decode, cache_dir=str(tmp_path / "cache")),
-        batch_size=4,
-        num_workers=0,
-    )
-    state = {"model": model, "optim": optim, "loader": loader}
     url = str(tmp_path / "ck")
-    with ub.CheckpointManager(url, staging_dir=tmp_path / "st", every_steps=4) as mgr:
-        step = mgr.restore(state) or 0
-        for x in loader:
-            model(x).sum().backward()
-            optim.step()
-            optim.zero_grad()
-            step += 1
-            mgr.maybe_save(step, state)
+    train(tmp_path, url, every_steps=4)
     log = ev.read_log(ub.open_store(url))
     b = job_breakdown(log)
     assert b.steps == 8 and b.restarts == 0 and b.attempts[0].clean
@@ -108,16 +71,7 @@ def test_a_killed_job_and_its_restart_count_the_restart_and_the_redone_steps(tmp
     assert not first_att["clean"] and second_att["clean"]
     assert first_att["last_step"] == 25 and second_att["restored_step"] == 20
     secs = report["seconds"]
-    assert set(secs) == {
-        "productive",
-        "data_wait",
-        "checkpoint_save",
-        "checkpoint_restore",
-        "startup",
-        "wasted",
-        "down",
-        "other",
-    }
+    assert set(secs) == set(CATEGORIES)
     assert sum(secs.values()) == pytest.approx(report["wall_seconds"])
     assert secs["wasted"] > 0 and secs["down"] > 0 and secs["checkpoint_restore"] > 0
     assert report["goodput"] == pytest.approx(secs["productive"] / report["wall_seconds"])

@@ -64,25 +64,15 @@ def process_start_time() -> float | None:
         return None
 
 
-class NullRecorder:
-    """Recording switched off: every call does nothing."""
+def _nothing(*_args: Any, **_kwargs: Any) -> None:
+    return None
 
-    def restore_begin(self) -> None: ...
-    def restore_end(self, step: int | None) -> None: ...
-    def step(self, step: int) -> None: ...
-    def data_wait(self, seconds: float, metrics: Any = None) -> None: ...
-    def save_begin(self, step: int | None, *, wait: bool = False) -> None: ...
-    def save_end(self, step: int | None, *, wait: bool = False) -> None: ...
-    def commit(
-        self,
-        step: int,
-        *,
-        ok: bool,
-        seconds: float | None,
-        nbytes: int,
-        upload_seconds: float | None = None,
-    ) -> None: ...
-    def close(self) -> None: ...
+
+class NullRecorder:
+    """Recording switched off: every call (those of :class:`Recorder`) does nothing."""
+
+    restore_begin = restore_end = step = data_wait = staticmethod(_nothing)
+    save_begin = save_end = commit = close = staticmethod(_nothing)
 
 
 class Recorder(NullRecorder):
