@@ -1,5 +1,6 @@
 """A small training job for the goodput tests: a real CheckpointManager and DataLoader,
-nothing in the loop about goodput. ``--crash-at N`` SIGKILLs itself after step N."""
+nothing in the loop about goodput. ``--crash-at N`` SIGKILLs itself after step N (in the
+first attempt only, under torchrun). One process or several ranks (torchrun, gloo)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import unbroken as ub
@@ -29,6 +31,10 @@ def main() -> None:
     p.add_argument("--step-seconds", type=float, default=0.01)
     args = p.parse_args()
 
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     torch.manual_seed(0)
     model = nn.Linear(16, 4)
     optim = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -46,13 +52,15 @@ def main() -> None:
             time.sleep(args.step_seconds)
             step += 1
             mgr.maybe_save(step, state)
-            if step == args.crash_at:
+            if step == args.crash_at and first_attempt:
                 mgr.wait()  # step 20 committed: the restart resumes there
                 time.sleep(1.5)  # the local copy of the event log is appended every second
                 os.kill(os.getpid(), signal.SIGKILL)
             if step >= args.steps:
                 break
     mgr.close()
+    if distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -76,3 +76,35 @@ def test_a_killed_job_and_its_restart_count_the_restart_and_the_redone_steps(tmp
     assert secs["wasted"] > 0 and secs["down"] > 0 and secs["checkpoint_restore"] > 0
     assert report["goodput"] == pytest.approx(secs["productive"] / report["wall_seconds"])
     assert plot.stat().st_size > 0
+
+
+@pytest.mark.multiprocess
+def test_a_two_rank_job_under_torchrun_counts_its_restart_and_redone_steps(tmp_path):
+    from tests.checkpoint.distributed import check, torchrun
+
+    data = make_volume(tmp_path / "data")
+    url, staging = str(tmp_path / "ck"), str(tmp_path / "st")
+    out = torchrun(
+        2,
+        *("--url", url, "--staging", staging, "--data", data, "--crash-at", "25"),
+        script=JOB,
+        max_restarts=1,
+        timeout=300,
+        env={"UNBROKEN_GOODPUT_FLUSH": "600"},  # the first attempt's tail stays local
+    )
+    check(out)
+    log = ev.read_log(ub.open_store(url))
+    assert len(log) == 2 and all(set(ranks) == {0, 1} for ranks in log.values())
+    for rank in (0, 1):
+        b = job_breakdown(log, rank)
+        assert b.restarts == 1 and b.wasted_steps == 5, (rank, b.as_dict())
+        assert b.attempts[1].restored_step == 20 and b.attempts[1].clean
+    p = subprocess.run(
+        [sys.executable, "-m", "unbroken.cli", "goodput", url, "--json"],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    report = json.loads(p.stdout)
+    assert report["restarts"] == 1 and report["wasted_steps"] == 5 and report["rank"] == 0

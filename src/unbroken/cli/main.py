@@ -41,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return exc.code
+    except BrokenPipeError:  # `unbroken ls URL | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
