@@ -8,7 +8,7 @@ manifest, never a request per file; ``verify_checkpoint(deep=True)`` re-checksum
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from unbroken.checkpoint.errors import CheckpointError, NewerFormatError
@@ -86,11 +86,18 @@ def newest_committed(store: Store) -> CheckpointInfo | None:
     return committed[-1] if committed else None
 
 
-def verify_checkpoint(store: Store, step: int, *, deep: bool = False) -> list[str]:
+def verify_checkpoint(
+    store: Store,
+    step: int,
+    *,
+    deep: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[str]:
     """Problems of checkpoint ``step`` (empty if it is sound).
 
     Shallow: the manifest parses and every listed file is present with its size. Deep:
-    also re-checksum every file against the manifest and decode ``metadata.json``.
+    also re-checksum every file against the manifest and decode ``metadata.json``;
+    ``on_bytes(n)`` is told each chunk checksummed (a progress bar's feed).
     """
     try:
         manifest = read_manifest(store, step)
@@ -105,7 +112,7 @@ def verify_checkpoint(store: Store, step: int, *, deep: bool = False) -> list[st
     problems = missing_or_short(manifest, sizes)
     if deep and not problems:
         for record in manifest.files.values():
-            crc = _crc32c_of(store, f"{prefix}/{record.name}", record.size)
+            crc = _crc32c_of(store, f"{prefix}/{record.name}", record.size, on_bytes)
             if crc != record.crc32c:
                 problems.append(
                     f"{record.name}: crc32c {crc:#010x}, manifest says {record.crc32c:#010x}"
@@ -154,8 +161,13 @@ def _describe(store: Store, step: int, sizes: dict[str, int]) -> CheckpointInfo:
     )
 
 
-def _crc32c_of(store: Store, key: str, size: int) -> int:
+def _crc32c_of(
+    store: Store, key: str, size: int, on_bytes: Callable[[int], None] | None = None
+) -> int:
     crc = 0
     for start in range(0, size, VERIFY_CHUNK):
-        crc = crc32c_bytes(store.read_bytes(key, start, min(size, start + VERIFY_CHUNK)), crc)
+        end = min(size, start + VERIFY_CHUNK)
+        crc = crc32c_bytes(store.read_bytes(key, start, end), crc)
+        if on_bytes is not None:
+            on_bytes(end - start)
     return crc

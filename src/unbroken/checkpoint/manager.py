@@ -32,6 +32,7 @@ from unbroken.checkpoint.preemption import EXIT_CODE, PreemptionWatch
 from unbroken.checkpoint.save_job import SaveJob
 from unbroken.checkpoint.staging.stager import StateStager
 from unbroken.checkpoint.state_dicts import collect
+from unbroken.goodput import recorder as goodput_recorder
 from unbroken.state.rng import capture_rng_state
 from unbroken.storage import LocalStore, RetryPolicy, Store, open_store
 from unbroken.storage.errors import redact
@@ -81,7 +82,14 @@ class CheckpointConfig:
     """Seconds a background collective may wait for a peer before failing the save."""
     retry: RetryPolicy | None = None
     """How hard the durable tier retries a transient failure (None: the store default)."""
-
+    goodput: bool = True
+    """Record this job's goodput events beside the checkpoints (``unbroken goodput URL``);
+    also off with ``UNBROKEN_GOODPUT=0``."""
+    mlflow: bool = True
+    """With ``MLFLOW_TRACKING_URI`` set or an MLflow run active, rank 0 logs the loop's
+    figures (fetch_seconds, checkpoint times, cache hit ratio, goodput) to that run every
+    ``UNBROKEN_MLFLOW_EVERY_STEPS`` (50) steps, from a thread; also off with
+    ``UNBROKEN_MLFLOW=0``."""
     preemption: Literal["exit", "flag", "off"] = "exit"
     """On SIGTERM (a scheduler about to take the node), the next maybe_save saves the step
     reached, on every rank alike, and waits for its commit. Then "exit" ends the process
@@ -201,6 +209,14 @@ class CheckpointManager:
         # two threads never share a group and neither touches the default group.
         self._group = Group.create(config.timeout)
         self._fg_group = Group.create(config.timeout)
+        self._goodput = goodput_recorder.start(
+            self.store,
+            self.staging_dir,
+            self._fg_group,
+            enabled=config.goodput,
+            owner=self,
+            mlflow=config.mlflow,
+        )
         self._stager = StateStager(
             max_bytes=config.staging_max_bytes, shared_memory=config.staging_shared_memory
         )
@@ -246,6 +262,7 @@ class CheckpointManager:
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
         _check_step(step)
+        self._goodput.step(step)
         self._report_failures(raising=False)
         if self._preemption is not None and self._preemption.poll():
             return self._save_before_preemption(step, state)
@@ -302,6 +319,7 @@ class CheckpointManager:
             self.stats.skipped_busy += 1
             log.info("checkpoint step %d skipped: the previous save is still in flight", step)
             return False
+        self._goodput.save_begin(step)
         flat = collect(state)
         busy, began = self._stager.busy, time.monotonic()
         # stage() first waits for the previous snapshot's local write, if still running.
@@ -323,6 +341,7 @@ class CheckpointManager:
             job.done.wait()
             self._report_failures(raising=self.config.raise_on_failure)
         self.stats.seconds_blocked += time.monotonic() - t0
+        self._goodput.save_end(step)
         return self.config.async_save or job.error is None
 
     def _check_group(self) -> None:
@@ -343,6 +362,13 @@ class CheckpointManager:
             self.stats.bytes_direct += job.direct_bytes
             self.stats.bytes_from_memory += job.memory_bytes
             self.stats.bytes_checksummed_in_copy += job.checksummed_in_copy_bytes
+            self._goodput.commit(
+                job.step,
+                ok=job.error is None,
+                seconds=job.seconds.get("total"),
+                nbytes=job.manifest.nbytes if job.manifest is not None else 0,
+                upload_seconds=job.seconds.get("upload"),
+            )
             if job.error is not None:
                 if self._last_step == job.step:  # a later save of this step may try again
                     self._last_step = None
@@ -380,7 +406,9 @@ class CheckpointManager:
         if timeout is not None:
             _check_seconds("CheckpointManager.wait: timeout", timeout, zero=True)
         t0 = time.monotonic()
+        self._goodput.save_begin(None, wait=True)
         self._pipeline.wait(timeout)
+        self._goodput.save_end(None, wait=True)
         self.stats.seconds_in_wait += time.monotonic() - t0
         self._report_failures(raising=True)
 
@@ -389,13 +417,16 @@ class CheckpointManager:
         if self._closed:
             return
         try:
+            self._goodput.save_begin(None, wait=True)
             self._pipeline.wait()
         finally:
+            self._goodput.save_end(None, wait=True)
             self._closed = True
             self._pipeline.close()
             self._stager.close()
             if self._preemption is not None:
                 self._preemption.close()
+            self._goodput.close()
         # After the worker stopped: a failure recorded while close() waited is raised too.
         self._report_failures(raising=True)
 
@@ -420,6 +451,7 @@ class CheckpointManager:
         self._check_group()
         self._pipeline.drain()
         self._report_failures(raising=False)
+        self._goodput.restore_begin()
         restored = restore(
             state,
             durable=self.store,
@@ -429,6 +461,7 @@ class CheckpointManager:
             strict=strict,
         )
         self.last_restore = restored
+        self._goodput.restore_end(restored.step if restored is not None else None)
         if restored is None:
             return None
         self._committed.add(restored.step)

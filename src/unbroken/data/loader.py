@@ -26,6 +26,7 @@ from unbroken.data.delivery import Delivery
 from unbroken.data.metrics import LoaderMetrics
 from unbroken.data.order import mix_seed
 from unbroken.data.partition import Partition
+from unbroken.goodput.recorder import note_data_wait
 
 STATE_FORMAT = 1
 _STATE_KEYS = ("format", "epoch", "position", "seed", "shuffle", "num_samples", "fingerprint")
@@ -164,6 +165,7 @@ class DataLoader(torch.utils.data.DataLoader):
             self._accept(d, epoch, expected)
             self.metrics.add(d.stats)
             self.metrics.record_wait(wait, counted_batch=d.batch is not None)
+            note_data_wait(wait, self.metrics)
             self._consumed = d.position
             if d.batch is not None:
                 yield d.batch

@@ -1,0 +1,58 @@
+"""``unbroken``: the console script. Each verb lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from unbroken._version import __version__
+from unbroken.cli import goodput, ls, plan, verify
+from unbroken.cli.errors import CliError
+
+VERBS = (ls, verify, goodput, plan)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="unbroken",
+        description="Inspect checkpoints and the goodput of jobs run with unbroken.",
+    )
+    p.add_argument("--version", action="version", version=f"unbroken {__version__}")
+    sub = p.add_subparsers(title="commands", metavar="COMMAND")
+    for verb in VERBS:
+        verb.add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 ok, 1 a failure (corruption, nothing found), 2 bad arguments."""
+    p = parser()
+    args = p.parse_args(argv)
+    if not hasattr(args, "run"):
+        p.print_help(sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    prog = f"unbroken {sys.argv[1] if argv is None and len(sys.argv) > 1 else ''}".strip()
+    try:
+        return args.run(args)
+    except CliError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.code
+    except BrokenPipeError:  # `unbroken ls URL | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a store or checkpoint error: one line, no traceback
+        if os.environ.get("UNBROKEN_DEBUG"):
+            raise
+        print(f"{prog}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The job's timeline as a picture: one lane per attempt, colored by category."""
+
+from __future__ import annotations
+
+from unbroken.cli.errors import CliError
+from unbroken.goodput.breakdown import CATEGORIES, Breakdown
+
+COLORS = {
+    "productive": "#2ca02c",
+    "data_wait": "#ff7f0e",
+    "checkpoint_save": "#1f77b4",
+    "checkpoint_restore": "#9467bd",
+    "startup": "#8c564b",
+    "wasted": "#d62728",
+    "down": "#7f7f7f",
+    "other": "#c7c7c7",
+}
+
+
+def plot_timeline(b: Breakdown, path: str) -> None:
+    """Write a PNG; matplotlib is optional (``pip install matplotlib``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as exc:
+        raise CliError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib"
+        ) from exc
+    t0 = b.attempts[0].start
+    lanes = {a.attempt: i for i, a in enumerate(b.attempts)}
+    fig, ax = plt.subplots(figsize=(11, 1.8 + 0.5 * len(lanes)))
+    for s in b.segments:
+        y = lanes[s.attempt]
+        ax.broken_barh(
+            [(s.begin - t0, s.end - s.begin)],
+            (y - 0.4, 0.8),
+            facecolors=COLORS[s.category],
+            linewidth=0,
+        )
+    for a in b.attempts:
+        if not a.clean:
+            ax.plot([a.end - t0], [lanes[a.attempt]], marker="x", color="black", markersize=10)
+    ax.set_yticks(range(len(lanes)), [f"attempt {i + 1}" for i in range(len(lanes))])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the first process started")
+    restarts = f"{b.restarts} restart" + ("" if b.restarts == 1 else "s")
+    ax.set_title(f"goodput {b.goodput:.1%}, {restarts} (x: a crash)")
+    used = [c for c in CATEGORIES if b.seconds[c] > 0]
+    handles = [Patch(color=COLORS[c], label=c) for c in used]
+    fig.legend(handles=handles, loc="lower center", ncol=len(used), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise CliError(f"cannot write {path}: {exc}") from exc
+    finally:
+        plt.close(fig)

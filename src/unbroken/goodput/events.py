@@ -1,0 +1,366 @@
+"""The goodput event record and its crash-safe, append-only log.
+
+Layout, in the durable tier beside the checkpoints (and ignored by the catalog, which
+only reads ``step-*``)::
+
+    <root>/_goodput/attempt-<id>/rank-<r>/<first event number>.jsonl
+
+Each flush writes a NEW object holding the events since the previous flush (one atomic
+write: a rename on a path, one PUT on an object store); nothing is ever rewritten, so a
+crash loses at most the events not flushed yet. Those are also appended, every second,
+to a local copy in the staging tier (``<staging>/_goodput/attempt-<id>-rank-<r>.jsonl``);
+the next attempt on the same node uploads what the durable tier lacks, so a restart there
+recovers the last seconds before a crash. Events are numbered per (attempt, rank): a
+reader merges every object and drops duplicates by number.
+
+A ``beat`` line (written with every flush, not numbered) says the process was alive then:
+the last one bounds where a crashed attempt ended.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from unbroken._util.procs import pid_alive
+from unbroken.storage import Store
+
+log = logging.getLogger(__name__)
+
+PREFIX = "_goodput"
+"""Top-level folder of the event log in the durable tier (and in the staging tier)."""
+
+START = "start"
+"""The attempt's process started (``t`` is the OS's process start time)."""
+RESTORE_BEGIN, RESTORE_END = "restore_begin", "restore_end"
+STEP = "step"
+"""One training step ended: the interval between two ``maybe_save`` calls."""
+SAVE_BEGIN, SAVE_END = "save_begin", "save_end"
+"""The training loop blocked in save/maybe_save (or in wait()/close(), ``wait=True``)."""
+COMMIT = "commit"
+"""A background save committed (or failed): informational."""
+END = "end"
+"""A clean end: the manager was closed."""
+BEAT = "beat"
+"""The process was alive at ``t`` (unnumbered)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing that happened to one rank of one attempt, at wall time ``t``."""
+
+    kind: str
+    t: float
+    """Unix seconds; for a STEP, when it ended."""
+    n: int = -1
+    """Sequence number within (attempt, rank); -1 for beats."""
+    step: int | None = None
+    begin: float | None = None
+    """A STEP's start (the previous maybe_save's return, or the end of restore)."""
+    data_wait: float = 0.0
+    """A STEP's seconds blocked waiting for the data loader."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Anything else (pid, host, world size, seconds, bytes)."""
+
+    def to_json(self) -> str:
+        doc: dict[str, Any] = {"kind": self.kind, "t": round(self.t, 6)}
+        if self.n >= 0:
+            doc["n"] = self.n
+        if self.step is not None:
+            doc["step"] = self.step
+        if self.begin is not None:
+            doc["begin"] = round(self.begin, 6)
+        if self.data_wait:
+            doc["data_wait"] = round(self.data_wait, 6)
+        if self.info:
+            doc["info"] = self.info
+        return json.dumps(doc, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> Event:
+        doc = json.loads(line)
+        if not isinstance(doc, dict) or not isinstance(doc.get("kind"), str):
+            raise ValueError("not an event")
+        return cls(
+            kind=doc["kind"],
+            t=float(doc["t"]),
+            n=int(doc.get("n", -1)),
+            step=None if doc.get("step") is None else int(doc["step"]),
+            begin=None if doc.get("begin") is None else float(doc["begin"]),
+            data_wait=float(doc.get("data_wait", 0.0)),
+            info=dict(doc.get("info") or {}),
+        )
+
+
+def parse_lines(text: str) -> list[Event]:
+    """Events of a JSONL text; a torn or foreign line (a crash mid-append) is skipped."""
+    events = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            events.append(Event.from_json(line))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return events
+
+
+def merge(events: Iterable[Event]) -> list[Event]:
+    """One rank's events from several objects: numbered ones once each, in order, then
+    the latest beat."""
+    numbered: dict[int, Event] = {}
+    last_beat: Event | None = None
+    for e in events:
+        if e.n >= 0:
+            numbered.setdefault(e.n, e)
+        elif last_beat is None or e.t > last_beat.t:
+            last_beat = e
+    out = [numbered[n] for n in sorted(numbered)]
+    return [*out, last_beat] if last_beat is not None else out
+
+
+def rank_prefix(attempt: str, rank: int) -> str:
+    return f"{PREFIX}/attempt-{attempt}/rank-{rank}"
+
+
+def object_key(attempt: str, rank: int, first: int) -> str:
+    return f"{rank_prefix(attempt, rank)}/{first:09d}.jsonl"
+
+
+def read_log(store: Store) -> dict[str, dict[int, list[Event]]]:
+    """Every attempt's events in the durable tier: ``{attempt: {rank: events}}``."""
+    by_rank: dict[tuple[str, int], list[Event]] = collections.defaultdict(list)
+    for entry in store.list(PREFIX):
+        parts = entry.key.split("/")
+        if (
+            len(parts) != 4
+            or not parts[1].startswith("attempt-")
+            or not parts[3].endswith(".jsonl")
+        ):
+            continue
+        try:
+            rank = int(parts[2].removeprefix("rank-"))
+        except ValueError:
+            continue
+        text = store.read_bytes(entry.key).decode("utf-8", "replace")
+        by_rank[(parts[1].removeprefix("attempt-"), rank)].extend(parse_lines(text))
+    out: dict[str, dict[int, list[Event]]] = {}
+    for (attempt, rank), events in sorted(by_rank.items()):
+        out.setdefault(attempt, {})[rank] = merge(events)
+    return out
+
+
+class EventLog:
+    """One rank's log of one attempt: appends are a deque push; a daemon thread does the
+    rest (local copy every ``local_seconds``, a new durable object every ``durable_seconds``).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        staging_dir: str,
+        attempt: str,
+        rank: int,
+        *,
+        local_seconds: float = 1.0,
+        durable_seconds: float = 30.0,
+    ) -> None:
+        self.store = store
+        self.attempt = attempt
+        self.rank = rank
+        self.local_seconds = local_seconds
+        self.durable_seconds = durable_seconds
+        self.local_dir = os.path.join(staging_dir, PREFIX)
+        self.local_path = os.path.join(self.local_dir, f"attempt-{attempt}-rank-{rank}.jsonl")
+        self._queue: collections.deque[Event | tuple] = collections.deque()
+        self._unsent: list[Event] = []
+        self.history: list[Event] | None = None
+        """Every event so far, when a sink asked for it (``keep_history``)."""
+        self._beat: Event | None = None
+        self._last_durable = float("-inf")  # the first flush goes durable: START lands
+        self._io = threading.Lock()
+        self._stop = threading.Event()
+        self._warned = False
+        self._local: Any = None
+        self._local_failed = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="unbroken-goodput", daemon=True)
+        self._thread.start()
+
+    def append(self, event: Event | tuple) -> None:
+        """Called by the training loop: never blocks on I/O. A tuple holds an Event's
+        first fields in order (cheaper to make than the Event, which the thread builds)."""
+        self._queue.append(event)
+
+    def flush(self, *, durable: bool, beat: float | None = None) -> bool:
+        """Write what is queued (locally; to the durable tier too if ``durable``); False if
+        the durable write failed (its events are kept for the next try)."""
+        with self._io:
+            batch = []
+            while self._queue:
+                item = self._queue.popleft()
+                batch.append(item if isinstance(item, Event) else Event(*item))
+            if beat is not None:
+                batch.append(Event(BEAT, beat))
+            self._write_local(batch)
+            self._unsent.extend(e for e in batch if e.n >= 0)
+            if self.history is not None:
+                self.history.extend(batch)
+            if beat is not None:
+                self._beat = batch[-1]
+            if not durable or not self._unsent:
+                return True
+            first = self._unsent[0].n
+            tail = [self._beat] if self._beat is not None else []
+            data = "".join(e.to_json() + "\n" for e in [*self._unsent, *tail]).encode()
+            try:
+                self.store.write_bytes(object_key(self.attempt, self.rank, first), data)
+            except Exception as exc:
+                if not self._warned:
+                    log.warning("goodput: event log not written to %s: %s", self.store.url, exc)
+                    self._warned = True
+                return False
+            self._unsent = []
+            self._last_durable = time.monotonic()
+            return True
+
+    def close(self, *, beat: float, remove_local: bool) -> bool:
+        """Stop the thread, flush everything to the durable tier; with ``remove_local``,
+        drop the local copy once the durable tier has it all."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        ok = self.flush(durable=True, beat=beat)
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+        if ok and remove_local:
+            _remove_local(self.local_path, self.local_dir)
+        return ok
+
+    def keep_history(self) -> None:
+        with self._io:
+            if self.history is None:
+                self.history = []
+
+    def events_so_far(self) -> list[Event]:
+        """What was flushed so far (``keep_history`` first), plus what is queued."""
+        with self._io:
+            queued = [e if isinstance(e, Event) else Event(*e) for e in list(self._queue)]
+            return [*(self.history or []), *queued]
+
+    def _write_local(self, batch: list[Event]) -> None:
+        if self._local_failed or not batch:
+            return
+        try:
+            if self._local is None:
+                os.makedirs(self.local_dir, exist_ok=True)
+                self._local = open(self.local_path, "a", encoding="utf-8")  # noqa: SIM115
+            self._local.write("".join(e.to_json() + "\n" for e in batch))
+            self._local.flush()  # to the page cache: survives the process, not the node
+        except (OSError, ValueError) as exc:
+            log.warning("goodput: no local copy of the event log (%s)", exc)
+            self._local, self._local_failed = None, True
+
+    def _run(self) -> None:
+        from unbroken._util.thread_names import name_native_thread
+
+        name_native_thread()
+        while not self._stop.wait(self.local_seconds):
+            due = time.monotonic() - self._last_durable >= self.durable_seconds
+            try:
+                self.flush(durable=due, beat=time.time())
+            except Exception:  # never let accounting kill the job
+                log.exception("goodput: event log flush failed")
+
+
+def salvage_local_logs(store: Store, staging_dir: str) -> int:
+    """Upload what earlier, dead attempts on this node wrote locally but not durably.
+
+    Each file is claimed by an atomic rename first, so ranks sharing the staging dir do
+    not upload it twice. Returns the number of files salvaged.
+    """
+    local_dir = os.path.join(staging_dir, PREFIX)
+    try:
+        names = sorted(os.listdir(local_dir))
+    except OSError:
+        return 0
+    salvaged = 0
+    for name in names:
+        path = os.path.join(local_dir, name)
+        if not name.endswith(".jsonl") or not name.startswith("attempt-"):
+            if ".claimed-" in name and not pid_alive(_claimer(name)):
+                os.replace(path, path.split(".claimed-")[0])  # a salvager died: retry it
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                events = parse_lines(f.read())
+        except OSError:
+            continue
+        head = next((e for e in events if e.kind == START), None)
+        if head is None:
+            continue
+        pid, host = int(head.info.get("pid", -1)), head.info.get("host")
+        if host == socket.gethostname() and pid_alive(pid):
+            continue  # a live process's own log
+        claimed = f"{path}.claimed-{os.getpid()}"
+        try:
+            os.rename(path, claimed)
+        except OSError:
+            continue  # another rank took it
+        attempt, rank = head.info.get("attempt"), head.info.get("rank")
+        if not isinstance(attempt, str) or not isinstance(rank, int):
+            os.unlink(claimed)
+            continue
+        try:
+            _upload_missing(store, attempt, rank, events)
+        except Exception as exc:
+            log.warning("goodput: could not salvage %s: %s", path, exc)
+            os.replace(claimed, path)
+            continue
+        os.unlink(claimed)
+        salvaged += 1
+    return salvaged
+
+
+def _upload_missing(store: Store, attempt: str, rank: int, local: list[Event]) -> None:
+    durable: list[Event] = []
+    for entry in store.list(rank_prefix(attempt, rank)):
+        durable.extend(parse_lines(store.read_bytes(entry.key).decode("utf-8", "replace")))
+    have = max((e.n for e in durable), default=-1)
+    last_beat = max((e.t for e in durable), default=0.0)
+    missing = [e for e in local if e.n > have]
+    beats = [e for e in local if e.kind == BEAT and e.t > last_beat]
+    if beats:
+        missing.append(max(beats, key=lambda e: e.t))
+    if missing:
+        data = "".join(e.to_json() + "\n" for e in missing).encode()
+        store.write_bytes(object_key(attempt, rank, have + 1), data)
+
+
+def _claimer(name: str) -> int:
+    try:
+        return int(name.rsplit(".claimed-", 1)[1])
+    except ValueError:
+        return -1
+
+
+def _remove_local(path: str, local_dir: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        return
+    try:
+        os.rmdir(local_dir)  # only if empty: other ranks' logs stay
+    except OSError:
+        pass

@@ -1,0 +1,261 @@
+"""Follow a job live in MLflow: rank 0 logs the loop's figures every N steps.
+
+On when ``mlflow`` is importable and a tracking URI is configured (``MLFLOW_TRACKING_URI``)
+or a run is active when the manager is made; off with ``CheckpointManager(mlflow=False)``
+or ``UNBROKEN_MLFLOW=0``. Everything after the start (creating the run, logging) happens
+on the sink's own thread, through ``MlflowClient`` with an explicit run id, so a slow
+tracking server never holds the loop. The run id is kept beside the event log
+(``_goodput/mlflow-run.json``), so a restarted attempt logs to the same run.
+
+Metrics, each logged at the training step it was read at:
+
+- ``fetch_seconds``: the loop's wait for data per step, over the steps since the last log;
+- ``checkpoint_blocked_seconds``: seconds blocked in saves since the last log;
+- ``checkpoint_commit_seconds``: the newest commit's save-to-commit time;
+- ``checkpoint_upload_mb_per_s``: its bytes over its upload time;
+- ``cache_hit_ratio``: the loader's cache hits over hits and misses, so far;
+- ``goodput``: the job's goodput so far (rank 0's timeline, earlier attempts included).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from unbroken.goodput import events as ev
+from unbroken.goodput.breakdown import breakdown
+from unbroken.storage import ObjectNotFoundError, Store
+
+log = logging.getLogger(__name__)
+
+RUN_KEY = f"{ev.PREFIX}/mlflow-run.json"
+"""Where the run id is kept, in the durable tier."""
+METRICS = (
+    "fetch_seconds",
+    "checkpoint_blocked_seconds",
+    "checkpoint_commit_seconds",
+    "checkpoint_upload_mb_per_s",
+    "cache_hit_ratio",
+    "goodput",
+)
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("UNBROKEN_MLFLOW", "1").strip().lower() not in ("0", "false", "off")
+
+
+def every_steps() -> int:
+    """Steps between two logs: ``UNBROKEN_MLFLOW_EVERY_STEPS``, default 50."""
+    return max(1, int(os.environ.get("UNBROKEN_MLFLOW_EVERY_STEPS", "50")))
+
+
+def wanted() -> tuple[str, str | None] | None:
+    """(tracking URI, the active run's id or None) if MLflow should be fed, else None.
+
+    Never imports mlflow only to find out: without ``MLFLOW_TRACKING_URI`` a run can only
+    be active if the user's code imported mlflow already."""
+    if not enabled_by_env():
+        return None
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri and "mlflow" not in sys.modules:
+        return None
+    try:
+        import mlflow
+    except ImportError:
+        return None
+    active = mlflow.active_run()
+    if active is None and not uri:
+        return None
+    return mlflow.get_tracking_uri(), active.info.run_id if active is not None else None
+
+
+class MlflowSink:
+    """One thread that logs the recorder's running figures to one MLflow run."""
+
+    def __init__(
+        self,
+        store: Store,
+        recorder: Any,
+        attempt: str,
+        tracking_uri: str,
+        active_run: str | None,
+        *,
+        every: int,
+    ) -> None:
+        self.store = store
+        self.recorder = recorder
+        self.attempt = attempt
+        self.tracking_uri = tracking_uri
+        self.active_run = active_run
+        self.every = every
+        self.run_id: str | None = None
+        self._client: Any = None
+        self._earlier: dict[str, list[ev.Event]] = {}
+        self._logged_steps = 0
+        self._waited, self._blocked = 0.0, 0.0
+        self._last_commit: dict[str, Any] | None = None
+        self._goodput_at = float("-inf")
+        self._goodput: float | None = None
+        self._stop = threading.Event()
+        self._failed = False
+        recorder.log.keep_history()
+        self._thread = threading.Thread(target=self._run, name="unbroken-mlflow", daemon=True)
+        self._thread.start()
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        from unbroken._util.thread_names import name_native_thread
+
+        name_native_thread()
+        try:
+            self._open_run()
+        except Exception as exc:
+            log.warning("goodput: MLflow at %s unusable, not logging: %s", self.tracking_uri, exc)
+            self._failed = True
+            return
+        while not self._stop.wait(0.5):
+            if self.recorder.steps_seen - self._logged_steps >= self.every:
+                self._log_safely()
+
+    def _open_run(self) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        saved = self._saved_run()
+        if self.active_run is not None:
+            self.run_id = self.active_run
+        elif saved is not None:
+            self.run_id = saved
+            self._client.update_run(saved, status="RUNNING")
+        else:
+            run = self._client.create_run(
+                _experiment_id(self._client), run_name=_run_name(self.store.url)
+            )
+            self.run_id = run.info.run_id
+        if self.run_id != saved:
+            doc = {"run_id": self.run_id, "tracking_uri": self.tracking_uri}
+            self.store.write_bytes(RUN_KEY, json.dumps(doc).encode())
+        self._client.set_tag(self.run_id, "unbroken.attempt", self.attempt)
+        # Earlier attempts' events, once: the running goodput spans the whole job.
+        log_so_far = ev.read_log(self.store)
+        self._earlier = {
+            a: ranks[0] for a, ranks in log_so_far.items() if a != self.attempt and 0 in ranks
+        }
+
+    def _saved_run(self) -> str | None:
+        try:
+            doc = json.loads(self.store.read_bytes(RUN_KEY))
+        except ObjectNotFoundError:
+            return None
+        except ValueError:
+            return None
+        if doc.get("tracking_uri") != self.tracking_uri:
+            return None  # another server: a run id there means nothing here
+        run_id = doc.get("run_id")
+        try:
+            self._client.get_run(run_id)
+        except Exception:
+            return None
+        return run_id
+
+    def _log_safely(self) -> None:
+        try:
+            self.log_now()
+        except Exception as exc:
+            if not self._failed:
+                log.warning("goodput: MLflow logging failed (will retry): %s", exc)
+            self._failed = True
+
+    def log_now(self) -> None:
+        """Log one batch of metrics at the recorder's current step."""
+        from mlflow.entities import Metric
+
+        rec = self.recorder
+        steps, step = rec.steps_seen, rec.last_step
+        if step is None or self.run_id is None:
+            return
+        window = max(1, steps - self._logged_steps)
+        values: dict[str, float] = {
+            "fetch_seconds": (rec.waited_total - self._waited) / window,
+            "checkpoint_blocked_seconds": rec.blocked_total - self._blocked,
+        }
+        commit = rec.last_commit
+        if commit is not None:
+            if commit.get("seconds") is not None:
+                values["checkpoint_commit_seconds"] = float(commit["seconds"])
+            up = commit.get("upload_seconds")
+            if up:
+                values["checkpoint_upload_mb_per_s"] = commit["nbytes"] / 1e6 / up
+        metrics = rec.loader_metrics
+        if metrics is not None:
+            hits, misses = metrics.counters.get("hits", 0), metrics.counters.get("misses", 0)
+            if hits + misses:
+                values["cache_hit_ratio"] = hits / (hits + misses)
+        goodput = self._running_goodput()
+        if goodput is not None:
+            values["goodput"] = goodput
+        now_ms = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now_ms, step) for k, v in values.items()]
+        self._client.log_batch(self.run_id, metrics=batch)
+        self._logged_steps = steps
+        self._waited, self._blocked = rec.waited_total, rec.blocked_total
+        self._failed = False
+
+    def _running_goodput(self) -> float | None:
+        """Recomputed at most every 10 s (or 10x its own cost): it reads every event."""
+        now = time.monotonic()
+        if now - self._goodput_at < 10.0 and self._goodput is not None:
+            return self._goodput
+        mine = [*self.recorder.log.events_so_far(), ev.Event(ev.BEAT, self.recorder.now())]
+        b = breakdown({**self._earlier, self.attempt: mine})
+        cost = time.monotonic() - now
+        self._goodput_at = now + 9 * cost
+        self._goodput = b.goodput
+        return self._goodput
+
+    def close(self, *, clean: bool) -> None:
+        """A last batch; at a clean end the run is marked finished (unless it is the user's)."""
+        self._stop.set()
+        self._thread.join(timeout=60)
+        if self._client is None or self.run_id is None:
+            return
+        self._goodput_at = float("-inf")
+        self._log_safely()
+        if clean and self.active_run is None:  # ours, not the user's run
+            try:
+                self._client.set_terminated(self.run_id, "FINISHED")
+            except Exception as exc:
+                log.warning("goodput: could not end MLflow run %s: %s", self.run_id, exc)
+
+
+def start(store: Store, recorder: Any, attempt: str, *, enabled: bool) -> MlflowSink | None:
+    """A sink for rank 0 when MLflow is wanted, else None."""
+    if not enabled:
+        return None
+    found = wanted()
+    if found is None:
+        return None
+    uri, active = found
+    return MlflowSink(store, recorder, attempt, uri, active, every=every_steps())
+
+
+def _experiment_id(client: Any) -> str:
+    if os.environ.get("MLFLOW_EXPERIMENT_ID"):
+        return os.environ["MLFLOW_EXPERIMENT_ID"]
+    name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    if name:
+        found = client.get_experiment_by_name(name)
+        return found.experiment_id if found is not None else client.create_experiment(name)
+    return "0"  # MLflow's Default experiment
+
+
+def _run_name(url: str) -> str:
+    from unbroken.storage.errors import redact
+
+    return redact(url).rstrip("/").rsplit("/", 1)[-1] or "unbroken"

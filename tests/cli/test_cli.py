@@ -1,0 +1,205 @@
+"""Every verb of the ``unbroken`` command on a real checkpoint directory and on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import unbroken as ub
+from unbroken.checkpoint.format.manifest import step_dir
+from unbroken.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    """Steps 2 and 4 committed, step 6 partial (a shard, no manifest)."""
+    root = tmp_path_factory.mktemp("cli")
+    model = nn.Linear(64, 64)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {"model": model, "optim": optim, "epoch": 3}
+    with ub.CheckpointManager(
+        root / "ck", staging_dir=root / "st", every_steps=2, when_busy="wait"
+    ) as mgr:
+        for step in range(1, 5):
+            model(torch.ones(2, 64)).sum().backward()
+            optim.step()
+            mgr.maybe_save(step, state)
+    partial = root / "ck" / step_dir(6)
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"x" * 100)
+    return root / "ck"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse: usage errors and --help
+        code = exc.code
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    return code, out.out, out.err
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_ls_shows_committed_and_partial_with_the_reason(capsys, checkpoints):
+    code, out, _ = run(capsys, "ls", str(checkpoints))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:5] == ["step", "state", "size", "age", "ranks"]
+    assert lines[1].split()[:2] == ["2", "committed"]
+    assert lines[2].split()[:2] == ["4", "committed"]
+    assert lines[3].split()[:2] == ["6", "partial"] and "no manifest" in lines[3]
+
+
+def test_ls_json_has_the_catalog_field_names(capsys, checkpoints):
+    code, out, _ = run(capsys, "ls", str(checkpoints), "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert [d["step"] for d in doc] == [2, 4, 6]
+    assert set(doc[0]) >= {"step", "committed", "nbytes", "created", "world_size", "problem"}
+    assert doc[0]["committed"] and doc[0]["world_size"] == 1 and doc[0]["problem"] is None
+    assert not doc[2]["committed"] and "no manifest" in doc[2]["problem"]
+
+
+def test_verify_passes_a_sound_directory(capsys, checkpoints):
+    code, out, _ = run(capsys, "verify", str(checkpoints))
+    assert code == 0
+    assert out.count("ok ") == 2
+
+
+def test_verify_names_the_file_with_a_flipped_byte(capsys, checkpoints, tmp_path):
+    ck = copy_tree(checkpoints, tmp_path / "ck")
+    shard = ck / step_dir(4) / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    code, out, err = run(capsys, "verify", str(ck))
+    assert code == 1
+    assert f"CORRUPT {ck / step_dir(4) / '__0_0.distcp'}" in out
+    assert "crc32c" in out and "1 problem(s) in 1 checkpoint(s)" in err
+    code, out, _ = run(capsys, "verify", str(ck), "--step", "2")
+    assert code == 0
+    code, out, _ = run(capsys, "verify", str(ck), "--step", "4", "--json")
+    assert code == 1 and "__0_0.distcp" in json.loads(out)["4"][0]
+
+
+def test_verify_of_a_partial_or_absent_step_fails(capsys, checkpoints):
+    code, out, _ = run(capsys, "verify", str(checkpoints), "--step", "6")
+    assert code == 1 and "not committed" in out
+    code, _, err = run(capsys, "verify", str(checkpoints), "--step", "7")
+    assert code == 1 and "no checkpoint of step 7" in err
+
+
+@pytest.mark.parametrize("verb", ["ls", "verify", "goodput"])
+def test_an_empty_directory_is_a_clear_error(capsys, tmp_path, verb):
+    code, _out, err = run(capsys, verb, str(tmp_path))
+    assert code == 1
+    assert err.startswith(f"unbroken {verb}: error: ") or "error:" in err
+    assert str(tmp_path) in err
+
+
+@pytest.mark.parametrize("verb", ["ls", "verify", "goodput"])
+def test_a_missing_directory_and_a_missing_url_are_clear_errors(capsys, tmp_path, verb):
+    code, _, err = run(capsys, verb, str(tmp_path / "nope"))
+    assert code == 1 and "does not exist" in err
+    code, _, err = run(capsys, verb)
+    assert code == 2 and "required: url" in err
+
+
+def test_goodput_prints_the_breakdown(capsys, checkpoints, tmp_path):
+    code, out, _ = run(capsys, "goodput", str(checkpoints))
+    assert code == 0
+    assert out.startswith("goodput ") and "0 restarts, 4 steps" in out
+    for category in ("productive", "data_wait", "checkpoint_save", "startup", "down"):
+        assert category in out
+    code, out, _ = run(capsys, "goodput", str(checkpoints), "--json")
+    doc = json.loads(out)
+    assert {"goodput", "wall_seconds", "restarts", "steps", "seconds", "attempts"} <= set(doc)
+    assert doc["restarts"] == 0 and doc["steps"] == 4
+    assert sum(doc["seconds"].values()) == pytest.approx(doc["wall_seconds"])
+
+
+def test_goodput_plot(capsys, checkpoints, tmp_path):
+    png = tmp_path / "t.png"
+    code, _out, _ = run(capsys, "goodput", str(checkpoints), "--plot", str(png))
+    assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_goodput_plot_without_matplotlib_says_what_to_install(
+    capsys, checkpoints, tmp_path, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    code, _, err = run(capsys, "goodput", str(checkpoints), "--plot", str(tmp_path / "t.png"))
+    assert code == 1 and "pip install matplotlib" in err
+
+
+def test_plan_reproduces_the_published_figures(capsys):
+    def plan(*argv):
+        code, out, _ = run(capsys, "plan", *argv, "--json")
+        assert code == 0
+        return json.loads(out)
+
+    assert plan("--gpus", "256", "--days", "30", "--afr", "0.01")["failure_probability"] == (
+        pytest.approx(0.19, abs=0.005)
+    )
+    assert plan("--gpus", "1024", "--days", "30", "--afr", "0.01")["failure_probability"] == (
+        pytest.approx(0.57, abs=0.005)
+    )
+    two_hours = plan("--interruptions-per-day", "8.6", "--interval-minutes", "120")
+    assert two_hours["expected_goodput"] == pytest.approx(0.64, abs=0.005)
+    half_hour = plan("--interruptions-per-day", "8.6", "--interval-minutes", "30")
+    assert half_hour["expected_goodput"] == pytest.approx(0.91, abs=0.005)
+    best = plan("--interruptions-per-day", "8.6", "--save-seconds", "60")
+    assert best["optimal_interval_minutes"] == pytest.approx(18.3, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan"],
+        ["plan", "--gpus", "8"],
+        ["plan", "--interruptions-per-day", "8.6"],
+        ["plan", "--interval-minutes", "30"],
+        ["plan", "--gpus", "x", "--days", "1", "--afr", "0.1"],
+        ["plan", "--gpus", "8", "--days", "1", "--afr", "2"],
+    ],
+)
+def test_plan_bad_arguments(capsys, argv):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and "error:" in err
+
+
+def test_every_verb_has_help(capsys):
+    for verb in ("ls", "verify", "goodput", "plan"):
+        code, out, _ = run(capsys, verb, "--help")
+        assert code == 0 and f"usage: unbroken {verb}" in out
+
+
+def test_the_console_script_shows_no_traceback(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    for argv in (["ls"], ["verify", str(tmp_path)], ["goodput", str(tmp_path / "x")], []):
+        p = subprocess.run(
+            [sys.executable, "-m", "unbroken.cli", *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode in (1, 2), (argv, p.returncode)
+        assert "Traceback" not in p.stdout + p.stderr
+        assert ("error: " if argv else "usage: unbroken") in p.stderr

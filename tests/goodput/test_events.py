@@ -1,0 +1,75 @@
+"""The event log: new objects per flush, torn lines skipped, a dead attempt's local tail
+uploaded by the next one."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import unbroken as ub
+from unbroken.goodput import events as ev
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def start_event(attempt: str, pid: int) -> ev.Event:
+    info = {"pid": pid, "host": socket.gethostname(), "attempt": attempt, "rank": 0}
+    return ev.Event(ev.START, 100.0, 0, info=info)
+
+
+def test_each_flush_writes_a_new_object_and_reading_merges_them(tmp_path):
+    store = ub.open_store(tmp_path / "ck")
+    log = ev.EventLog(store, str(tmp_path / "st"), "a1", 0)
+    log.append(start_event("a1", os.getpid()))
+    log.append(ev.Event(ev.STEP, 101.0, 1, step=1, begin=100.5))
+    assert log.flush(durable=True, beat=101.5)
+    first = [e.key for e in store.list(ev.PREFIX)]
+    log.append(ev.Event(ev.STEP, 102.0, 2, step=2, begin=101.0))
+    assert log.flush(durable=True, beat=102.5)
+    keys = [e.key for e in store.list(ev.PREFIX)]
+    assert len(keys) == 2 and set(first) < set(keys)  # the first object was not rewritten
+    assert store.read_bytes(first[0]).count(b"\n") == 3  # start, step 1, beat
+    got = ev.read_log(store)["a1"][0]
+    assert [e.kind for e in got] == [ev.START, ev.STEP, ev.STEP, ev.BEAT]
+    assert got[-1].t == 102.5
+    log.close(beat=103.0, remove_local=True)
+    assert not os.path.exists(log.local_path)
+
+
+def test_a_torn_line_is_skipped():
+    good = ev.Event(ev.STEP, 1.0, 3, step=7, begin=0.5, data_wait=0.1).to_json()
+    events = ev.parse_lines(good + "\n" + good[:-7] + "\n{not json\n")
+    assert events == [ev.Event(ev.STEP, 1.0, 3, step=7, begin=0.5, data_wait=0.1)]
+
+
+def test_the_next_attempt_uploads_what_a_dead_one_left_locally(tmp_path):
+    store = ub.open_store(tmp_path / "ck")
+    staging = str(tmp_path / "st")
+    log = ev.EventLog(store, staging, "a1", 0)
+    log.append(start_event("a1", dead_pid()))
+    log.flush(durable=True)  # the durable tier has the start only
+    for n in range(1, 6):
+        log.append(ev.Event(ev.STEP, 100.0 + n, n, step=n, begin=99.0 + n))
+    log.flush(durable=False, beat=106.0)  # the seconds before the crash: local only
+    assert len(ev.read_log(store)["a1"][0]) == 1
+    assert ev.salvage_local_logs(store, staging) == 1
+    got = ev.read_log(store)["a1"][0]
+    assert [e.n for e in got if e.n >= 0] == [0, 1, 2, 3, 4, 5]
+    assert got[-1].kind == ev.BEAT and got[-1].t == 106.0
+    assert not os.path.exists(log.local_path)
+    assert ev.salvage_local_logs(store, staging) == 0  # nothing twice
+
+
+def test_a_live_process_log_is_left_alone(tmp_path):
+    store = ub.open_store(tmp_path / "ck")
+    log = ev.EventLog(store, str(tmp_path / "st"), "a1", 0)
+    log.append(start_event("a1", os.getpid()))
+    log.flush(durable=False)
+    assert ev.salvage_local_logs(store, str(tmp_path / "st")) == 0
+    assert os.path.exists(log.local_path)

@@ -1,0 +1,124 @@
+"""MLflow: rank 0 logs the loop's figures by itself, to one run across restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+import unbroken as ub
+from unbroken.goodput.mlflow_sink import METRICS, RUN_KEY
+
+from .helpers import JOB, env, make_volume, train
+
+mlflow = pytest.importorskip("mlflow")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+
+def saved_run(url: str) -> str:
+    return json.loads(ub.open_store(url).read_bytes(RUN_KEY))["run_id"]
+
+
+def test_a_sqlite_tracking_uri_gets_every_metric(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowClient(tracking_uri=uri).search_experiments()  # the database exists (migrated)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("UNBROKEN_MLFLOW_EVERY_STEPS", "2")
+    url = str(tmp_path / "ck")
+    train(tmp_path, url, every_steps=3, step_seconds=0.2)
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(saved_run(url))
+    assert run.info.status == "FINISHED"
+    assert set(run.data.metrics) == set(METRICS)
+    goodput = client.get_metric_history(run.info.run_id, "goodput")
+    assert len(goodput) >= 2  # batched along the way, not only at the end
+    assert all(0 < m.value <= 1 for m in goodput)
+    assert max(m.step for m in goodput) == 8
+    assert run.data.metrics["cache_hit_ratio"] == 0.0  # each file read once: all misses
+    assert run.data.metrics["checkpoint_commit_seconds"] > 0
+
+
+def test_an_active_run_is_logged_to_and_left_open(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    mlflow.set_tracking_uri(uri)
+    try:
+        with mlflow.start_run() as run:
+            url = str(tmp_path / "ck")
+            train(tmp_path, url, every_steps=3, step_seconds=0.2)
+            assert saved_run(url) == run.info.run_id
+            assert MlflowClient(uri).get_run(run.info.run_id).info.status == "RUNNING"
+        assert "goodput" in MlflowClient(uri).get_run(run.info.run_id).data.metrics
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def test_switched_off_logs_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("UNBROKEN_MLFLOW", "0")
+    with ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st") as mgr:
+        mgr.save(1, {"w": torch.zeros(2)})
+    assert not ub.open_store(str(tmp_path / "ck")).exists(RUN_KEY)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+        "--default-artifact-root", str(tmp_path / "artifacts"),
+        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+    ]  # fmt: skip
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("mlflow server did not start: " + (tmp_path / "server.log").read_text())
+        time.sleep(0.5)
+    yield url
+    os.killpg(proc.pid, 9)
+    proc.wait()
+    log.close()
+
+
+@pytest.mark.slow  # about a minute here, most of it the server's start
+@pytest.mark.multiprocess
+def test_a_restarted_attempt_logs_to_the_same_run_on_a_real_server(tmp_path, mlflow_server):
+    data = make_volume(tmp_path / "data")
+    url, staging = str(tmp_path / "ck"), str(tmp_path / "st")
+    job_env = {**env(), "MLFLOW_TRACKING_URI": mlflow_server, "UNBROKEN_MLFLOW_EVERY_STEPS": "5"}
+    args = [sys.executable, str(JOB), "--url", url, "--staging", staging, "--data", data,
+            "--step-seconds", "0.1"]  # fmt: skip
+    first = subprocess.run([*args, "--crash-at", "25"], env=job_env, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert first.returncode == -9, first.stderr
+    run_id = saved_run(url)
+    second = subprocess.run(args, env=job_env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert saved_run(url) == run_id
+    client = MlflowClient(tracking_uri=mlflow_server)
+    assert [r.info.run_id for r in client.search_runs(["0"])] == [run_id]
+    steps = [m.step for m in client.get_metric_history(run_id, "goodput")]
+    assert min(steps) <= 25 and max(steps) == 40  # both attempts, one run
+    fetch = client.get_metric_history(run_id, "fetch_seconds")
+    assert fetch and all(m.value >= 0 for m in fetch)
+    assert client.get_run(run_id).info.status == "FINISHED"

@@ -1,0 +1,110 @@
+"""The manager and the loader record goodput by themselves: no code in the loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import unbroken as ub
+from unbroken.goodput import events as ev
+from unbroken.goodput.breakdown import CATEGORIES, job_breakdown
+
+from .helpers import JOB, env, make_volume, train
+
+
+def test_a_loop_with_no_goodput_code_is_accounted(tmp_path):
+    url = str(tmp_path / "ck")
+    train(tmp_path, url, every_steps=4)
+    log = ev.read_log(ub.open_store(url))
+    b = job_breakdown(log)
+    assert b.steps == 8 and b.restarts == 0 and b.attempts[0].clean
+    assert b.seconds["data_wait"] > 0 and b.seconds["checkpoint_save"] > 0
+    assert b.seconds["startup"] > 0 and b.seconds["productive"] > 0
+    assert sum(b.seconds.values()) == pytest.approx(b.wall_seconds)
+    kinds = [e.kind for e in log[next(iter(log))][0]]
+    assert kinds[0] == ev.START and ev.END in kinds and ev.COMMIT in kinds
+    assert not os.path.exists(tmp_path / "st" / ev.PREFIX)  # clean end: local copy gone
+
+
+def test_recording_switched_off_writes_nothing(tmp_path, monkeypatch):
+    state = {"w": torch.zeros(3)}
+    with ub.CheckpointManager(tmp_path / "a", staging_dir=tmp_path / "sa", goodput=False) as m:
+        m.save(1, state)
+    monkeypatch.setenv("UNBROKEN_GOODPUT", "0")
+    with ub.CheckpointManager(tmp_path / "b", staging_dir=tmp_path / "sb") as m:
+        m.save(1, state)
+    for d in ("a", "b", "sa", "sb"):
+        assert ev.PREFIX not in os.listdir(tmp_path / d)
+
+
+@pytest.mark.multiprocess
+def test_a_killed_job_and_its_restart_count_the_restart_and_the_redone_steps(tmp_path):
+    data = make_volume(tmp_path / "data")
+    url, staging = str(tmp_path / "ck"), str(tmp_path / "st")
+    args = [sys.executable, str(JOB), "--url", url, "--staging", staging, "--data", data]
+    slow_flush = {**env(), "UNBROKEN_GOODPUT_FLUSH": "600"}  # the tail stays local
+    first = subprocess.run(
+        [*args, "--crash-at", "25"], env=slow_flush, capture_output=True, text=True, timeout=300
+    )
+    assert first.returncode == -9, first.stderr
+    second = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    plot = tmp_path / "timeline.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "unbroken.cli", "goodput", url, "--json", "--plot", str(plot)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["restarts"] == 1
+    assert report["wasted_steps"] == 5  # steps 21..25 ran twice (restored at 20)
+    assert report["steps"] == 25 + 20
+    first_att, second_att = report["attempts"]
+    assert not first_att["clean"] and second_att["clean"]
+    assert first_att["last_step"] == 25 and second_att["restored_step"] == 20
+    secs = report["seconds"]
+    assert set(secs) == set(CATEGORIES)
+    assert sum(secs.values()) == pytest.approx(report["wall_seconds"])
+    assert secs["wasted"] > 0 and secs["down"] > 0 and secs["checkpoint_restore"] > 0
+    assert report["goodput"] == pytest.approx(secs["productive"] / report["wall_seconds"])
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.multiprocess
+def test_a_two_rank_job_under_torchrun_counts_its_restart_and_redone_steps(tmp_path):
+    from tests.checkpoint.distributed import check, torchrun
+
+    data = make_volume(tmp_path / "data")
+    url, staging = str(tmp_path / "ck"), str(tmp_path / "st")
+    out = torchrun(
+        2,
+        *("--url", url, "--staging", staging, "--data", data, "--crash-at", "25"),
+        script=JOB,
+        max_restarts=1,
+        timeout=300,
+        env={"UNBROKEN_GOODPUT_FLUSH": "600"},  # the first attempt's tail stays local
+    )
+    check(out)
+    log = ev.read_log(ub.open_store(url))
+    assert len(log) == 2 and all(set(ranks) == {0, 1} for ranks in log.values())
+    for rank in (0, 1):
+        b = job_breakdown(log, rank)
+        assert b.restarts == 1 and b.wasted_steps == 5, (rank, b.as_dict())
+        assert b.attempts[1].restored_step == 20 and b.attempts[1].clean
+    p = subprocess.run(
+        [sys.executable, "-m", "unbroken.cli", "goodput", url, "--json"],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    report = json.loads(p.stdout)
+    assert report["restarts"] == 1 and report["wasted_steps"] == 5 and report["rank"] == 0
