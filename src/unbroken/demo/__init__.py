@@ -1,0 +1,1 @@
+"""`unbroken demo`: the main job, trained through crashes, measured by goodput."""
