@@ -49,7 +49,7 @@ from unbroken.checkpoint.format.planners import SafeLoadPlanner
 from unbroken.checkpoint.format.reader import TierReader
 from unbroken.checkpoint.pipeline import MANIFEST
 from unbroken.checkpoint.save_job import describe, rng_file
-from unbroken.checkpoint.state_dicts import FlatState, apply, collect
+from unbroken.checkpoint.state_dicts import FlatState, collect, fit_to_saved, restore_into
 from unbroken.state.rng import restore_rng_state
 from unbroken.storage import Store
 
@@ -191,7 +191,7 @@ def _try(
 ) -> tuple[Manifest, TierReader] | _Failed | None:
     """Load ``step`` from ``tier`` on every rank; None when the staging tier has nothing to
     offer (no rank holds a local file), ``_Failed`` when a copy was read and did not load."""
-    prepared: tuple[Manifest, TierReader, dict | None] | None = None
+    prepared: tuple[Manifest, TierReader, dict | None, FlatState] | None = None
     try:
         prepared = _prepare(flat, step, tier, store, durable, group, strict, durable_files)
         mine = _Attempt("ok", local_files=len(prepared[1].local_files))
@@ -213,15 +213,20 @@ def _try(
         _fail(tier, step, store, durable, in_durable, messages, problems, "error" in verdicts)
         return _Failed(in_durable)
     assert prepared is not None
-    manifest, reader, rng = prepared
-    try:
+    manifest, reader, rng, fitted = prepared
+
+    def load(part: dict[str, Any]) -> None:
         dcp.load(
-            flat.tensors,
+            part,
             storage_reader=reader,
             planner=SafeLoadPlanner(allow_partial_load=not strict),
             process_group=group.pg,
             no_dist=group.pg is None,
         )
+
+    values = json_values.decode(manifest.extra.get("values", {}))
+    try:
+        restore_into(state, fitted, values, load)
     except CheckpointException as e:
         errors = [f[0] for f in e.failures.values()]
         for err in errors:
@@ -232,7 +237,6 @@ def _try(
         in_durable = any(_in_durable(err, durable, step) for err in corrupt)
         _fail(tier, step, store, durable, in_durable, describe(e), problems, not corrupt)
         return _Failed(in_durable)
-    apply(state, flat, json_values.decode(manifest.extra.get("values", {})))
     if rng is not None:
         restore_rng_state(rng)
     elif group.rank >= manifest.world_size:
@@ -281,7 +285,7 @@ def _prepare(
     group: Group,
     strict: bool,
     durable_files: dict[str, int],
-) -> tuple[Manifest, TierReader, dict | None]:
+) -> tuple[Manifest, TierReader, dict | None, FlatState]:
     name = step_dir(step)
     manifest = read_manifest(durable, step)
     missing = missing_or_short(manifest, durable_files)
@@ -297,9 +301,11 @@ def _prepare(
         )
     else:
         reader = TierReader(durable, step, manifest)
+    metadata = reader.read_metadata()
+    flat = fit_to_saved(flat, metadata.state_dict_metadata)  # the optimizers' state as saved
     check_compatible(
         flat,
-        reader.read_metadata(),
+        metadata,
         manifest,
         strict=strict,
         where=reader.source(METADATA_JSON).url_for(name),
@@ -307,7 +313,7 @@ def _prepare(
     rng = None
     if group.global_rank < manifest.world_size:
         rng = _read_rng(reader, manifest, group.global_rank)
-    return manifest, reader, rng
+    return manifest, reader, rng, flat
 
 
 def _local_files(store: Store, name: str, manifest: Manifest) -> frozenset[str]:
