@@ -31,7 +31,7 @@ VOCAB = 10
 
 
 class Net(nn.Module):
-    """An embedding (sparse for SparseAdam), two linears, a BatchNorm with running stats."""
+    """An embedding (sparse for SparseAdam), two linears, a BatchNorm, a scalar parameter."""
 
     def __init__(self, *, sparse: bool = False, tied: bool = False) -> None:
         super().__init__()
@@ -41,9 +41,10 @@ class Net(nn.Module):
         self.out = nn.Linear(4, VOCAB if tied else 2)
         if tied:
             self.out.weight = self.emb.weight
+        self.temperature = nn.Parameter(torch.ones(()))  # a 0-d parameter: its state is too
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.norm(self.lin(self.emb(idx)))))
+        return self.out(torch.tanh(self.norm(self.lin(self.emb(idx))) * self.temperature))
 
 
 def _matrices(model: Net) -> list[nn.Parameter]:

@@ -332,7 +332,7 @@ def _saved_optimizer_state(flat: FlatState, name: str, saved: Mapping[str, Any])
         path: Path = (fqn, *inner)
         template: Any = None  # a plain value: DCP sets the saved one in its place
         if isinstance(md, TensorStorageMetadata):
-            template = _tensor_like(md, params[fqn], flat.tensors.get(key))
+            template = _tensor_like(md, params[fqn], flat.tensors.get(key), inner[-1])
         node: Any = state
         for here, nxt in itertools.pairwise(path):
             node = _child(node, here, list if isinstance(nxt, Idx) else dict)
@@ -340,11 +340,13 @@ def _saved_optimizer_state(flat: FlatState, name: str, saved: Mapping[str, Any])
     return state
 
 
-def _tensor_like(md: Any, param: torch.Tensor, live: Any) -> torch.Tensor:
+def _tensor_like(md: Any, param: torch.Tensor, live: Any, state_name: Any) -> torch.Tensor:
     size, dtype = torch.Size(md.size), md.properties.dtype
     if isinstance(live, torch.Tensor) and live.shape == size and live.dtype == dtype:
         return live  # the optimizer's own tensor, loaded in place
-    if param.shape == size:
+    # A step count stays on the CPU even beside a scalar parameter (a learnt temperature):
+    # load_state_dict moves it only for fused/capturable optimizers, which want it moved.
+    if param.shape == size and state_name != "step":
         return torch.empty_like(param, dtype=dtype, requires_grad=False)
     return torch.empty(size, dtype=dtype)
 
