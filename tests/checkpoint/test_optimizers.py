@@ -420,3 +420,31 @@ def test_another_optimizer_is_a_mismatch_named_before_anything_is_loaded(tmp_pat
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert sgd.state_dict()["state"] == {}
+
+
+def _grouped(model: Net, first: list[str]) -> torch.optim.Optimizer:
+    named = dict(model.named_parameters())
+    rest = [p for n, p in named.items() if n not in first]
+    return torch.optim.Adam(
+        [{"params": [named[n] for n in first], "lr": 0.1}, {"params": rest, "lr": 0.2}]
+    )
+
+
+def test_other_parameter_groups_fail_the_restore_before_the_model_is_touched(tmp_path):
+    """The optimizer part refuses the checkpoint (torch would have loaded it, leaving a
+    group without an lr): the model keeps its weights, the optimizer its groups."""
+    torch.manual_seed(0)
+    model = Net()
+    optim = _grouped(model, ["lin.weight", "lin.bias"])
+    train({"model": model, "optim": optim}, range(2))
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        mgr.save(2, {"model": model, "optim": optim})
+        torch.manual_seed(1)
+        fresh = Net()
+        before = {k: v.clone() for k, v in fresh.state_dict().items()}
+        regrouped = _grouped(fresh, ["lin.weight"])
+        with pytest.raises(CheckpointMismatchError, match=r"group 0: \['lin.bias', 'lin.weight'\]"):
+            mgr.restore({"model": fresh, "optim": regrouped})
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert [g["lr"] for g in regrouped.param_groups] == [0.1, 0.2]

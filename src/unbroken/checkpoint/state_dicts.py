@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from unbroken.checkpoint import json_values
+from unbroken.checkpoint.errors import CheckpointMismatchError
 from unbroken.checkpoint.staging.tree import alias_key, is_dcp_leaf, local_tensor
 
 
@@ -370,6 +371,9 @@ def restore_into(
     late = [n for n, k in flat.kinds.items() if k in in_place]
     _load_entries(flat, early, load)
     prepared = {n: unflatten(flat, n) for n in early}
+    for name in early:
+        if flat.kinds[name] == KIND_OPTIMIZER:
+            check_param_groups(name, flat.nested[name], prepared[name])
     # User objects first, optimizers last: a refusal leaves the optimizers as they were too.
     for name in sorted(early, key=lambda n: flat.kinds[n] == KIND_OPTIMIZER):
         _apply_entry(state, flat, name, prepared[name])
@@ -380,6 +384,26 @@ def restore_into(
     for name in flat.values:
         if name in values:
             state[name] = values[name]
+
+
+def check_param_groups(name: str, mine: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """Raise CheckpointMismatchError unless each parameter group of the optimizer holds the
+    parameters its saved group held. torch would load another grouping without a word and
+    leave a group without its hyperparameters (no ``lr``: the next step fails, far away)."""
+    ours = [set(g["params"]) for g in mine["param_groups"]]
+    theirs = [set(g["params"]) for g in saved["param_groups"]]
+    if ours == theirs:
+        return
+    differ = [
+        f"group {i}: {sorted(t)} in the checkpoint, {sorted(o)} in the state"
+        for i, (o, t) in enumerate(itertools.zip_longest(ours, theirs, fillvalue=set()))
+        if o != t
+    ]
+    raise CheckpointMismatchError(
+        f"checkpoint state entry {name!r}: the optimizer's parameter groups are not the "
+        f"checkpoint's ({'; '.join(differ[:4])}); build the optimizer with the parameter "
+        "groups of the run that saved it"
+    )
 
 
 def _load_entries(flat: FlatState, names: list[str], load: Callable[[dict], None]) -> None:
