@@ -13,6 +13,7 @@ that fails part-way leaving the model as it was.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from pathlib import Path
@@ -163,14 +164,14 @@ def train(state: dict, steps: range) -> None:
 
 
 def snapshot(state: dict) -> dict:
-    """Everything training depends on, as plain values, for a bitwise comparison."""
+    """Everything training depends on, copied, for a bitwise comparison."""
     out: dict[str, Any] = {"model": state["model"].state_dict()}
     for name, value in state.items():
         if name != "model" and hasattr(value, "state_dict"):
             out[name] = value.state_dict()
     if "gen" in state:
         out["gen"] = state["gen"].get_state()
-    return out
+    return copy.deepcopy(out)
 
 
 def assert_bitwise(a: Any, b: Any, path: str = "") -> None:
@@ -383,43 +384,8 @@ def test_non_persistent_buffers_are_left_alone(tmp_path):
     assert torch.equal(fresh.scratch, torch.full((3,), 7.0))
 
 
-def test_failed_restore_leaves_the_model_as_it_was(tmp_path):
-    """A part of the state that refuses the checkpoint fails the restore before the
-    model's weights are overwritten, so the job can still start from where it stands."""
-    torch.manual_seed(0)
-    model = Net()
-    optim = torch.optim.Adam(model.parameters(), lr=0.01)
-    train({"model": model, "optim": optim}, range(2))
-    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
-        mgr.save(2, {"model": model, "optim": optim, "progress": Progress()})
-        torch.manual_seed(1)
-        fresh = Net()
-        fresh_optim = torch.optim.Adam(fresh.parameters(), lr=0.01)
-        before = {k: v.clone() for k, v in fresh.state_dict().items()}
-        progress = Progress()
-        progress.refuse = True
-        with pytest.raises(ValueError, match="another dataset"):
-            mgr.restore({"model": fresh, "optim": fresh_optim, "progress": progress})
-    for k, v in fresh.state_dict().items():
-        assert torch.equal(v, before[k]), k
-
-
-def test_another_optimizer_is_a_mismatch_named_before_anything_is_loaded(tmp_path):
-    torch.manual_seed(0)
-    model = Net()
-    optim = torch.optim.Adam(model.parameters(), lr=0.01)
-    train({"model": model, "optim": optim}, range(2))
-    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
-        mgr.save(2, {"model": model, "optim": optim})
-        torch.manual_seed(1)
-        fresh = Net()
-        before = {k: v.clone() for k, v in fresh.state_dict().items()}
-        sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-        with pytest.raises(CheckpointMismatchError, match=r"optim\.param_groups\.0\.momentum"):
-            mgr.restore({"model": fresh, "optim": sgd})
-    for k, v in fresh.state_dict().items():
-        assert torch.equal(v, before[k]), k
-    assert sgd.state_dict()["state"] == {}
+def _adam(model: Net) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=0.01)
 
 
 def _grouped(model: Net, first: list[str]) -> torch.optim.Optimizer:
@@ -430,21 +396,51 @@ def _grouped(model: Net, first: list[str]) -> torch.optim.Optimizer:
     )
 
 
-def test_other_parameter_groups_fail_the_restore_before_the_model_is_touched(tmp_path):
-    """The optimizer part refuses the checkpoint (torch would have loaded it, leaving a
-    group without an lr): the model keeps its weights, the optimizer its groups."""
+def _refusing(model: Net) -> dict:
+    progress = Progress()
+    progress.refuse = True
+    return {"optim": _adam(model), "progress": progress}
+
+
+# case: (the saved state's parts, the restored state's parts, the error, what it says)
+REFUSED: dict[str, tuple[Callable[[Net], dict], Callable[[Net], dict], type, str]] = {
+    "a-user-object-refuses": (
+        lambda m: {"optim": _adam(m), "progress": Progress()},
+        _refusing,
+        ValueError,
+        "another dataset",
+    ),
+    "another-optimizer": (
+        lambda m: {"optim": _adam(m)},
+        lambda m: {"optim": torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)},
+        CheckpointMismatchError,
+        r"optim\.param_groups\.0\.momentum",
+    ),
+    # torch would load this one, leaving a group without its lr
+    "other-parameter-groups": (
+        lambda m: {"optim": _grouped(m, ["lin.weight", "lin.bias"])},
+        lambda m: {"optim": _grouped(m, ["lin.weight"])},
+        CheckpointMismatchError,
+        r"group 0: \['lin.bias', 'lin.weight'\] in the checkpoint, \['lin.weight'\] in the state",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_refused_restore_leaves_model_and_optimizer_as_they_were(tmp_path, case):
+    """A part of the state that refuses the checkpoint fails the restore before the
+    model's weights (or the optimizer) are overwritten: the job can still go on as it is."""
+    saved_parts, fresh_parts, error, match = REFUSED[case]
     torch.manual_seed(0)
     model = Net()
-    optim = _grouped(model, ["lin.weight", "lin.bias"])
-    train({"model": model, "optim": optim}, range(2))
+    state = {"model": model, **saved_parts(model)}
+    train(state, range(2))
     with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
-        mgr.save(2, {"model": model, "optim": optim})
+        mgr.save(2, state)
         torch.manual_seed(1)
         fresh = Net()
-        before = {k: v.clone() for k, v in fresh.state_dict().items()}
-        regrouped = _grouped(fresh, ["lin.weight"])
-        with pytest.raises(CheckpointMismatchError, match=r"group 0: \['lin.bias', 'lin.weight'\]"):
-            mgr.restore({"model": fresh, "optim": regrouped})
-    for k, v in fresh.state_dict().items():
-        assert torch.equal(v, before[k]), k
-    assert [g["lr"] for g in regrouped.param_groups] == [0.1, 0.2]
+        fresh_state = {"model": fresh, **fresh_parts(fresh)}
+        before = snapshot(fresh_state)
+        with pytest.raises(error, match=match):
+            mgr.restore(fresh_state)
+    assert_bitwise(snapshot(fresh_state), before, "refused")
