@@ -135,9 +135,10 @@ def _without_optimizer_steps() -> Iterator[None]:
 
     Both first step an optimizer that has no state yet (zero gradients, lr 0) so that its
     state dict is complete. On the user's own optimizer that changes training: Rprop's step
-    sizes become 0 for good, Adam's step count runs one ahead, and a ``restore()`` that finds
-    no checkpoint does it too. LBFGS (no closure) and SparseAdam (dense gradients) cannot
-    take that step at all. The state dict is taken as it is instead; a restore lays the
+    sizes become 0 for good, Adam's step count runs one ahead; a save before the first step
+    did it, and so did every ``restore()`` (its template was collected first), even one
+    that then found no checkpoint. LBFGS (no closure) and SparseAdam (dense gradients)
+    cannot take that step at all. The state dict is taken as it is instead; a restore lays the
     per-parameter state out from the checkpoint (``fit_to_saved``).
     """
     import torch.distributed.checkpoint.state_dict as dsd
