@@ -53,7 +53,7 @@ from unbroken.checkpoint.format.planners import SafeLoadPlanner
 from unbroken.checkpoint.format.reader import TierReader
 from unbroken.checkpoint.pipeline import MANIFEST
 from unbroken.checkpoint.save_job import describe, rng_file
-from unbroken.checkpoint.state_dicts import FlatState, apply, collect
+from unbroken.checkpoint.state_dicts import FlatState, collect, fit_to_saved, restore_into
 from unbroken.state.rng import RngState, apply_rng_state, decode_rng_state
 from unbroken.storage import Store
 
@@ -218,14 +218,18 @@ def _try(
         return _Failed(in_durable)
     assert prepared is not None
     manifest, reader, rng = prepared.manifest, prepared.reader, prepared.rng
-    try:
+
+    def load(part: dict[str, Any]) -> None:
         dcp.load(
-            flat.tensors,
+            part,
             storage_reader=reader,
             planner=SafeLoadPlanner(allow_partial_load=not strict),
             process_group=group.pg,
             no_dist=group.pg is None,
         )
+
+    try:
+        restore_into(state, prepared.flat, prepared.values, load)
     except CheckpointException as e:
         errors = [f[0] for f in e.failures.values()]
         for err in errors:
@@ -236,7 +240,6 @@ def _try(
         in_durable = any(_in_durable(err, durable, step) for err in corrupt)
         _fail(tier, step, store, durable, in_durable, describe(e), problems, not corrupt)
         return _Failed(in_durable)
-    apply(state, flat, prepared.values)
     if rng is not None:
         apply_rng_state(rng)
     elif group.rank >= manifest.world_size:
@@ -287,6 +290,8 @@ class _Prepared:
     """This rank's RNG state, decoded; None where the checkpoint has none for this rank."""
     values: dict[str, Any]
     """The plain values, decoded."""
+    flat: FlatState
+    """The state to load into, its optimizers' state laid out as the checkpoint has it."""
 
 
 def _prepare(
@@ -315,9 +320,11 @@ def _prepare(
         )
     else:
         reader = TierReader(durable, step, manifest)
+    metadata = reader.read_metadata()
+    flat = fit_to_saved(flat, metadata.state_dict_metadata)  # the optimizers' state as saved
     check_compatible(
         flat,
-        reader.read_metadata(),
+        metadata,
         manifest,
         strict=strict,
         where=reader.source(METADATA_JSON).url_for(name),
@@ -325,7 +332,7 @@ def _prepare(
     rng = None
     if group.global_rank < manifest.world_size:
         rng = _read_rng(reader, manifest, group.global_rank, durable)
-    return _Prepared(manifest, reader, rng, values)
+    return _Prepared(manifest, reader, rng, values, flat)
 
 
 def _saved_values(manifest: Manifest, durable: Store) -> dict[str, Any]:

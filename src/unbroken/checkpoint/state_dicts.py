@@ -11,14 +11,24 @@ Entry kinds, in the order they are recognised:
 - ``torch.optim.Optimizer``: paired with the module in ``state`` that owns its parameters,
   through ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``.
 - ``torch.Tensor``: loaded in place.
-- anything with ``state_dict`` and ``load_state_dict`` (LR schedulers, data loaders).
+- ``torch.Generator``: its ``get_state()`` bytes, put back with ``set_state``.
+- anything with ``state_dict`` and ``load_state_dict`` (LR schedulers, GradScaler, loaders).
 - JSON-able values.
+
+A restore rebuilds each entry's state dict over the structure it was collected with
+(empty mappings, ``Counter`` milestones and all), except an optimizer's per-parameter state,
+which depends on the training so far (none before the first step, none for a parameter
+that never had a gradient, LBFGS's growing history): that part is laid out from the
+checkpoint (:func:`fit_to_saved`). Nothing here runs an optimizer step.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
-from collections.abc import Mapping, MutableMapping
+import threading
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +36,7 @@ import torch
 from torch import nn
 
 from unbroken.checkpoint import json_values
+from unbroken.checkpoint.errors import CheckpointMismatchError
 from unbroken.checkpoint.staging.tree import alias_key, is_dcp_leaf, local_tensor
 
 
@@ -38,6 +49,7 @@ Path = tuple[Any, ...]
 KIND_MODULE = "module"
 KIND_OPTIMIZER = "optimizer"
 KIND_TENSOR = "tensor"
+KIND_GENERATOR = "generator"
 KIND_STATEFUL = "stateful"
 KIND_VALUE = "value"
 
@@ -55,7 +67,14 @@ class FlatState:
     paths: dict[str, Path] = field(default_factory=dict)
     """Flat key -> path inside the nested state dict (``(entry, k1, k2, ...)``)."""
     first: set[str] = field(default_factory=set)
-    """Flat keys of module buffers: forward may change them, so they are staged first."""
+    """Flat keys of module buffers (forward may change them, so they are staged first) and
+    of generators: saved from the lowest rank that holds them, like buffers."""
+    nested: dict[str, Any] = field(default_factory=dict)
+    """Each entry's nested state dict as collected: the structure a restore rebuilds."""
+    owners: dict[str, nn.Module] = field(default_factory=dict)
+    """Optimizer entry -> the module in ``state`` that owns its parameters."""
+    params: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Optimizer entry -> {parameter FQN as its state dict names it: the parameter}."""
 
 
 def entry_kind(name: str, value: Any) -> str:
@@ -66,6 +85,8 @@ def entry_kind(name: str, value: Any) -> str:
         return KIND_OPTIMIZER
     if isinstance(value, torch.Tensor):
         return KIND_TENSOR
+    if isinstance(value, torch.Generator):
+        return KIND_GENERATOR
     if callable(getattr(value, "state_dict", None)) and callable(
         getattr(value, "load_state_dict", None)
     ):
@@ -75,8 +96,8 @@ def entry_kind(name: str, value: Any) -> str:
     except TypeError as e:
         raise TypeError(
             f"checkpoint state entry {name!r} ({type(value).__name__}) is not a module, "
-            "optimizer, tensor, object with state_dict()/load_state_dict(), or a plain value "
-            f"that JSON gives back unchanged: {e}"
+            "optimizer, tensor, generator, object with state_dict()/load_state_dict(), or a "
+            f"plain value that JSON gives back unchanged: {e}"
         ) from None
     return KIND_VALUE
 
@@ -105,7 +126,40 @@ def owner_module(name: str, optim: torch.optim.Optimizer, state: Mapping[str, An
     )
 
 
-def _nested_state(name: str, value: Any, kind: str, state: Mapping[str, Any]) -> Any:
+_PATCH_LOCK = threading.Lock()
+
+
+@contextmanager
+def _without_optimizer_steps() -> Iterator[None]:
+    """Run torch's get/set_optimizer_state_dict without their first step.
+
+    Both first step an optimizer that has no state yet (zero gradients, lr 0) so that its
+    state dict is complete. On the user's own optimizer that changes training: Rprop's step
+    sizes become 0 for good, Adam's step count runs one ahead; a save before the first step
+    did it, and so did every ``restore()`` (its template was collected first), even one
+    that then found no checkpoint. LBFGS (no closure) and SparseAdam (dense gradients)
+    cannot take that step at all. The state dict is taken as it is instead; a restore lays the
+    per-parameter state out from the checkpoint (``fit_to_saved``).
+    """
+    import torch.distributed.checkpoint.state_dict as dsd
+
+    with _PATCH_LOCK:
+        original = getattr(dsd, "_init_optim_state", None)
+        if original is None:  # a torch without that step
+            yield
+            return
+        dsd._init_optim_state = _leave_state_as_it_is
+        try:
+            yield
+        finally:
+            dsd._init_optim_state = original
+
+
+def _leave_state_as_it_is(optim: torch.optim.Optimizer) -> None:
+    del optim
+
+
+def _nested_state(flat: FlatState, name: str, value: Any, kind: str, state: Mapping) -> Any:
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -114,9 +168,18 @@ def _nested_state(name: str, value: Any, kind: str, state: Mapping[str, Any]) ->
     if kind == KIND_MODULE:
         return get_model_state_dict(value)
     if kind == KIND_OPTIMIZER:
-        return get_optimizer_state_dict(owner_module(name, value, state), value)
+        owner = owner_module(name, value, state)
+        with _without_optimizer_steps():
+            osd = get_optimizer_state_dict(owner, value)
+        flat.owners[name] = owner
+        fqns = [fqn for group in osd["param_groups"] for fqn in group["params"]]
+        params = [p for group in value.param_groups for p in group["params"]]
+        flat.params[name] = dict(zip(fqns, params)) if len(fqns) == len(params) else {}
+        return osd
     if kind == KIND_TENSOR:
         return value
+    if kind == KIND_GENERATOR:
+        return value.get_state()
     return value.state_dict()
 
 
@@ -135,10 +198,13 @@ def collect(state: Mapping[str, Any]) -> FlatState:
         if kind == KIND_VALUE:
             flat.values[name] = value
             continue
-        nested = _nested_state(name, value, kind, state)
+        nested = _nested_state(flat, name, value, kind, state)
+        flat.nested[name] = nested
         _flatten_into(flat, (name,), nested)
         if kind == KIND_MODULE:
             flat.first.update(_buffer_keys(flat, name, value))
+        elif kind == KIND_GENERATOR:
+            flat.first.add(name)
     return flat
 
 
@@ -158,6 +224,10 @@ def _buffer_keys(flat: FlatState, name: str, module: nn.Module) -> set[str]:
     }
 
 
+def _key(path: Path) -> str:
+    return ".".join(str(p) for p in path)
+
+
 def _flatten_into(flat: FlatState, path: Path, value: Any) -> None:
     if isinstance(value, Mapping):
         for k, v in value.items():
@@ -167,7 +237,7 @@ def _flatten_into(flat: FlatState, path: Path, value: Any) -> None:
         for i, v in enumerate(value):
             _flatten_into(flat, (*path, Idx(i)), v)
         return
-    key = ".".join(str(p) for p in path)
+    key = _key(path)
     if key in flat.tensors:
         raise ValueError(
             f"checkpoint state: two entries flatten to the same key {key!r}; rename one"
@@ -177,18 +247,20 @@ def _flatten_into(flat: FlatState, path: Path, value: Any) -> None:
 
 
 def unflatten(flat: FlatState, name: str) -> Any:
-    """The nested state dict of entry ``name`` rebuilt from ``flat.tensors``."""
-    root: dict[str, Any] = {}
-    for key, path in flat.paths.items():
-        if path[0] != name:
-            continue
-        if len(path) == 1:
-            return flat.tensors[key]
-        node: Any = root
-        for here, nxt in itertools.pairwise(path[1:]):
-            node = _child(node, here, list if isinstance(nxt, Idx) else dict)
-        _set(node, path[-1], flat.tensors[key])
-    return root
+    """The nested state dict of entry ``name``: its collected structure (empty mappings,
+    mapping types such as ``Counter``) over the values in ``flat.tensors``."""
+    return _rebuild(flat, (name,), flat.nested[name])
+
+
+def _rebuild(flat: FlatState, path: Path, node: Any) -> Any:
+    if isinstance(node, Mapping):
+        out = copy.copy(node) if isinstance(node, MutableMapping) else {}
+        for k, v in node.items():
+            out[k] = _rebuild(flat, (*path, k), v)
+        return out
+    if not is_dcp_leaf(node):
+        return [_rebuild(flat, (*path, Idx(i)), v) for i, v in enumerate(node)]
+    return flat.tensors[_key(path)]
 
 
 def _child(node: Any, key: str | int, make: type) -> Any:
@@ -210,32 +282,162 @@ def _set(node: Any, key: str | int, value: Any) -> None:
     node[key] = value
 
 
-def apply(state: MutableMapping[str, Any], flat: FlatState, values: Mapping[str, Any]) -> None:
-    """Push loaded values back into the live objects of ``state``."""
+def fit_to_saved(flat: FlatState, saved: Mapping[str, Any]) -> FlatState:
+    """``flat`` with each optimizer's per-parameter state laid out as checkpoint ``saved``
+    (its DCP ``state_dict_metadata``) holds it, ready to be loaded into.
+
+    That state is what the training so far made it, not what a fresh optimizer has (torch
+    fills it in by stepping the optimizer, which LBFGS and SparseAdam cannot do and which
+    gives state a checkpoint saved before the first step does not have). The optimizer's
+    own tensors are loaded into where they match; the rest is allocated like the parameter
+    it belongs to (device, dtype, sharding) or, where its shape is its own (a step count,
+    LBFGS's history), on the CPU, for ``load_state_dict`` to place. Saved state of a
+    parameter the optimizer does not have stays out, for ``check_compatible`` to name.
+    """
+    if KIND_OPTIMIZER not in flat.kinds.values():
+        return flat
+    fitted = FlatState(
+        tensors={},
+        values=flat.values,
+        kinds=flat.kinds,
+        first=flat.first,
+        owners=flat.owners,
+        params=flat.params,
+    )
+    for name, kind in flat.kinds.items():
+        if kind == KIND_VALUE:
+            continue
+        nested = flat.nested[name]
+        if kind == KIND_OPTIMIZER:
+            nested = {**nested, "state": _saved_optimizer_state(flat, name, saved)}
+        fitted.nested[name] = nested
+        _flatten_into(fitted, (name,), nested)
+    return fitted
+
+
+def _saved_optimizer_state(flat: FlatState, name: str, saved: Mapping[str, Any]) -> dict:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefix = f"{name}.state."
+    params = flat.params.get(name, {})
+    by_length = sorted(params, key=len, reverse=True)  # "a.b" owns "a.b.x", not "a"
+    state: dict[str, Any] = {}
+    for key, md in saved.items():
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix) :]
+        fqn = next((f for f in by_length if rest.startswith(f + ".")), None)
+        if fqn is None:
+            continue
+        # Below the parameter: state names, and list positions (LBFGS's history lists).
+        inner = [Idx(p) if p.isdigit() else p for p in rest[len(fqn) + 1 :].split(".")]
+        path: Path = (fqn, *inner)
+        template: Any = None  # a plain value: DCP sets the saved one in its place
+        if isinstance(md, TensorStorageMetadata):
+            template = _tensor_like(md, params[fqn], flat.tensors.get(key), inner[-1])
+        node: Any = state
+        for here, nxt in itertools.pairwise(path):
+            node = _child(node, here, list if isinstance(nxt, Idx) else dict)
+        _set(node, path[-1], template)
+    return state
+
+
+def _tensor_like(md: Any, param: torch.Tensor, live: Any, state_name: Any) -> torch.Tensor:
+    size, dtype = torch.Size(md.size), md.properties.dtype
+    if isinstance(live, torch.Tensor) and live.shape == size and live.dtype == dtype:
+        return live  # the optimizer's own tensor, loaded in place
+    # A step count stays on the CPU even beside a scalar parameter (a learnt temperature):
+    # load_state_dict moves it only for fused/capturable optimizers, which want it moved.
+    if param.shape == size and state_name != "step":
+        return torch.empty_like(param, dtype=dtype, requires_grad=False)
+    return torch.empty(size, dtype=dtype)
+
+
+def restore_into(
+    state: MutableMapping[str, Any],
+    flat: FlatState,
+    values: Mapping[str, Any],
+    load: Callable[[dict[str, Any]], None],
+) -> None:
+    """Load a checkpoint into ``state``; ``load`` fills a flat dict from the checkpoint.
+
+    Two passes, so that a part of the state that refuses the checkpoint (a user object's
+    ``load_state_dict``, an optimizer) fails the restore before any module weight or tensor
+    entry is overwritten: first every other entry is loaded, rebuilt and handed to its
+    object; then the modules and tensors, which are loaded in place (no second copy of the
+    model in memory); the plain values of ``state`` are replaced last.
+    """
+    in_place = (KIND_MODULE, KIND_TENSOR)
+    early = [n for n, k in flat.kinds.items() if k not in (*in_place, KIND_VALUE)]
+    late = [n for n, k in flat.kinds.items() if k in in_place]
+    _load_entries(flat, early, load)
+    prepared = {n: unflatten(flat, n) for n in early}
+    for name in early:
+        if flat.kinds[name] == KIND_OPTIMIZER:
+            check_param_groups(name, flat.nested[name], prepared[name])
+    # User objects first, optimizers last: a refusal leaves the optimizers as they were too.
+    for name in sorted(early, key=lambda n: flat.kinds[n] == KIND_OPTIMIZER):
+        _apply_entry(state, flat, name, prepared[name])
+    _load_entries(flat, late, load)
+    prepared = {n: unflatten(flat, n) for n in late}
+    for name in late:
+        _apply_entry(state, flat, name, prepared[name])
+    for name in flat.values:
+        if name in values:
+            state[name] = values[name]
+
+
+def check_param_groups(name: str, mine: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """Raise CheckpointMismatchError unless each parameter group of the optimizer holds the
+    parameters its saved group held. torch would load another grouping without a word and
+    leave a group without its hyperparameters (no ``lr``: the next step fails, far away)."""
+    ours = [set(g["params"]) for g in mine["param_groups"]]
+    theirs = [set(g["params"]) for g in saved["param_groups"]]
+    if ours == theirs:
+        return
+    differ = [
+        f"group {i}: {sorted(t)} in the checkpoint, {sorted(o)} in the state"
+        for i, (o, t) in enumerate(itertools.zip_longest(ours, theirs, fillvalue=set()))
+        if o != t
+    ]
+    raise CheckpointMismatchError(
+        f"checkpoint state entry {name!r}: the optimizer's parameter groups are not the "
+        f"checkpoint's ({'; '.join(differ[:4])}); build the optimizer with the parameter "
+        "groups of the run that saved it"
+    )
+
+
+def _load_entries(flat: FlatState, names: list[str], load: Callable[[dict], None]) -> None:
+    mine = set(names)
+    part = {k: flat.tensors[k] for k, path in flat.paths.items() if path[0] in mine}
+    if part:  # the same on every rank: the state's structure is
+        load(part)
+        flat.tensors.update(part)  # DCP puts plain values into the dict it is given
+
+
+def _apply_entry(state: MutableMapping[str, Any], flat: FlatState, name: str, loaded: Any) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    strict = StateDictOptions(strict=True)
-    # Modules before optimizers: the optimizer state is keyed by the module's parameters.
-    order = sorted(state, key=lambda n: flat.kinds[n] != KIND_MODULE)
-    for name in order:
-        kind = flat.kinds[name]
-        value = state[name]
-        if kind == KIND_VALUE:
-            if name in values:
-                state[name] = values[name]
-        elif kind == KIND_MODULE:
-            set_model_state_dict(value, unflatten(flat, name), options=strict)
-        elif kind == KIND_OPTIMIZER:
-            owner = owner_module(name, value, state)
-            set_optimizer_state_dict(owner, value, unflatten(flat, name), options=strict)
-        elif kind == KIND_TENSOR:
-            loaded = unflatten(flat, name)
-            if loaded is not value:
-                with torch.no_grad():
-                    value.copy_(loaded)
-        else:
-            value.load_state_dict(unflatten(flat, name))
+    kind, value = flat.kinds[name], state[name]
+    if kind == KIND_MODULE:
+        set_model_state_dict(value, loaded, options=StateDictOptions(strict=True))
+    elif kind == KIND_OPTIMIZER:
+        # torch's strict check wants state for every parameter that requires grad, which a
+        # checkpoint saved before the first step (or of an unused layer) lacks;
+        # check_compatible has already held the checkpoint to the state's structure.
+        with _without_optimizer_steps():
+            set_optimizer_state_dict(
+                flat.owners[name], value, loaded, options=StateDictOptions(strict=False)
+            )
+    elif kind == KIND_TENSOR:
+        if loaded is not value:
+            with torch.no_grad():
+                value.copy_(loaded)
+    elif kind == KIND_GENERATOR:
+        value.set_state(loaded)
+    else:
+        value.load_state_dict(loaded)

@@ -1,0 +1,446 @@
+"""Every optimizer and LR scheduler torch ships round-trips through ub.CheckpointManager.
+
+The classes are discovered from ``torch.optim`` and ``torch.optim.lr_scheduler``, so a new
+one is covered the day torch adds it: built from the tables below when it needs arguments,
+with defaults otherwise, and a class neither can build fails its case (never skipped).
+Each case trains a few steps, saves, trains on; a fresh model/optimizer/scheduler with other
+weights restores and trains the same steps: the two must end bitwise equal, and equal to a
+run that never had a manager at all (neither a save nor a restore that found nothing may
+change training). Also here: the other things that shape training (tied weights,
+non-persistent buffers, bf16, GradScaler, Generator, any state_dict object) and a restore
+that fails part-way leaving the model as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.optim import lr_scheduler
+
+import unbroken as ub
+from unbroken.checkpoint.errors import CheckpointMismatchError
+
+VOCAB = 10
+
+
+class Net(nn.Module):
+    """An embedding (sparse for SparseAdam), two linears, a BatchNorm, a scalar parameter."""
+
+    def __init__(self, *, sparse: bool = False, tied: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 4, sparse=sparse)
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.out = nn.Linear(4, VOCAB if tied else 2)
+        if tied:
+            self.out.weight = self.emb.weight
+        self.temperature = nn.Parameter(torch.ones(()))  # a 0-d parameter: its state is too
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.norm(self.lin(self.emb(idx))) * self.temperature))
+
+
+def _matrices(model: Net) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.ndim == 2]
+
+
+# Optimizers that need arguments or parameters of one kind; every other class of
+# torch.optim is built as cls(model.parameters()).
+OPTIMIZERS: dict[str, Callable[[Net], torch.optim.Optimizer]] = {
+    "SGD-momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    "Adam-amsgrad": lambda m: torch.optim.Adam(m.parameters(), lr=0.01, amsgrad=True),
+    "LBFGS": lambda m: torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=3, history_size=4),
+    "Muon": lambda m: torch.optim.Muon(_matrices(m), lr=0.02),  # 2-d parameters only
+    "SparseAdam": lambda m: torch.optim.SparseAdam(m.emb.parameters(), lr=0.1),
+}
+SPARSE = {"SparseAdam"}  # needs the sparse-gradient embedding
+
+
+def _discovered(module: Any, base: type, exclude: set[str]) -> list[str]:
+    return sorted(
+        name
+        for name, cls in vars(module).items()
+        if inspect.isclass(cls)
+        and issubclass(cls, base)
+        and not name.startswith("_")
+        and name not in exclude
+    )
+
+
+OPTIMIZER_NAMES = sorted(
+    set(_discovered(torch.optim, torch.optim.Optimizer, {"Optimizer"})) | set(OPTIMIZERS)
+)
+
+
+def build_optimizer(name: str, model: Net) -> torch.optim.Optimizer:
+    if name in OPTIMIZERS:
+        return OPTIMIZERS[name](model)
+    try:
+        return getattr(torch.optim, name)(model.parameters())
+    except Exception as e:
+        pytest.fail(f"torch.optim.{name} cannot be built with defaults ({e}): add it to OPTIMIZERS")
+
+
+def _chain(o: torch.optim.Optimizer) -> list[lr_scheduler.LRScheduler]:
+    return [
+        lr_scheduler.ConstantLR(o, factor=0.5, total_iters=2),
+        lr_scheduler.ExponentialLR(o, gamma=0.9),
+    ]
+
+
+# Schedulers that need arguments; every other class is built as cls(optimizer).
+SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
+    "LambdaLR": lambda o: lr_scheduler.LambdaLR(o, lr_lambda=lambda e: 0.9**e),
+    "MultiplicativeLR": lambda o: lr_scheduler.MultiplicativeLR(o, lr_lambda=lambda e: 0.95),
+    "StepLR": lambda o: lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    "MultiStepLR": lambda o: lr_scheduler.MultiStepLR(o, milestones=[2, 4], gamma=0.5),
+    "ExponentialLR": lambda o: lr_scheduler.ExponentialLR(o, gamma=0.9),
+    "CosineAnnealingLR": lambda o: lr_scheduler.CosineAnnealingLR(o, T_max=4),
+    "CosineAnnealingWarmRestarts": lambda o: lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=2),
+    "SequentialLR": lambda o: lr_scheduler.SequentialLR(o, _chain(o), milestones=[2]),
+    "ChainedScheduler": lambda o: lr_scheduler.ChainedScheduler(_chain(o), optimizer=o),
+    "ReduceLROnPlateau": lambda o: lr_scheduler.ReduceLROnPlateau(o, patience=0, factor=0.5),
+    "CyclicLR": lambda o: lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=2),
+    "OneCycleLR": lambda o: lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=20),
+}
+
+SCHEDULER_NAMES = sorted(
+    set(
+        _discovered(lr_scheduler, lr_scheduler.LRScheduler, {"LRScheduler"})
+        + _discovered(lr_scheduler, lr_scheduler.ReduceLROnPlateau, set())
+    )
+    | set(SCHEDULERS)
+)
+
+
+def build_scheduler(name: str, optim: torch.optim.Optimizer) -> Any:
+    if name in SCHEDULERS:
+        return SCHEDULERS[name](optim)
+    try:
+        return getattr(lr_scheduler, name)(optim)
+    except Exception as e:
+        pytest.fail(
+            f"torch.optim.lr_scheduler.{name} cannot be built with defaults ({e}): "
+            "add it to SCHEDULERS"
+        )
+
+
+def train(state: dict, steps: range) -> None:
+    """Each step's batch comes from the step number alone, so two runs see the same data."""
+    model, optim = state["model"], state["optim"]
+    sched, scaler = state.get("sched"), state.get("scaler")
+    for step in steps:
+        g = torch.Generator().manual_seed(1000 + step)
+        idx = torch.randint(0, VOCAB, (8,), generator=g)
+        target = torch.randn(8, model.out.out_features, generator=g)
+        if "gen" in state:  # the user's own generator shapes training (a noise draw)
+            target = target + torch.randn(target.shape, generator=state["gen"])
+
+        def closure(idx: torch.Tensor = idx, target: torch.Tensor = target) -> torch.Tensor:
+            optim.zero_grad()
+            out = model(idx)
+            loss = F.mse_loss(out, target.to(out.dtype))
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            return loss
+
+        if scaler is not None:
+            loss = closure()
+            scaler.step(optim)
+            scaler.update()
+        else:
+            loss = optim.step(closure)
+        if isinstance(sched, lr_scheduler.ReduceLROnPlateau):
+            sched.step(float(loss.detach()))
+        elif sched is not None:
+            sched.step()
+
+
+def snapshot(state: dict) -> dict:
+    """Everything training depends on, copied, for a bitwise comparison."""
+    out: dict[str, Any] = {"model": state["model"].state_dict()}
+    for name, value in state.items():
+        if name != "model" and hasattr(value, "state_dict"):
+            out[name] = value.state_dict()
+    if "gen" in state:
+        out["gen"] = state["gen"].get_state()
+    return copy.deepcopy(out)
+
+
+def assert_bitwise(a: Any, b: Any, path: str = "") -> None:
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, (path, a.dtype, b.dtype)
+        if a.is_sparse:
+            a, b = a.to_dense(), b.to_dense()
+        assert torch.equal(
+            a.view(torch.uint8) if a.ndim else a, b.view(torch.uint8) if b.ndim else b
+        ), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), (path, list(a), list(b))
+        for k in a:
+            assert_bitwise(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bitwise(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert b != b, path
+    else:
+        assert a == b, (path, a, b)
+
+
+def check_resumes_bitwise(
+    tmp_path: Path,
+    build: Callable[[int], dict],
+    *,
+    save_at: int = 3,
+    after: int = 3,
+    async_save: bool = True,
+) -> None:
+    """Train ``save_at`` steps, save, train ``after`` more; a fresh state restored from the
+    save must end bitwise where that run (and a run without a manager) ended."""
+    total = range(save_at + after)
+    never_saved = build(0)
+    train(never_saved, total)
+    expected = snapshot(never_saved)
+
+    live = build(0)
+    with ub.CheckpointManager(
+        tmp_path / "durable", staging_dir=tmp_path / "staging", async_save=async_save
+    ) as mgr:
+        assert mgr.restore(live) is None  # nothing to restore: must leave the job as it is
+        train(live, range(save_at))
+        assert mgr.save(save_at, live)
+        train(live, range(save_at, total.stop))  # async: the next steps race the save
+        mgr.wait()
+        assert_bitwise(snapshot(live), expected, "live")
+
+        resumed = build(1)  # other initial weights: everything must come from the checkpoint
+        assert mgr.restore(resumed) == save_at
+        train(resumed, range(save_at, total.stop))
+        assert_bitwise(snapshot(resumed), expected, "resumed")
+
+
+def _optimizer_state(name: str) -> Callable[[int], dict]:
+    def build(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = Net(sparse=name in SPARSE)
+        return {"model": model, "optim": build_optimizer(name, model)}
+
+    return build
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+def test_every_optimizer_resumes_bitwise(tmp_path, name):
+    check_resumes_bitwise(tmp_path, _optimizer_state(name))
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "Rprop", "LBFGS", "SparseAdam"])
+def test_saved_before_the_first_step(tmp_path, name):
+    """No per-parameter state yet: the restored optimizer must have none either (a fresh
+    one's first step makes it), whatever state the optimizer restored into had."""
+    check_resumes_bitwise(tmp_path, _optimizer_state(name), save_at=0, async_save=False)
+
+
+@pytest.mark.parametrize("name", SCHEDULER_NAMES)
+def test_every_lr_scheduler_resumes_bitwise(tmp_path, name):
+    def build(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = Net()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return {"model": model, "optim": optim, "sched": build_scheduler(name, optim)}
+
+    check_resumes_bitwise(tmp_path, build, async_save=name != "StepLR")
+
+
+def test_plain_sgd_restores(tmp_path):
+    """Issue 20.1: plain SGD has an empty state; restore used to fail inside torch."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    optim.step()
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "optim": optim})
+        fresh = nn.Linear(3, 2)
+        fresh_optim = torch.optim.SGD(fresh.parameters(), lr=0.7)
+        assert mgr.restore({"model": fresh, "optim": fresh_optim}) == 1
+    assert torch.equal(fresh.weight, model.weight)
+    assert fresh_optim.param_groups[0]["lr"] == 0.1
+    assert fresh_optim.state_dict()["state"] == {}
+
+
+def test_tied_weights_stay_tied(tmp_path):
+    def build(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = Net(tied=True)
+        return {"model": model, "optim": torch.optim.Adam(model.parameters(), lr=0.01)}
+
+    check_resumes_bitwise(tmp_path, build)
+    state = build(2)
+    with ub.CheckpointManager(tmp_path / "durable", staging_dir=tmp_path / "staging") as mgr:
+        assert mgr.restore(state) == 3
+    assert state["model"].out.weight is state["model"].emb.weight
+
+
+def test_bf16_model(tmp_path):
+    def build(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = Net().to(torch.bfloat16)
+        return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.01)}
+
+    check_resumes_bitwise(tmp_path, build)
+    state = build(1)
+    with ub.CheckpointManager(tmp_path / "durable", staging_dir=tmp_path / "staging") as mgr:
+        mgr.restore(state)
+    assert all(p.dtype == torch.bfloat16 for p in state["model"].parameters())
+    assert state["optim"].state_dict()["state"][0]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_grad_scaler(tmp_path):
+    """A GradScaler is one more entry; its scale and growth tracker come back."""
+
+    def build(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = Net()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (8 + seed), growth_interval=2)
+        return {
+            "model": model,
+            "optim": torch.optim.SGD(model.parameters(), lr=0.1),
+            "scaler": scaler,
+        }
+
+    check_resumes_bitwise(tmp_path, build, save_at=3, after=4)
+
+
+def test_generator_in_the_state(tmp_path):
+    """Issue 22.5: a torch.Generator in the state is saved and restored: the same draws."""
+
+    def build(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = Net()
+        return {
+            "model": model,
+            "optim": torch.optim.Adam(model.parameters(), lr=0.01),
+            "gen": torch.Generator().manual_seed(100 + seed),
+        }
+
+    check_resumes_bitwise(tmp_path, build)
+
+
+class Progress:
+    """A user's own object with state_dict/load_state_dict; its state has an empty mapping
+    and a list, which must come back as they were."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+        self.history: list[float] = []
+        self.refuse = False
+
+    def state_dict(self) -> dict:
+        return {"seen": dict(self.seen), "history": list(self.history), "extra": {}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.refuse:
+            raise ValueError("Progress: this checkpoint is from another dataset")
+        assert sd["extra"] == {}
+        self.seen, self.history = dict(sd["seen"]), list(sd["history"])
+
+
+def test_any_state_dict_object(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    progress = Progress()
+    progress.history = [0.5, 0.25]
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "progress": progress})
+        again = Progress()
+        assert mgr.restore({"model": Net(), "progress": again}) == 1
+    assert again.seen == {} and again.history == [0.5, 0.25]
+
+
+def test_non_persistent_buffers_are_left_alone(tmp_path):
+    def build() -> nn.Module:
+        model = nn.Linear(3, 2)
+        model.register_buffer("scratch", torch.zeros(3), persistent=False)
+        return model
+
+    saved = build()
+    saved.scratch.fill_(1.0)
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        mgr.save(1, {"model": saved})
+        fresh = build()
+        fresh.scratch.fill_(7.0)
+        assert mgr.restore({"model": fresh}) == 1
+    assert torch.equal(fresh.weight, saved.weight)
+    assert torch.equal(fresh.scratch, torch.full((3,), 7.0))
+
+
+def _adam(model: Net) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _grouped(model: Net, first: list[str]) -> torch.optim.Optimizer:
+    named = dict(model.named_parameters())
+    rest = [p for n, p in named.items() if n not in first]
+    return torch.optim.Adam(
+        [{"params": [named[n] for n in first], "lr": 0.1}, {"params": rest, "lr": 0.2}]
+    )
+
+
+def _refusing(model: Net) -> dict:
+    progress = Progress()
+    progress.refuse = True
+    return {"optim": _adam(model), "progress": progress}
+
+
+# case: (the saved state's parts, the restored state's parts, the error, what it says)
+REFUSED: dict[str, tuple[Callable[[Net], dict], Callable[[Net], dict], type, str]] = {
+    "a-user-object-refuses": (
+        lambda m: {"optim": _adam(m), "progress": Progress()},
+        _refusing,
+        ValueError,
+        "another dataset",
+    ),
+    "another-optimizer": (
+        lambda m: {"optim": _adam(m)},
+        lambda m: {"optim": torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)},
+        CheckpointMismatchError,
+        r"optim\.param_groups\.0\.momentum",
+    ),
+    # torch would load this one, leaving a group without its lr
+    "other-parameter-groups": (
+        lambda m: {"optim": _grouped(m, ["lin.weight", "lin.bias"])},
+        lambda m: {"optim": _grouped(m, ["lin.weight"])},
+        CheckpointMismatchError,
+        r"group 0: \['lin.bias', 'lin.weight'\] in the checkpoint, \['lin.weight'\] in the state",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_refused_restore_leaves_model_and_optimizer_as_they_were(tmp_path, case):
+    """A part of the state that refuses the checkpoint fails the restore before the
+    model's weights (or the optimizer) are overwritten: the job can still go on as it is."""
+    saved_parts, fresh_parts, error, match = REFUSED[case]
+    torch.manual_seed(0)
+    model = Net()
+    state = {"model": model, **saved_parts(model)}
+    train(state, range(2))
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        mgr.save(2, state)
+        torch.manual_seed(1)
+        fresh = Net()
+        fresh_state = {"model": fresh, **fresh_parts(fresh)}
+        before = snapshot(fresh_state)
+        with pytest.raises(error, match=match):
+            mgr.restore(fresh_state)
+    assert_bitwise(snapshot(fresh_state), before, "refused")
