@@ -11,13 +11,13 @@ PIP_FLAGS := --disable-pip-version-check -q
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0"
-	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" -e ".[test,s3,mlflow]"
+	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" -e ".[test,s3,mlflow,plot]"
 	touch $@
 
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) examples/demo.py
+	$(VENV)/bin/unbroken demo
 
 lint: install
 	$(VENV)/bin/ruff check src tests bench examples

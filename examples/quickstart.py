@@ -2,7 +2,7 @@
 
 Writes a few objects through the emulated standard remote profile (20 ms per request,
 200 MB/s shared link) with 10% of requests failing transiently, then reads them back
-and checks every byte. The full training demo is examples/demo.py (`make demo`).
+and checks every byte. The full training demo is `unbroken demo` (`make demo`).
 """
 
 from __future__ import annotations

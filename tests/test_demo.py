@@ -1,10 +1,11 @@
-"""End to end: the README's main job, small. A rank killed mid-run under
-``torchrun --max-restarts 1`` resumes from the newest committed checkpoint and ends
-bit-identical to a run without the crash (data order, augmentations, dropout, weights)."""
+"""End to end: `unbroken demo`, small. Ranks SIGKILLed at random moments under
+``torchrun --max-restarts`` resume by themselves, and the run ends bitwise equal to one
+without failures (data order, augmentations, dropout, weights, optimizer state)."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -14,14 +15,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.multiprocess
-def test_demo_crash_and_resume_is_bit_identical():
+def test_unbroken_demo_crashes_resumes_and_ends_bitwise_equal(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    plot = tmp_path / "timeline.png"
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "demo.py"),
-         "--steps", "40", "--crash-at", "27", "--files", "256"],
-        capture_output=True, text=True, timeout=600, env=env,
+        [sys.executable, "-m", "unbroken.cli.main", "demo", "--steps", "40", "--kills", "2",
+         "--files", "256", "--every-steps", "10", "--seed", "3", "--plot", str(plot)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "final weights bit-identical: True" in out.stdout
-    assert "losses identical at every step after resume: True" in out.stdout
-    assert "resumed from step 20 (attempt 1)" in out.stdout
+    assert "bitwise equal to the reference: yes" in out.stdout, out.stdout
+    assert re.search(r"2 ranks killed .*, 2 restarts", out.stdout), out.stdout
+    assert "goodput" in out.stdout and "wasted" in out.stdout
+    assert plot.stat().st_size > 0
+    assert "Traceback" not in out.stdout + out.stderr

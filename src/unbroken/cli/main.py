@@ -9,10 +9,10 @@ import sys
 from collections.abc import Sequence
 
 from unbroken._version import __version__
-from unbroken.cli import goodput, ls, plan, verify
+from unbroken.cli import demo, goodput, ls, plan, verify
 from unbroken.cli.errors import CliError
 
-VERBS = (ls, verify, goodput, plan)
+VERBS = (ls, verify, goodput, plan, demo)
 
 
 def parser() -> argparse.ArgumentParser:

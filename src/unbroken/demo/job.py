@@ -1,14 +1,14 @@
-"""A real training script, written the way a user would: unbroken data + checkpoints.
+"""The demo's training job, written the way a user would: unbroken data + checkpoints.
 
-Run it under torchrun (any number of ranks, gloo on CPU, NCCL where GPUs exist):
+Run by ``unbroken demo`` under torchrun (any number of ranks, gloo on CPU, NCCL where
+GPUs exist):
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 2 \\
-        examples/train.py --data DATA_URL --checkpoints CKPT_URL --steps 120
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 \\
+        -m unbroken.demo.job --data DATA_URL --checkpoints CKPT_URL --steps 120
 
 On (re)start it resumes from the newest committed checkpoint by itself: model,
-optimizer, LR schedule, data position and every RNG. ``--crash-at N`` kills one rank at
-step N on the first attempt only (after letting the in-flight save commit, so the run is
-reproducible), to show recovery.
+optimizer, LR schedule, data position and every RNG. Nothing in the loop is about
+failures: ``maybe_save`` is the only call.
 """
 
 from __future__ import annotations
@@ -53,21 +53,47 @@ class SmallNet(nn.Module):
         return self.head(self.drop(x.flatten(1)))
 
 
+def digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def optimizer_digest(optim: torch.optim.Optimizer) -> str:
+    state = optim.state_dict()["state"]
+    return digest([v for k in sorted(state) for _, v in sorted(state[k].items())
+                   if isinstance(v, torch.Tensor)])  # fmt: skip
+
+
+def report_progress(path: str | None, attempt: int, step: int) -> None:
+    """Rank 0 tells the demo's driver where it is (atomically, for a reader polling it)."""
+    if path is None:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{attempt} {step}")
+    os.replace(tmp, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", required=True, help="URL of the directory of raw files")
     parser.add_argument("--checkpoints", required=True, help="durable checkpoint URL")
+    parser.add_argument("--staging-dir", default=None, help="the local tier (default: tmp)")
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--every-steps", type=int, default=20)
+    parser.add_argument("--every-steps", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--crash-at", type=int, default=None)
+    parser.add_argument("--step-seconds", type=float, default=0.0,
+                        help="extra seconds per step, standing in for a larger model")
+    parser.add_argument("--progress", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
     args = parser.parse_args()
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank() if distributed else 0
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
@@ -80,61 +106,64 @@ def main() -> None:
     dataset = ub.VolumeDataset(args.data, decode=decode, shuffle=True, seed=7)
     loader = ub.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers)
     state = {"model": model, "optim": optim, "sched": sched, "loader": loader}
-    mgr = ub.CheckpointManager(args.checkpoints, every_steps=args.every_steps, keep_last=2)
+    mgr = ub.CheckpointManager(args.checkpoints, staging_dir=args.staging_dir,
+                               every_steps=args.every_steps, keep_last=2)  # fmt: skip
 
-    start = time.perf_counter()
     step = mgr.restore(state) or 0
     resumed_from = step
+    began = time.perf_counter()
     losses: dict[int, float] = {}
     while step < args.steps:
         for images, labels in loader:
             loss = F.cross_entropy(model(images), labels)
             optim.zero_grad()
             loss.backward()
+            if args.step_seconds:
+                time.sleep(args.step_seconds)
             optim.step()
             sched.step()
             step += 1
             losses[step] = loss.item()
-            if step == args.crash_at and attempt == 0:
-                # Let the in-flight save commit first, so the demo is deterministic.
-                mgr.wait()
-                if rank == dist_last_rank(distributed):
-                    print(f"[rank {rank}] simulated node failure at step {step}", flush=True)
-                    os._exit(17)
+            if rank == 0:
+                report_progress(args.progress, attempt, step)
             mgr.maybe_save(step, state)
             if step >= args.steps:
                 break
     mgr.save(step, state)
     mgr.close()
-    elapsed = time.perf_counter() - start
 
-    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-    digest = hashlib.sha256(weights.numpy().tobytes()).hexdigest()[:16]
     if rank == 0:
+        stats = mgr.stats
+        metrics = loader.metrics
         summary = {
             "attempt": attempt,
             "resumed_from": resumed_from,
             "steps": step,
+            "train_seconds": time.perf_counter() - began,
             "losses": losses,
-            "weights_sha256": digest,
-            "seconds": elapsed,
-            "fetch_seconds": loader.metrics.fetch_seconds,
-            "checkpoints": [c.step for c in mgr.checkpoints() if c.committed],
+            "weights": digest(list(model.parameters())),
+            "optimizer": optimizer_digest(optim),
+            "saves_committed": stats.committed,
+            "saves_skipped_busy": stats.skipped_busy,
+            "seconds_blocked_per_save": stats.seconds_blocked / max(stats.started, 1),
+            "last_commit_seconds": stats.last_commit_seconds,
+            "bytes_committed": stats.bytes_committed,
+            "restore": None if mgr.last_restore is None else {
+                "step": mgr.last_restore.step,
+                "tier": mgr.last_restore.tier,
+                "seconds": mgr.last_restore.seconds,
+            },
+            "fetch_seconds": metrics.fetch_seconds,
+            "batches": metrics.batches,
+            "cache_hits": metrics.hits,
+            "cache_misses": metrics.misses,
+            "bytes_fetched": metrics.bytes_fetched,
         }
-        print(
-            f"[rank 0] attempt {attempt}: steps {resumed_from}->{step}, "
-            f"final loss {losses.get(step, float('nan')):.4f}, weights {digest}",
-            flush=True,
-        )
         if args.result:
             with open(args.result, "w") as f:
                 json.dump(summary, f)
     if distributed:
         dist.destroy_process_group()
-
-
-def dist_last_rank(distributed: bool) -> int:
-    return dist.get_world_size() - 1 if distributed else 0
 
 
 if __name__ == "__main__":

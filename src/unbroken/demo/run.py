@@ -1,12 +1,18 @@
-"""The main job: train twice on 2 ranks, once cleanly and once through a crash.
+"""``unbroken demo``: the main job, trained through crashes, measured by goodput.
 
-1. Writes a small image dataset of raw files to a "remote" volume (the emulated standard
-   remote: 20 ms per request, 200 MB/s).
-2. Runs examples/train.py under ``torchrun --max-restarts 1`` without failures.
-3. Runs it again with a rank killed mid-run: torchrun restarts the job, which resumes from
-   the newest committed checkpoint on the emulated durable tier.
-4. Checks that the crashed-and-resumed run ended with bit-identical weights and the same
-   loss at every step as the clean run: nothing lost, nothing trained twice differently.
+1. Writes a small image dataset of raw files to a local directory that stands in for
+   the remote volume (read through the emulated standard remote: 20 ms per request,
+   200 MB/s), unless ``--data`` names one.
+2. Trains the job (:mod:`unbroken.demo.job`) on 2 ranks under torchrun, once without
+   failures: the reference.
+3. Trains it again under ``torchrun --max-restarts``, killing a random rank with
+   SIGKILL at random moments (mid-step, mid-save, mid-upload: wherever it lands).
+   torchrun restarts the ranks; the job resumes by itself from the newest committed
+   checkpoint.
+4. Prints where the time went (the goodput breakdown from the job's own event log),
+   draws its timeline, gives the checkpoint and data-pipeline figures, and says whether
+   the crashed run ended bitwise equal to the reference: same samples, same order, same
+   augmentations, same dropout masks, same weights and optimizer state.
 """
 
 from __future__ import annotations
@@ -14,24 +20,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+"""Every launch carries torchrun's restart workaround (see docs/launch.md)."""
 
 
 def write_dataset(root: str, files: int) -> None:
+    """``files`` raw 3x16x16 uint8 images with a learnable label in each file's name."""
     rng = np.random.default_rng(0)
     os.makedirs(root, exist_ok=True)
     for i in range(files):
         label = int(rng.integers(10))
         image = rng.integers(0, 256, size=(3, 16, 16), dtype=np.uint8)
-        image[label % 3] //= 2  # a learnable signal
+        image[label % 3] //= 2
         with open(os.path.join(root, f"{label}-{i:05d}.raw"), "wb") as f:
             f.write(image.tobytes())
 
@@ -42,61 +53,227 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(tag: str, data: str, ckpt: str, result: str, steps: int, crash_at: int | None) -> dict:
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+@dataclass
+class Run:
+    """One torchrun job of the demo and what it reported."""
+
+    name: str
+    checkpoints: str
+    result: dict = field(default_factory=dict)
+    wall: float = 0.0
+    kills: list[tuple[float, int, int]] = field(default_factory=list)
+    """(seconds since start, attempt, step reached) of each kill."""
+
+
+def launch(args: argparse.Namespace, run: Run, tmp: str, restarts: int) -> subprocess.Popen:
+    progress = os.path.join(tmp, f"{run.name}.progress")
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", "2", "--max-restarts", "1",
+        "--nproc-per-node", "2", "--max-restarts", str(restarts),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-        os.path.join(HERE, "train.py"),
-        "--data", data, "--checkpoints", ckpt, "--steps", str(steps), "--result", result,
+        "--monitor-interval", "0.5",
+        "-m", "unbroken.demo.job",
+        "--data", args.data, "--checkpoints", run.checkpoints,
+        "--staging-dir", os.path.join(tmp, f"{run.name}-staging"),
+        "--steps", str(args.steps), "--every-steps", str(args.every_steps),
+        "--step-seconds", str(args.step_seconds),
+        "--progress", progress, "--result", os.path.join(tmp, f"{run.name}.json"),
     ]  # fmt: skip
-    if crash_at is not None:
-        cmd += ["--crash-at", str(crash_at)]
-    print(f"\n== {tag}: {' '.join(cmd[3:])}", flush=True)
-    start = time.perf_counter()
-    subprocess.run(cmd, env=env, check=True, timeout=900)
-    with open(result) as f:
-        summary = json.load(f)
-    summary["wall"] = time.perf_counter() - start
-    return summary
+    log = open(os.path.join(tmp, f"{run.name}.log"), "w")  # noqa: SIM115 (closed by the child)
+    # Each run has a node cache of its own, so the crashed run does not read the cache the
+    # reference filled (its restarts do share theirs, as a node's would).
+    cache = os.path.join(tmp, f"{run.name}-cache")
+    env = {**os.environ, **RESTART_ENV, "UNBROKEN_CACHE_DIR": cache}
+    return subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--crash-at", type=int, default=53)
-    parser.add_argument("--files", type=int, default=1024)
-    args = parser.parse_args()
+def read_progress(path: str) -> tuple[int, int]:
+    """(attempt, step) rank 0 reported last, (0, 0) before it did."""
+    try:
+        with open(path) as f:
+            attempt, step = f.read().split()
+        return int(attempt), int(step)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def supervise(args: argparse.Namespace, run: Run, tmp: str, kills: int, pace: float) -> None:
+    """Run the job to its end with a progress bar, SIGKILLing a random rank ``kills``
+    times. Each kill comes once the attempt has trained a save interval past where it
+    resumed (so it has something to lose), after a random further delay of up to
+    1.5 intervals at ``pace`` seconds per step: mid-step, mid-save or mid-upload."""
+    from tqdm import tqdm
+
+    proc = launch(args, run, tmp, restarts=kills)
+    progress = os.path.join(tmp, f"{run.name}.progress")
+    start = time.monotonic()
+    interactive = sys.stdout.isatty() and not args.quiet
+    bar = tqdm(total=args.steps, desc=f"{run.name:>9}", unit="step", dynamic_ncols=True,
+               file=sys.stdout, disable=not interactive, mininterval=0.2)  # fmt: skip
+    last_attempt, resumed, kill_at = 0, 0, None
+
+    def say(line: str) -> None:
+        if interactive:
+            bar.write(line)
+        elif not args.quiet:
+            print(line, flush=True)
+
+    try:
+        while proc.poll() is None:
+            time.sleep(0.05)
+            attempt, step = read_progress(progress)
+            if attempt != last_attempt:  # a restart: the bar goes back to the restored step
+                last_attempt, resumed = attempt, step - 1
+                say(f"  {run.name}: attempt {attempt} resumed by itself at step {resumed}")
+                bar.set_postfix_str(f"attempt {attempt}")
+            if step != bar.n:
+                bar.n = step
+                bar.refresh()
+            end_zone = step >= args.steps - args.every_steps
+            if len(run.kills) < kills and kill_at is None and not end_zone and (
+                step >= resumed + args.every_steps
+            ):
+                kill_at = time.monotonic() + random.uniform(0, 1.5 * args.every_steps * pace)
+            if kill_at is not None and time.monotonic() >= kill_at:
+                kill_at = None
+                ranks = children(proc.pid)
+                if ranks and not end_zone:
+                    victim = random.choice(ranks)
+                    os.kill(victim, signal.SIGKILL)
+                    elapsed = time.monotonic() - start
+                    run.kills.append((elapsed, attempt, step))
+                    say(f"  {run.name}: killed a rank (SIGKILL, pid {victim}) at step {step}, "
+                        f"{elapsed:.1f} s in")  # fmt: skip
+                    resumed = args.steps  # no further kill until the next attempt reports
+    except BaseException:
+        proc.kill()
+        raise
+    finally:
+        bar.close()
+    run.wall = time.monotonic() - start
+    if proc.returncode != 0:
+        with open(os.path.join(tmp, f"{run.name}.log")) as f:
+            tail = f.read()[-4000:]
+        raise SystemExit(f"demo FAILED: the {run.name} job exited {proc.returncode}:\n{tail}")
+    with open(os.path.join(tmp, f"{run.name}.json")) as f:
+        run.result = json.load(f)
+    say(f"  {run.name}: {args.steps} steps in {run.wall:.0f} s")
+
+
+def report(args: argparse.Namespace, reference: Run, crashed: Run) -> bool:
+    """Print the figures; True if the crashed run ended bitwise equal to the reference."""
+    import unbroken as ub
+    from unbroken.cli.goodput import render
+    from unbroken.goodput.breakdown import job_breakdown
+    from unbroken.goodput.events import read_log
+
+    b = job_breakdown(read_log(ub.open_store(crashed.checkpoints)), 0)
+    print("\n== where the time of the crashed run went (`unbroken goodput` on its checkpoints)")
+    print(render(b))
+    if args.plot:
+        try:
+            from unbroken.cli.plot import plot_timeline
+
+            plot_timeline(b, args.plot)
+            print(f"\ntimeline of the crashed run: {args.plot}")
+        except ImportError:
+            print("\n(no timeline: `pip install matplotlib` to draw one)")
+
+    r = crashed.result
+    print("\n== checkpoints (last attempt, rank 0)")
+    print(f"  saves committed: {r['saves_committed']}, skipped while one was in flight: "
+          f"{r['saves_skipped_busy']}")  # fmt: skip
+    print(f"  training loop blocked per save: {r['seconds_blocked_per_save'] * 1e3:.1f} ms")
+    if r["last_commit_seconds"] is not None:
+        print(f"  save to commit: {r['last_commit_seconds']:.2f} s in the background")
+    if r["restore"]:
+        print(f"  restore: step {r['restore']['step']} from the {r['restore']['tier']} tier "
+              f"in {r['restore']['seconds']:.2f} s")  # fmt: skip
+    print("\n== data pipeline (last attempt, rank 0)")
+    lookups = r["cache_hits"] + r["cache_misses"]
+    ratio = r["cache_hits"] / lookups if lookups else 0.0
+    print(f"  waited for data: {r['fetch_seconds']:.2f} s over {r['batches']} batches "
+          f"({r['fetch_seconds'] / max(r['batches'], 1) * 1e3:.1f} ms per batch)")
+    print(f"  local cache: {ratio:.0%} hits, {r['bytes_fetched'] / 1e6:.1f} MB fetched "
+          "from the remote")  # fmt: skip
+
+    ref = reference.result
+    same_losses = all(
+        crashed.result["losses"][s] == ref["losses"][s] for s in crashed.result["losses"]
+    )
+    equal = (ref["weights"], ref["optimizer"]) == (r["weights"], r["optimizer"]) and same_losses
+    print("\n== the result")
+    kills = ", ".join(f"step {s}" for _, _, s in crashed.kills) or "none"
+    print(f"  reference run: {ref['steps']} steps in {reference.wall:.0f} s, no failure")
+    print(f"  crashed run:   {r['steps']} steps in {crashed.wall:.0f} s, "
+          f"{len(crashed.kills)} ranks killed (at {kills}), {b.restarts} restarts")  # fmt: skip
+    print(f"  final model and optimizer bitwise equal to the reference: "
+          f"{'yes' if equal else 'NO'} (weights {r['weights']}, reference {ref['weights']})")
+    return equal
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", help="a volume of raw images to read (default: one is made)")
+    p.add_argument("--checkpoints", help="where the crashed run checkpoints (default: tmp)")
+    p.add_argument("--steps", type=int, default=80, help="training steps (default 80)")
+    p.add_argument("--every-steps", type=int, default=10, help="save every N steps")
+    p.add_argument("--kills", type=int, default=3, help="ranks killed (default 3)")
+    p.add_argument("--files", type=int, default=1024, help="images in the made volume")
+    p.add_argument("--step-seconds", type=float, default=0.05,
+                   help="extra seconds per step, standing in for a larger model")
+    p.add_argument("--seed", type=int, default=None, help="of the kill moments")
+    p.add_argument("--plot", default="unbroken-demo-timeline.png",
+                   help="the timeline picture (empty: none)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def main(args: argparse.Namespace) -> int:
+    seed = args.seed if args.seed is not None else random.randrange(1 << 16)
+    random.seed(seed)
+    print("unbroken demo: a small CNN trained on 2 ranks twice, once without failures and "
+          f"once with {args.kills} ranks killed at random moments; then where the time went "
+          "and whether the two runs ended bitwise equal")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="unbroken-demo-") as tmp:
-        write_dataset(os.path.join(tmp, "volume"), args.files)
-        data = f"emulated::{tmp}/volume"
-        os.environ["UNBROKEN_CACHE_DIR"] = os.path.join(tmp, "cache")
-        clean = run("clean run", data, f"emulated::{tmp}/ckpt-clean",
-                    os.path.join(tmp, "clean.json"), args.steps, None)  # fmt: skip
-        crashed = run("run with a crash", data, f"emulated::{tmp}/ckpt-crash",
-                      os.path.join(tmp, "crash.json"), args.steps, args.crash_at)  # fmt: skip
-
-    resumed_losses = crashed["losses"]
-    same_losses = all(resumed_losses[s] == clean["losses"][s] for s in resumed_losses)
-    identical = clean["weights_sha256"] == crashed["weights_sha256"]
-    print("\n== summary")
-    print(
-        f"clean run:   {clean['steps']} steps in {clean['wall']:.1f}s, "
-        f"weights {clean['weights_sha256']}"
-    )
-    print(
-        f"crashed run: rank 1 killed at step {args.crash_at}; torchrun restarted the job, which "
-        f"resumed from step {crashed['resumed_from']} (attempt {crashed['attempt']}), "
-        f"{crashed['steps']} steps in {crashed['wall']:.1f}s, weights {crashed['weights_sha256']}"
-    )
-    print(f"steps redone after the crash: {args.crash_at - crashed['resumed_from']}")
-    print(f"losses identical at every step after resume: {same_losses}")
-    print(f"final weights bit-identical: {identical}")
-    if not (identical and same_losses and crashed["attempt"] == 1):
-        sys.exit("demo FAILED: the resumed run diverged from the clean one")
-    print("demo OK: the crash cost only the steps since the last committed checkpoint")
+        if args.data is None:
+            write_dataset(os.path.join(tmp, "volume"), args.files)
+            args.data = f"emulated::{tmp}/volume"
+            print(f"made a volume of {args.files} images at {tmp}/volume, read through the "
+                  "emulated remote (20 ms per request, 200 MB/s)")  # fmt: skip
+        crashed_url = args.checkpoints or f"emulated::{tmp}/checkpoints"
+        print(f"training {args.steps} steps on 2 ranks (gloo), saving every "
+              f"{args.every_steps}; kill moments from seed {seed}")  # fmt: skip
+        reference = Run("reference", f"emulated::{tmp}/reference-checkpoints")
+        supervise(args, reference, tmp, 0, 0.0)
+        pace = reference.result["train_seconds"] / args.steps
+        crashed = Run("crashed", crashed_url)
+        supervise(args, crashed, tmp, args.kills, pace)
+        equal = report(args, reference, crashed)
+    if not equal:
+        print("demo FAILED: the crashed run diverged from the reference", file=sys.stderr)
+        return 1
+    print("demo OK: every crash cost only the steps since the last commit and the restart")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
