@@ -1,11 +1,15 @@
-"""The file index of a volume: relative keys, sizes and etags, listed once and cached.
+"""The file index of a volume: relative keys, sizes and etags, listed at each start.
 
-Listing a million-object bucket takes minutes, so the index is built once per
-(URL, include, exclude), written as a JSON file in the index directory, and read
-back by every later epoch, worker, rank and restart on the node. The first process
-to need it lists under a file lock; the others wait and read its result. The
-fingerprint (a hash of keys, sizes and etags) ties a saved data position to exactly
-this file set: resuming against a changed volume is refused, never silently wrong.
+A sample position means "the i-th file of the sorted listing", so the index must be
+the volume as it is: each dataset lists the volume when it is made, unless the node's
+cached listing is recent enough (``max_age``). The listing is one per node at a
+start: the first process to need it lists under a file lock and writes the result as
+a JSON file in the index directory; the ranks that started meanwhile wait on the lock
+and take it, since it finished after they asked. Workers get the index with the
+dataset and never list. The fingerprint (a hash of keys, sizes and etags) ties a
+saved data position to exactly this file set: resuming against a changed volume is
+refused, never silently wrong. The local cache names its files by (size, etag), so a
+file that changed is fetched again once the index has seen the change.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
+import time
 from array import array
 from collections.abc import Sequence
 
@@ -151,17 +157,25 @@ def load_or_build_index(
     exclude: Sequence[str] | None = None,
     *,
     refresh: bool = False,
+    max_age: float | None = 0.0,
 ) -> FileIndex:
-    """The cached index for (URL, patterns) if there is one, else list and cache it.
+    """The volume's index: the node's cached listing if it is fresh, else a new one.
 
-    ``index_dir=None`` lists without caching. ``refresh=True`` lists again and
-    replaces the cached copy.
+    A cached listing is used if it finished after this call began (another process
+    listed while this one waited for it), or if it is at most ``max_age`` seconds old
+    (``None``: however old; for a volume that never changes), or, with a warning, if
+    the volume cannot be listed now. ``refresh=True`` takes only a listing that
+    finished after this call began. ``index_dir=None`` lists without caching.
     """
     include, exclude = _patterns(include), _patterns(exclude)
+    max_age = check_max_age(max_age)
     if index_dir is None:
         return build_index(store, include, exclude)
+    if refresh:
+        max_age = 0.0
     path = os.path.join(index_dir, f"index-{_cache_key(store.url, include, exclude)}.json")
-    if not refresh and (cached := _read(path, store.url)) is not None:
+    arrived = _stamp(path)  # what was there before asking: a later listing is fresh
+    if _recent(arrived, max_age) and (cached := _read(path, store.url)) is not None:
         return cached
     try:
         os.makedirs(index_dir, exist_ok=True)
@@ -171,14 +185,56 @@ def load_or_build_index(
         return build_index(store, include, exclude)
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one lister per node; the rest wait and read
-        if not refresh and (cached := _read(path, store.url)) is not None:
+        now = _stamp(path)
+        fresh = now is not None and (now != arrived or _recent(now, max_age))
+        if fresh and (cached := _read(path, store.url)) is not None:
             return cached
-        index = build_index(store, include, exclude)
+        try:
+            index = build_index(store, include, exclude)
+        except StoreError as exc:  # the remote is down: the node's last listing still serves
+            if refresh or (cached := _read(path, store.url)) is None:
+                raise
+            log.warning(
+                "%s; using this node's listing of %s from %s (%d files) instead",
+                exc, cached.url, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now[1] / 1e9)),
+                len(cached),
+            )  # fmt: skip
+            return cached
         try:
             _write(path, index, store.url, include, exclude)
         except OSError as exc:
             log.warning("file index not cached at %s: %s", path, exc)
         return index
+
+
+def check_max_age(max_age: object) -> float | None:
+    """``max_age`` as seconds (or None), refused unless a finite number >= 0."""
+    if max_age is None:
+        return None
+    ok = isinstance(max_age, (int, float)) and not isinstance(max_age, bool)
+    if not ok or not math.isfinite(max_age) or max_age < 0:
+        raise ValueError(
+            f"VolumeDataset: index_max_age must be seconds >= 0 or None, got {max_age!r}"
+        )
+    return float(max_age)
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    """Which listing is at ``path`` (inode, mtime): every write replaces the file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _recent(stamp: tuple[int, int] | None, max_age: float | None) -> bool:
+    if stamp is None:
+        return False
+    if max_age is None:
+        return True
+    age = time.time() - stamp[1] / 1e9
+    return 0 <= age <= max_age  # a listing from the future (a clock set back) is not trusted
 
 
 def _patterns(value: str | Sequence[str] | None) -> list[str]:
