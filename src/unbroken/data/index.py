@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from array import array
 from collections.abc import Sequence
@@ -59,6 +60,11 @@ class StringTable:
         start = self._ends[i - 1] if i > 0 else 0
         return self._blob[start : self._ends[i]].decode()
 
+    def tolist(self) -> list[str]:
+        ends = self._ends.tolist()
+        blob = self._blob
+        return [blob[a:b].decode() for a, b in zip([0, *ends[:-1]], ends)]
+
 
 class FileIndex:
     """Every file of the volume selected by the patterns, sorted by key.
@@ -67,14 +73,40 @@ class FileIndex:
     """
 
     def __init__(self, url: str, entries: Sequence[Entry], fingerprint: str) -> None:
+        self._fill(
+            url, [e.key for e in entries], [e.size for e in entries],
+            [e.etag for e in entries], fingerprint,
+        )  # fmt: skip
+
+    @classmethod
+    def from_columns(
+        cls,
+        url: str,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        etags: Sequence[str | None],
+        fingerprint: str,
+    ) -> FileIndex:
+        """The index of entries given as three columns (a million Entry objects cost
+        seconds to make and to take apart)."""
+        index = cls.__new__(cls)
+        index._fill(url, keys, sizes, etags, fingerprint)
+        return index
+
+    def _fill(self, url, keys, sizes, etags, fingerprint) -> None:
         self.url = url
         """The volume's URL (credentials redacted)."""
         self.fingerprint = fingerprint
         """sha256 over keys, sizes and etags: changes whenever the file set changes."""
-        self._keys = StringTable([e.key for e in entries])
-        self._sizes = array("q", (e.size for e in entries))
-        self._has_etag = array("b", (e.etag is not None for e in entries))
-        self._etags = StringTable([e.etag or "" for e in entries])
+        self._keys = StringTable(keys)
+        self._sizes = array("q", sizes)
+        self._has_etag = array("b", (t is not None for t in etags))
+        self._etags = StringTable([t or "" for t in etags])
+
+    def columns(self) -> tuple[list[str], list[int], list[str | None]]:
+        """Keys, sizes and etags, as lists."""
+        etags = [t if has else None for t, has in zip(self._etags.tolist(), self._has_etag)]
+        return self._keys.tolist(), self._sizes.tolist(), etags
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -113,20 +145,35 @@ def select(
     Globs are matched against the whole relative key with ``fnmatch`` rules, where
     ``*`` also crosses '/': ``"*.jpg"`` selects JPEGs at any depth.
     """
-    inc = list(include or [])
-    exc = list(exclude or [])
-    return sorted(
-        e
-        for e in entries
-        if (not inc or any(fnmatch.fnmatchcase(e.key, p) for p in inc))
-        and not any(fnmatch.fnmatchcase(e.key, p) for p in exc)
-    )
+    inc = [re.compile(fnmatch.translate(p)).match for p in include or []]
+    exc = [re.compile(fnmatch.translate(p)).match for p in exclude or []]
+    if inc or exc:
+        entries = [
+            e
+            for e in entries
+            if (not inc or any(m(e.key) for m in inc)) and not any(m(e.key) for m in exc)
+        ]
+    return sorted(entries, key=_key)  # keys are unique: the order of Entry itself, faster
+
+
+def _key(entry: Entry) -> str:
+    return entry.key
 
 
 def fingerprint(entries: Sequence[Entry]) -> str:
+    return fingerprint_columns(
+        [e.key for e in entries], [e.size for e in entries], [e.etag for e in entries]
+    )
+
+
+def fingerprint_columns(
+    keys: Sequence[str], sizes: Sequence[int], etags: Sequence[str | None]
+) -> str:
+    """sha256 over one ``key\0size\0etag\n`` line per entry (hashed in blocks)."""
     h = hashlib.sha256()
-    for e in entries:
-        h.update(f"{e.key}\0{e.size}\0{e.etag or ''}\n".encode())
+    rows = zip(keys, sizes, etags)
+    while block := list(itertools.islice(rows, 1 << 16)):
+        h.update("".join(f"{k}\0{s}\0{t or ''}\n" for k, s, t in block).encode())
     return h.hexdigest()
 
 
@@ -147,7 +194,12 @@ def build_index(
             f"VolumeDataset: no files at {url} ({len(listed)} listed; include={include!r}, "
             f"exclude={exclude!r}). Is the URL right, and does the volume hold any files?"
         )
-    return FileIndex(url, entries, fingerprint(entries))
+    keys, sizes, etags = (
+        [e.key for e in entries],
+        [e.size for e in entries],
+        [e.etag for e in entries],
+    )
+    return FileIndex.from_columns(url, keys, sizes, etags, fingerprint_columns(keys, sizes, etags))
 
 
 def load_or_build_index(
@@ -251,16 +303,16 @@ def _cache_key(url: str, include: list[str], exclude: list[str]) -> str:
 
 
 def _write(path: str, index: FileIndex, url: str, include: list[str], exclude: list[str]):
-    entries = index.entries
+    keys, sizes, etags = index.columns()
     doc = {
         "format": INDEX_FORMAT,
         "url": redact(url),
         "include": include,
         "exclude": exclude,
         "fingerprint": index.fingerprint,
-        "keys": [e.key for e in entries],
-        "sizes": [e.size for e in entries],
-        "etags": [e.etag for e in entries],
+        "keys": keys,
+        "sizes": sizes,
+        "etags": etags,
     }
     tmp = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path)))
     try:
@@ -280,11 +332,17 @@ def _read(path: str, url: str) -> FileIndex | None:
             doc = json.load(f)
         if doc.get("format") != INDEX_FORMAT or doc.get("url") != redact(url):
             return None
-        entries = tuple(
-            Entry(k, int(s), t) for k, s, t in zip(doc["keys"], doc["sizes"], doc["etags"])
+        keys, sizes, etags = doc["keys"], doc["sizes"], doc["etags"]
+        well_typed = (
+            len(keys) == len(sizes) == len(etags)
+            and all(type(k) is str for k in keys)
+            and all(type(n) is int for n in sizes)
+            and all(t is None or type(t) is str for t in etags)
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    if not entries or fingerprint(entries) != doc.get("fingerprint"):
+    if not well_typed or not keys:
         return None
-    return FileIndex(redact(url), entries, doc["fingerprint"])
+    if fingerprint_columns(keys, sizes, etags) != doc.get("fingerprint"):
+        return None
+    return FileIndex.from_columns(redact(url), keys, sizes, etags, doc["fingerprint"])
