@@ -109,11 +109,10 @@ def test_bad_index_max_age_is_refused(make_volume):
 
 def _waiting_on(lock_path: str) -> bool:
     """True once some thread or process blocks on the flock of ``lock_path``."""
-    ino = os.stat(lock_path).st_ino
+    st = os.stat(lock_path)
+    me = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     with open("/proc/locks") as f:
-        return any(
-            "->" in line and line.split()[-3].endswith(f":{ino}") for line in f.read().splitlines()
-        )
+        return any("->" in line and line.split()[-3] == me for line in f.read().splitlines())
 
 
 def test_starts_that_wait_for_a_nodes_listing_share_it(make_volume, tmp_path):
