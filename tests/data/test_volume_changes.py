@@ -157,3 +157,14 @@ def test_a_start_with_the_remote_down_uses_the_nodes_last_listing(make_volume, t
     assert served(ds) == list(range(6))  # from the local cache
     with pytest.raises(ub.StoreError, match="cannot list"):  # asked for a new listing
         vol.dataset(retry=retry, refresh_index=True)
+
+
+def test_a_slow_listing_says_how_to_reuse_it(make_volume, monkeypatch, caplog):
+    import unbroken.data.index as index_module
+
+    vol = make_volume(4)
+    vol.dataset()
+    assert "index_max_age" not in caplog.text
+    monkeypatch.setattr(index_module, "SLOW_LISTING", 0.0)  # any listing is slow now
+    vol.dataset()
+    assert "listing 4 files of" in caplog.text and "index_max_age=SECONDS" in caplog.text

@@ -32,6 +32,8 @@ from unbroken.storage.base import temp_name
 from unbroken.storage.errors import redact
 
 INDEX_FORMAT = 1
+SLOW_LISTING = 30.0
+"""Seconds: a start whose listing took longer says how to reuse listings instead."""
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +243,7 @@ def load_or_build_index(
         fresh = now is not None and (now != arrived or _recent(now, max_age))
         if fresh and (cached := _read(path, store.url)) is not None:
             return cached
+        started = time.monotonic()
         try:
             index = build_index(store, include, exclude)
         except StoreError as exc:  # the remote is down: the node's last listing still serves
@@ -252,6 +255,13 @@ def load_or_build_index(
                 len(cached),
             )  # fmt: skip
             return cached
+        if (took := time.monotonic() - started) > SLOW_LISTING and max_age is not None:
+            log.warning(
+                "listing %d files of %s took %.0f s at this start (the node's ranks share it); "
+                "VolumeDataset(index_max_age=SECONDS) reuses a node's listing up to that old, "
+                "index_max_age=None however old, if the volume does not change that often",
+                len(index), index.url, took,
+            )  # fmt: skip
         try:
             _write(path, index, store.url, include, exclude)
         except OSError as exc:
