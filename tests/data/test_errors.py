@@ -91,3 +91,21 @@ def test_bad_loader_and_dataset_options_are_refused(make_volume):
         vol.dataset(prefetch_depth=0)
     with pytest.raises(ValueError, match="not a byte size"):
         vol.dataset(cache_limit="lots")
+
+
+@pytest.mark.parametrize("limit", [0, "0GB", -1, "lots", 0.5])
+def test_a_cache_limit_that_holds_nothing_is_refused_naming_the_cache(make_volume, limit):
+    vol = make_volume(4)
+    cache = str(vol.tmp / "cache")
+    with pytest.raises(ValueError, match=rf"cache_limit.*{re.escape(cache)}"):
+        vol.dataset(cache_limit=limit)
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_cache_dir_that_cannot_hold_files_is_refused_at_construction(make_volume, where):
+    vol = make_volume(4)
+    blocker = vol.tmp / "blocker"
+    blocker.write_text("a file, not a directory")
+    cache_dir = str(blocker if where == "a file" else blocker / "cache")
+    with pytest.raises(OSError, match=rf"cache_dir {re.escape(cache_dir)}"):
+        vol.dataset(cache_dir=cache_dir)

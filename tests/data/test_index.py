@@ -29,19 +29,22 @@ def test_index_is_sorted_filtered_and_fingerprinted(make_volume, backend):
     assert build_index(store, include=["*.txt"], exclude=["d2/*"]).fingerprint != index.fingerprint
 
 
-def test_cached_index_is_reused_without_listing_again(make_volume, tmp_path):
+def test_a_trusted_cached_index_is_reused_without_listing_again(make_volume, tmp_path):
     vol = make_volume(6)
     index_dir = str(tmp_path / "idx")
     first = load_or_build_index(vol.store, index_dir, include="*.txt")
     assert len(os.listdir(index_dir)) == 2  # the index and its lock file
     shutil.rmtree(vol.url)  # the volume is gone: only the cached copy can answer
-    second = load_or_build_index(vol.store, index_dir, include="*.txt")
-    assert second == first
+    second = load_or_build_index(vol.store, index_dir, include="*.txt", max_age=None)
+    assert second == first and second.entries == first.entries
+    assert load_or_build_index(vol.store, index_dir, include="*.txt", max_age=3600) == first
+    with pytest.raises(EmptyVolumeError):  # by default every start lists
+        load_or_build_index(vol.store, index_dir, include="*.txt")
     # other patterns are another index, and refresh lists again: both see the empty volume
     with pytest.raises(EmptyVolumeError, match=vol.url):
         load_or_build_index(vol.store, index_dir, include="*.jpg")
     with pytest.raises(EmptyVolumeError):
-        load_or_build_index(vol.store, index_dir, include="*.txt", refresh=True)
+        load_or_build_index(vol.store, index_dir, include="*.txt", refresh=True, max_age=None)
 
 
 def test_a_corrupt_cached_index_is_rebuilt(make_volume, tmp_path):
@@ -99,3 +102,16 @@ def test_an_unwritable_index_dir_still_lists(make_volume, tmp_path):
     blocker.write_text("a file where the index directory should be")
     index = load_or_build_index(vol.store, str(blocker / "index"))
     assert len(index) == 4
+
+
+def test_an_index_keeps_every_entry_etags_or_none_through_its_cached_copy(tmp_path):
+    from unbroken.data.index import FileIndex, _read, _write, fingerprint
+    from unbroken.storage import Entry
+
+    entries = [Entry("a/é.jpg", 3, None), Entry("b", 0, '"etag-1"'), Entry("c/d", 2**40, "")]
+    index = FileIndex("/v", entries, fingerprint(entries))
+    assert index.entries == entries and index.columns()[2] == [None, '"etag-1"', ""]
+    path = str(tmp_path / "index.json")
+    _write(path, index, "/v", [], [])
+    again = _read(path, "/v")
+    assert again == index and again.entries == entries

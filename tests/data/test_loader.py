@@ -175,7 +175,15 @@ def test_bad_states_are_refused_by_name(make_volume):
         ld.load_state_dict({**state, "position": 99})
     with pytest.raises(LoaderStateError, match="bad epoch -1"):
         ld.load_state_dict({**state, "epoch": -1})
+    for key, bad in [
+        ("epoch", 2**70), ("epoch", 2**63), ("epoch", "1"), ("epoch", True),
+        ("position", -2), ("position", 11), ("position", 2.0), ("position", None),
+        ("num_samples", "10"), ("num_samples", 9), ("format", True), ("shuffle", 1),
+    ]:  # fmt: skip
+        with pytest.raises(LoaderStateError, match=key):
+            ld.load_state_dict({**state, key: bad})
     assert ld.state_dict() == state  # nothing changed by the refused loads
+    assert next(iter(ld)) is not None  # and the loader still serves
     import json
 
     assert json.loads(json.dumps(state)) == state

@@ -20,10 +20,9 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from unbroken._util.sizes import parse_size
 from unbroken.data.cache.cache import LocalCache, default_cache_dir
 from unbroken.data.delivery import Delivery
-from unbroken.data.index import FileIndex, load_or_build_index
+from unbroken.data.index import FileIndex, check_max_age, load_or_build_index
 from unbroken.data.metrics import WorkerCounters
 from unbroken.data.order import epoch_order
 from unbroken.data.partition import Partition, worker_batches
@@ -58,6 +57,13 @@ class VolumeDataset(IterableDataset):
     ``prefetch_depth`` files ahead of its decode. To hide a remote's latency a worker
     needs about (its samples/s) x (seconds per request) fetches in flight: 16 covers
     500 samples/s per worker at 30 ms per request. Idle fetch threads cost nothing.
+
+    The index is the volume as listed when the dataset is made: files added, deleted
+    or rewritten before then are seen, and a saved loader state from before such a
+    change is refused. Ranks of a node that start together share one listing (the
+    first lists, the others wait for it); ``index_max_age`` (seconds) reuses a
+    listing of the node up to that old instead, ``None`` however old (a volume that
+    never changes; ``refresh_index=True`` still lists anew).
     """
 
     def __init__(
@@ -79,6 +85,7 @@ class VolumeDataset(IterableDataset):
         prefetch_threads: int = 16,
         index_dir: str | None = None,
         refresh_index: bool = False,
+        index_max_age: float | None = 0.0,
         retry: RetryPolicy | None = None,
     ) -> None:
         if on_error not in ("raise", "skip"):
@@ -88,8 +95,6 @@ class VolumeDataset(IterableDataset):
         if prefetch_depth < 1 or prefetch_threads < 1:
             raise ValueError("VolumeDataset: prefetch_depth and prefetch_threads must be >= 1")
         self.decode: Decode = decode or raw_bytes
-        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
-        self.cache_limit = parse_size(cache_limit)
         self.shuffle = bool(shuffle)
         self.seed = seed
         self.rank, self.world_size = _rank_and_world(rank, world_size)
@@ -98,16 +103,24 @@ class VolumeDataset(IterableDataset):
         self.prefetch_threads = prefetch_threads
         self.epoch = 0
         """Epoch served when the dataset is iterated directly (the DataLoader sets its own)."""
+        index_max_age = check_max_age(index_max_age)
         self._store = open_store(url, retry=retry, **(storage_options or {}))
         self._owner_pid = os.getpid()
-        if self.cache_dir is None:
-            self.cache_dir = default_cache_dir(self._store)
+        if cache_dir is None:
+            cache_dir = default_cache_dir(self._store)
+        # made now, before a listing that can take minutes: a cache that cannot work
+        # (a file in the way, a limit of 0) is refused here, not in a worker later
+        self._local: _PerProcess | None = _PerProcess(
+            self._owner_pid, self._store, os.fspath(cache_dir), cache_limit
+        )
+        self.cache_dir = self._local.cache.cache_dir
+        self.cache_limit = self._local.cache.limit
         if index_dir is None:  # beside the cached files; the cache never touches it
             index_dir = os.path.join(self.cache_dir, "index")
         self.index: FileIndex = load_or_build_index(
-            self._store, index_dir, include, exclude, refresh=refresh_index
-        )
-        self._local: _PerProcess | None = None
+            self._store, index_dir, include, exclude,
+            refresh=refresh_index, max_age=index_max_age,
+        )  # fmt: skip
 
     # -- what the volume holds ------------------------------------------------------
 

@@ -1,11 +1,15 @@
-"""The file index of a volume: relative keys, sizes and etags, listed once and cached.
+"""The file index of a volume: relative keys, sizes and etags, listed at each start.
 
-Listing a million-object bucket takes minutes, so the index is built once per
-(URL, include, exclude), written as a JSON file in the index directory, and read
-back by every later epoch, worker, rank and restart on the node. The first process
-to need it lists under a file lock; the others wait and read its result. The
-fingerprint (a hash of keys, sizes and etags) ties a saved data position to exactly
-this file set: resuming against a changed volume is refused, never silently wrong.
+A sample position means "the i-th file of the sorted listing", so the index must be
+the volume as it is: each dataset lists the volume when it is made, unless the node's
+cached listing is recent enough (``max_age``). The listing is one per node at a
+start: the first process to need it lists under a file lock and writes the result as
+a JSON file in the index directory; the ranks that started meanwhile wait on the lock
+and take it, since it finished after they asked. Workers get the index with the
+dataset and never list. The fingerprint (a hash of keys, sizes and etags) ties a
+saved data position to exactly this file set: resuming against a changed volume is
+refused, never silently wrong. The local cache names its files by (size, etag), so a
+file that changed is fetched again once the index has seen the change.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
+import re
+import time
 from array import array
 from collections.abc import Sequence
 
@@ -25,6 +32,8 @@ from unbroken.storage.base import temp_name
 from unbroken.storage.errors import redact
 
 INDEX_FORMAT = 1
+SLOW_LISTING = 30.0
+"""Seconds: a start whose listing took longer says how to reuse listings instead."""
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +62,11 @@ class StringTable:
         start = self._ends[i - 1] if i > 0 else 0
         return self._blob[start : self._ends[i]].decode()
 
+    def tolist(self) -> list[str]:
+        ends = self._ends.tolist()
+        blob = self._blob
+        return [blob[a:b].decode() for a, b in zip([0, *ends[:-1]], ends)]
+
 
 class FileIndex:
     """Every file of the volume selected by the patterns, sorted by key.
@@ -61,14 +75,40 @@ class FileIndex:
     """
 
     def __init__(self, url: str, entries: Sequence[Entry], fingerprint: str) -> None:
+        self._fill(
+            url, [e.key for e in entries], [e.size for e in entries],
+            [e.etag for e in entries], fingerprint,
+        )  # fmt: skip
+
+    @classmethod
+    def from_columns(
+        cls,
+        url: str,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        etags: Sequence[str | None],
+        fingerprint: str,
+    ) -> FileIndex:
+        """The index of entries given as three columns (a million Entry objects cost
+        seconds to make and to take apart)."""
+        index = cls.__new__(cls)
+        index._fill(url, keys, sizes, etags, fingerprint)
+        return index
+
+    def _fill(self, url, keys, sizes, etags, fingerprint) -> None:
         self.url = url
         """The volume's URL (credentials redacted)."""
         self.fingerprint = fingerprint
         """sha256 over keys, sizes and etags: changes whenever the file set changes."""
-        self._keys = StringTable([e.key for e in entries])
-        self._sizes = array("q", (e.size for e in entries))
-        self._has_etag = array("b", (e.etag is not None for e in entries))
-        self._etags = StringTable([e.etag or "" for e in entries])
+        self._keys = StringTable(keys)
+        self._sizes = array("q", sizes)
+        self._has_etag = array("b", (t is not None for t in etags))
+        self._etags = StringTable([t or "" for t in etags])
+
+    def columns(self) -> tuple[list[str], list[int], list[str | None]]:
+        """Keys, sizes and etags, as lists."""
+        etags = [t if has else None for t, has in zip(self._etags.tolist(), self._has_etag)]
+        return self._keys.tolist(), self._sizes.tolist(), etags
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -107,20 +147,35 @@ def select(
     Globs are matched against the whole relative key with ``fnmatch`` rules, where
     ``*`` also crosses '/': ``"*.jpg"`` selects JPEGs at any depth.
     """
-    inc = list(include or [])
-    exc = list(exclude or [])
-    return sorted(
-        e
-        for e in entries
-        if (not inc or any(fnmatch.fnmatchcase(e.key, p) for p in inc))
-        and not any(fnmatch.fnmatchcase(e.key, p) for p in exc)
-    )
+    inc = [re.compile(fnmatch.translate(p)).match for p in include or []]
+    exc = [re.compile(fnmatch.translate(p)).match for p in exclude or []]
+    if inc or exc:
+        entries = [
+            e
+            for e in entries
+            if (not inc or any(m(e.key) for m in inc)) and not any(m(e.key) for m in exc)
+        ]
+    return sorted(entries, key=_key)  # keys are unique: the order of Entry itself, faster
+
+
+def _key(entry: Entry) -> str:
+    return entry.key
 
 
 def fingerprint(entries: Sequence[Entry]) -> str:
+    return fingerprint_columns(
+        [e.key for e in entries], [e.size for e in entries], [e.etag for e in entries]
+    )
+
+
+def fingerprint_columns(
+    keys: Sequence[str], sizes: Sequence[int], etags: Sequence[str | None]
+) -> str:
+    """sha256 over one ``key\0size\0etag\n`` line per entry (hashed in blocks)."""
     h = hashlib.sha256()
-    for e in entries:
-        h.update(f"{e.key}\0{e.size}\0{e.etag or ''}\n".encode())
+    rows = zip(keys, sizes, etags)
+    while block := list(itertools.islice(rows, 1 << 16)):
+        h.update("".join(f"{k}\0{s}\0{t or ''}\n" for k, s, t in block).encode())
     return h.hexdigest()
 
 
@@ -141,7 +196,12 @@ def build_index(
             f"VolumeDataset: no files at {url} ({len(listed)} listed; include={include!r}, "
             f"exclude={exclude!r}). Is the URL right, and does the volume hold any files?"
         )
-    return FileIndex(url, entries, fingerprint(entries))
+    keys, sizes, etags = (
+        [e.key for e in entries],
+        [e.size for e in entries],
+        [e.etag for e in entries],
+    )
+    return FileIndex.from_columns(url, keys, sizes, etags, fingerprint_columns(keys, sizes, etags))
 
 
 def load_or_build_index(
@@ -151,17 +211,25 @@ def load_or_build_index(
     exclude: Sequence[str] | None = None,
     *,
     refresh: bool = False,
+    max_age: float | None = 0.0,
 ) -> FileIndex:
-    """The cached index for (URL, patterns) if there is one, else list and cache it.
+    """The volume's index: the node's cached listing if it is fresh, else a new one.
 
-    ``index_dir=None`` lists without caching. ``refresh=True`` lists again and
-    replaces the cached copy.
+    A cached listing is used if it finished after this call began (another process
+    listed while this one waited for it), or if it is at most ``max_age`` seconds old
+    (``None``: however old; for a volume that never changes), or, with a warning, if
+    the volume cannot be listed now. ``refresh=True`` takes only a listing that
+    finished after this call began. ``index_dir=None`` lists without caching.
     """
     include, exclude = _patterns(include), _patterns(exclude)
+    max_age = check_max_age(max_age)
     if index_dir is None:
         return build_index(store, include, exclude)
+    if refresh:
+        max_age = 0.0
     path = os.path.join(index_dir, f"index-{_cache_key(store.url, include, exclude)}.json")
-    if not refresh and (cached := _read(path, store.url)) is not None:
+    arrived = _stamp(path)  # what was there before asking: a later listing is fresh
+    if _recent(arrived, max_age) and (cached := _read(path, store.url)) is not None:
         return cached
     try:
         os.makedirs(index_dir, exist_ok=True)
@@ -171,14 +239,64 @@ def load_or_build_index(
         return build_index(store, include, exclude)
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one lister per node; the rest wait and read
-        if not refresh and (cached := _read(path, store.url)) is not None:
+        now = _stamp(path)
+        fresh = now is not None and (now != arrived or _recent(now, max_age))
+        if fresh and (cached := _read(path, store.url)) is not None:
             return cached
-        index = build_index(store, include, exclude)
+        started = time.monotonic()
+        try:
+            index = build_index(store, include, exclude)
+        except StoreError as exc:  # the remote is down: the node's last listing still serves
+            if refresh or (cached := _read(path, store.url)) is None:
+                raise
+            log.warning(
+                "%s; using this node's listing of %s from %s (%d files) instead",
+                exc, cached.url, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now[1] / 1e9)),
+                len(cached),
+            )  # fmt: skip
+            return cached
+        if (took := time.monotonic() - started) > SLOW_LISTING and max_age is not None:
+            log.warning(
+                "listing %d files of %s took %.0f s at this start (the node's ranks share it); "
+                "VolumeDataset(index_max_age=SECONDS) reuses a node's listing up to that old, "
+                "index_max_age=None however old, if the volume does not change that often",
+                len(index), index.url, took,
+            )  # fmt: skip
         try:
             _write(path, index, store.url, include, exclude)
         except OSError as exc:
             log.warning("file index not cached at %s: %s", path, exc)
         return index
+
+
+def check_max_age(max_age: object) -> float | None:
+    """``max_age`` as seconds (or None), refused unless a finite number >= 0."""
+    if max_age is None:
+        return None
+    ok = isinstance(max_age, (int, float)) and not isinstance(max_age, bool)
+    if not ok or not math.isfinite(max_age) or max_age < 0:
+        raise ValueError(
+            f"VolumeDataset: index_max_age must be seconds >= 0 or None, got {max_age!r}"
+        )
+    return float(max_age)
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    """Which listing is at ``path`` (inode, mtime): every write replaces the file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _recent(stamp: tuple[int, int] | None, max_age: float | None) -> bool:
+    if stamp is None:
+        return False
+    if max_age is None:
+        return True
+    age = time.time() - stamp[1] / 1e9
+    return 0 <= age <= max_age  # a listing from the future (a clock set back) is not trusted
 
 
 def _patterns(value: str | Sequence[str] | None) -> list[str]:
@@ -195,16 +313,16 @@ def _cache_key(url: str, include: list[str], exclude: list[str]) -> str:
 
 
 def _write(path: str, index: FileIndex, url: str, include: list[str], exclude: list[str]):
-    entries = index.entries
+    keys, sizes, etags = index.columns()
     doc = {
         "format": INDEX_FORMAT,
         "url": redact(url),
         "include": include,
         "exclude": exclude,
         "fingerprint": index.fingerprint,
-        "keys": [e.key for e in entries],
-        "sizes": [e.size for e in entries],
-        "etags": [e.etag for e in entries],
+        "keys": keys,
+        "sizes": sizes,
+        "etags": etags,
     }
     tmp = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path)))
     try:
@@ -224,11 +342,17 @@ def _read(path: str, url: str) -> FileIndex | None:
             doc = json.load(f)
         if doc.get("format") != INDEX_FORMAT or doc.get("url") != redact(url):
             return None
-        entries = tuple(
-            Entry(k, int(s), t) for k, s, t in zip(doc["keys"], doc["sizes"], doc["etags"])
+        keys, sizes, etags = doc["keys"], doc["sizes"], doc["etags"]
+        well_typed = (
+            len(keys) == len(sizes) == len(etags)
+            and all(type(k) is str for k in keys)
+            and all(type(n) is int for n in sizes)
+            and all(t is None or type(t) is str for t in etags)
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    if not entries or fingerprint(entries) != doc.get("fingerprint"):
+    if not well_typed or not keys:
         return None
-    return FileIndex(redact(url), entries, doc["fingerprint"])
+    if fingerprint_columns(keys, sizes, etags) != doc.get("fingerprint"):
+        return None
+    return FileIndex.from_columns(redact(url), keys, sizes, etags, doc["fingerprint"])

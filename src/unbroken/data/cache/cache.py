@@ -45,6 +45,24 @@ class CacheWriteError(OSError):
     """The local disk refused a cache write (full, over quota, read-only)."""
 
 
+class CacheDirError(OSError):
+    """The cache directory cannot be made or written (a file in the way, read-only)."""
+
+
+def cache_limit_bytes(limit: int | str | None, cache_dir: str) -> int | None:
+    """``limit`` in bytes (None: unbounded); refused, naming the cache, unless >= 1 byte."""
+    try:
+        nbytes = parse_size(limit)
+    except ValueError as exc:
+        raise ValueError(f"cache_limit for the cache at {cache_dir}: {exc}") from None
+    if nbytes is not None and nbytes < 1:
+        raise ValueError(
+            f"cache_limit {limit!r} for the cache at {cache_dir} holds no file; give a size "
+            "such as '200GB', or None for no limit"
+        )
+    return nbytes
+
+
 class LocalCache:
     """Remote files copied to ``cache_dir`` on first access and served from there.
 
@@ -60,9 +78,7 @@ class LocalCache:
     ) -> None:
         self.store = store
         self.cache_dir = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir(store)))
-        self.limit = parse_size(limit)
-        if self.limit is not None and self.limit <= 0:
-            raise ValueError(f"LocalCache: limit must be positive, got {limit!r}")
+        self.limit = cache_limit_bytes(limit, self.cache_dir)
         self._setup()
         self.swept = self._sweep()
 
@@ -87,7 +103,14 @@ class LocalCache:
         return removed
 
     def _setup(self) -> None:
-        self.layout = CacheLayout(self.cache_dir)
+        try:
+            self.layout = CacheLayout(self.cache_dir)
+        except OSError as exc:  # a file in the way, a read-only or full disk
+            raise CacheDirError(
+                f"LocalCache: cache_dir {self.cache_dir} cannot hold the data cache: "
+                f"{exc.strerror or exc} ({exc.filename or self.cache_dir}); give a "
+                "directory on a writable local disk"
+            ) from exc
         self._stats = CacheStats()
         self._retries_base = self.store.stats.retries
         self._plan: PlanWriter | None = None
