@@ -32,6 +32,7 @@ from unbroken.checkpoint.preemption import EXIT_CODE, PreemptionWatch
 from unbroken.checkpoint.save_job import SaveJob
 from unbroken.checkpoint.staging.stager import StateStager
 from unbroken.checkpoint.state_dicts import collect
+from unbroken.goodput import autopilot
 from unbroken.goodput import recorder as goodput_recorder
 from unbroken.state.rng import capture_rng_state
 from unbroken.storage import LocalStore, RetryPolicy, Store, open_store
@@ -53,9 +54,16 @@ class CheckpointConfig:
     per durable URL, so a restarted job finds its own local copy."""
     every_steps: int | None = 500
     """maybe_save saves when ``step % every_steps == 0`` (step 0 never)."""
-    every_seconds: float | None = None
+    every_seconds: float | Literal["auto"] | None = None
     """maybe_save also saves when this long has passed since the last save started. On
-    several ranks rank agreement costs one tiny all_reduce per maybe_save call."""
+    several ranks rank agreement costs one tiny all_reduce per maybe_save call. "auto":
+    the Young/Daly optimum ``sqrt(2 * C * MTBF)`` from the measured cost of a save to
+    the loop and the job's failure rate (``mtbf``, or its own event log), never shorter
+    than a save takes to commit (see ``unbroken.goodput.autopilot``)."""
+    mtbf: float | None = None
+    """With ``every_seconds="auto"``: the job's mean time between failures in seconds.
+    None: estimated from the failures of its earlier attempts (the event log), with a
+    prior of one failure an hour that fades as the job runs without one."""
     keep_last: int | None = 3
     """Committed checkpoints kept in the durable tier (None: all)."""
     keep_every_steps: int | None = None
@@ -101,9 +109,17 @@ class CheckpointConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"CheckpointManager: {name} must be a positive int, got {value!r}")
-        if self.every_seconds is not None and self.every_seconds <= 0:
+        if self.every_seconds == "auto":
+            if self.mtbf is not None:
+                _check_seconds("CheckpointManager: mtbf", self.mtbf, zero=False)
+        elif self.every_seconds is not None and (
+            isinstance(self.every_seconds, (str, bool))
+            or not isinstance(self.every_seconds, (int, float))
+            or self.every_seconds <= 0
+        ):
             raise ValueError(
-                f"CheckpointManager: every_seconds must be > 0, got {self.every_seconds}"
+                "CheckpointManager: every_seconds must be a number of seconds > 0 or 'auto', "
+                f"got {self.every_seconds!r}"
             )
         if self.preemption not in ("exit", "flag", "off"):
             raise ValueError(
@@ -177,13 +193,15 @@ class CheckpointManager:
         url: str | os.PathLike,
         staging_dir: str | os.PathLike | None = None,
         every_steps: int | None = 500,
-        every_seconds: float | None = None,
+        every_seconds: float | Literal["auto"] | None = None,
         keep_last: int | None = 3,
         keep_every_steps: int | None = None,
         async_save: bool = True,
         storage_options: dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
+        if every_seconds == "auto" and every_steps == 500:
+            every_steps = None  # "auto" sets the cadence, unless given steps on purpose
         config = CheckpointConfig(
             url=os.fspath(url),
             staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,
@@ -217,6 +235,12 @@ class CheckpointManager:
             owner=self,
             mlflow=config.mlflow,
         )
+        self._autopilot = (
+            autopilot.start(self.store, self._fg_group, self._goodput, config.mtbf)
+            if config.every_seconds == "auto"
+            else None
+        )
+        self._last_call: float | None = None
         self._stager = StateStager(
             max_bytes=config.staging_max_bytes, shared_memory=config.staging_shared_memory
         )
@@ -263,6 +287,8 @@ class CheckpointManager:
         """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
         _check_step(step)
         self._goodput.step(step)
+        if self._autopilot is not None:
+            self._time_step()
         self._report_failures(raising=False)
         if self._preemption is not None and self._preemption.poll():
             return self._save_before_preemption(step, state)
@@ -302,9 +328,28 @@ class CheckpointManager:
         c = self.config
         if c.every_steps is not None and step > 0 and step % c.every_steps == 0:
             return True
-        return (
-            c.every_seconds is not None and time.monotonic() - self._last_start >= c.every_seconds
-        )
+        every = self._every_seconds()
+        return every is not None and time.monotonic() - self._last_start >= every
+
+    def _every_seconds(self) -> float | None:
+        if self._autopilot is None:
+            return self.config.every_seconds  # type: ignore[return-value]
+        before = self._autopilot.chosen
+        now = self._autopilot.interval()
+        if abs(now - before) > 0.1 * before:  # a change worth telling
+            cost = self._autopilot.save_cost()
+            self._goodput.interval(now, save_cost=cost, mtbf=self._autopilot.current_mtbf())
+            log.info("every_seconds='auto': saving every %.1f s", now)
+        return now
+
+    def _time_step(self) -> None:
+        """The autopilot's view of the loop: each step's length, with a save in flight or
+        not (how much a background save slows the steps is part of its cost)."""
+        now = time.monotonic()
+        if self._last_call is not None:
+            saving = self._pipeline.in_flight is not None
+            self._autopilot.step(now - self._last_call, saving=saving)  # type: ignore[union-attr]
+        self._last_call = now
 
     def _save(self, step: int, state: Mapping[str, Any], *, skip_if_busy: bool) -> bool:
         if self._closed:
@@ -341,6 +386,8 @@ class CheckpointManager:
             job.done.wait()
             self._report_failures(raising=self.config.raise_on_failure)
         self.stats.seconds_blocked += time.monotonic() - t0
+        if self._autopilot is not None:
+            self._autopilot.saved(time.monotonic() - t0)
         self._goodput.save_end(step)
         return self.config.async_save or job.error is None
 
@@ -380,6 +427,8 @@ class CheckpointManager:
                 assert job.manifest is not None
                 self.stats.committed += 1
                 self.stats.last_commit_seconds = job.seconds.get("total")
+                if self._autopilot is not None:
+                    self._autopilot.committed(job.seconds.get("total"))
                 self.stats.bytes_committed += job.manifest.nbytes
                 self._committed.add(job.step)
 

@@ -26,6 +26,9 @@ from unbroken.storage import Store
 
 log = logging.getLogger(__name__)
 
+INTERVAL = "interval"
+"""An event: ``every_seconds="auto"`` chose a save interval (info: seconds, save_cost, mtbf)."""
+
 _current: Recorder | None = None
 _open: weakref.WeakSet[Recorder] = weakref.WeakSet()
 _process_start_claimed = False
@@ -72,7 +75,7 @@ class NullRecorder:
     """Recording switched off: every call (those of :class:`Recorder`) does nothing."""
 
     restore_begin = restore_end = step = data_wait = staticmethod(_nothing)
-    save_begin = save_end = commit = close = staticmethod(_nothing)
+    save_begin = save_end = commit = close = interval = staticmethod(_nothing)
 
 
 class Recorder(NullRecorder):
@@ -93,6 +96,7 @@ class Recorder(NullRecorder):
         self.blocked_total = 0.0
         self.last_commit: dict[str, Any] | None = None
         self.loader_metrics: Any = None
+        self.checkpoint_interval_seconds: float | None = None
         self.sink: Any = None
 
     def now(self) -> float:
@@ -146,6 +150,11 @@ class Recorder(NullRecorder):
         self._add(ev.COMMIT, step=step, info=info)
         if ok:
             self.last_commit = info
+
+    def interval(self, seconds: float, *, save_cost: float | None, mtbf: float) -> None:
+        """``every_seconds="auto"`` chose a new save interval."""
+        self.checkpoint_interval_seconds = seconds
+        self._add(INTERVAL, info={"seconds": seconds, "save_cost": save_cost, "mtbf": mtbf})
 
     def close(self) -> None:
         """A clean end: the last event, flushed to the durable tier now."""
