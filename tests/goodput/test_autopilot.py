@@ -101,5 +101,5 @@ def test_auto_counts_the_failures_of_earlier_attempts(tmp_path):
 @pytest.mark.parametrize("bad", [{"every_seconds": "sometimes"}, {"every_seconds": True},
                                  {"every_seconds": "auto", "mtbf": 0}])  # fmt: skip
 def test_bad_cadence_is_refused_by_name(tmp_path, bad):
-    with pytest.raises(ValueError, match="every_seconds|mtbf"):
+    with pytest.raises(ValueError, match=r"every_seconds|mtbf"):
         ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st", **bad)
