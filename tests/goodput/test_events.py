@@ -73,3 +73,18 @@ def test_a_live_process_log_is_left_alone(tmp_path):
     log.flush(durable=False)
     assert ev.salvage_local_logs(store, str(tmp_path / "st")) == 0
     assert os.path.exists(log.local_path)
+
+
+def test_flushes_are_compacted_into_a_new_object_and_nothing_is_lost(tmp_path):
+    store = ub.open_store(tmp_path / "ck")
+    log = ev.EventLog(store, str(tmp_path / "st"), "a1", 0, compact_every=3)
+    log.append(start_event("a1", os.getpid()))
+    for n in range(1, 8):
+        log.append(ev.Event(ev.STEP, 100.0 + n, n, step=n, begin=99.0 + n))
+        assert log.flush(durable=True, beat=100.5 + n)
+    names = sorted(e.key.rsplit("/", 1)[1] for e in store.list(ev.PREFIX))
+    # flushes 1-3 and 4-6 merged (events 0-3 and 4-6), flush 7 not yet
+    assert names == ["000000000-000000003.jsonl", "000000004-000000006.jsonl", "000000007.jsonl"]
+    got = ev.read_log(store)["a1"][0]
+    assert [e.n for e in got if e.n >= 0] == list(range(8))
+    assert got[-1].kind == ev.BEAT and got[-1].t == 107.5

@@ -107,7 +107,7 @@ def test_a_restarted_attempt_logs_to_the_same_run_on_a_real_server(tmp_path, mlf
     url, staging = str(tmp_path / "ck"), str(tmp_path / "st")
     job_env = {**env(), "MLFLOW_TRACKING_URI": mlflow_server, "UNBROKEN_MLFLOW_EVERY_STEPS": "5"}
     args = [sys.executable, str(JOB), "--url", url, "--staging", staging, "--data", data,
-            "--step-seconds", "0.1"]  # fmt: skip
+            "--step-seconds", "0.3"]  # fmt: skip  (the run opens before the kill)
     first = subprocess.run([*args, "--crash-at", "25"], env=job_env, capture_output=True,
                            text=True, timeout=300)  # fmt: skip
     assert first.returncode == -9, first.stderr

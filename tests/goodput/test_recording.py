@@ -99,12 +99,14 @@ def test_a_two_rank_job_under_torchrun_counts_its_restart_and_redone_steps(tmp_p
         b = job_breakdown(log, rank)
         assert b.restarts == 1 and b.wasted_steps == 5, (rank, b.as_dict())
         assert b.attempts[1].restored_step == 20 and b.attempts[1].clean
-    p = subprocess.run(
-        [sys.executable, "-m", "unbroken.cli", "goodput", url, "--json"],
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    report = json.loads(p.stdout)
-    assert report["restarts"] == 1 and report["wasted_steps"] == 5 and report["rank"] == 0
+    for rank in (0, 1):
+        p = subprocess.run(
+            [sys.executable, "-m", "unbroken.cli", "goodput", url, "--json", "--rank", str(rank)],
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        report = json.loads(p.stdout)
+        assert report["restarts"] == 1 and report["wasted_steps"] == 5
+        assert report["rank"] == rank

@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,7 +160,8 @@ def read_log(store: Store) -> dict[str, dict[int, list[Event]]]:
 
 class EventLog:
     """One rank's log of one attempt: appends are a deque push; a daemon thread does the
-    rest (local copy every ``local_seconds``, a new durable object every ``durable_seconds``).
+    rest (local copy every ``local_seconds``, a new durable object every ``durable_seconds``,
+    every ``compact_every`` of those merged into one).
     """
 
     def __init__(
@@ -171,13 +172,19 @@ class EventLog:
         rank: int,
         *,
         local_seconds: float = 1.0,
-        durable_seconds: float = 30.0,
+        durable_seconds: float = 60.0,
+        compact_every: int = 60,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.attempt = attempt
         self.rank = rank
         self.local_seconds = local_seconds
         self.durable_seconds = durable_seconds
+        self.compact_every = compact_every
+        self.clock = clock
+        self._written: list[tuple[str, list[Event]]] = []
+        """Objects written since the last compaction, with their events."""
         self.local_dir = os.path.join(staging_dir, PREFIX)
         self.local_path = os.path.join(self.local_dir, f"attempt-{attempt}-rank-{rank}.jsonl")
         self._queue: collections.deque[Event | tuple] = collections.deque()
@@ -220,19 +227,43 @@ class EventLog:
                 self._beat = batch[-1]
             if not durable or not self._unsent:
                 return True
-            first = self._unsent[0].n
-            tail = [self._beat] if self._beat is not None else []
-            data = "".join(e.to_json() + "\n" for e in [*self._unsent, *tail]).encode()
-            try:
-                self.store.write_bytes(object_key(self.attempt, self.rank, first), data)
-            except Exception as exc:
-                if not self._warned:
-                    log.warning("goodput: event log not written to %s: %s", self.store.url, exc)
-                    self._warned = True
+            key = object_key(self.attempt, self.rank, self._unsent[0].n)
+            if not self._write_durable(key, self._unsent):
                 return False
+            self._written.append((key, self._unsent))
             self._unsent = []
             self._last_durable = time.monotonic()
+            if len(self._written) >= self.compact_every:
+                self._compact()
             return True
+
+    def _write_durable(self, key: str, events: list[Event]) -> bool:
+        tail = [self._beat] if self._beat is not None else []
+        data = "".join(e.to_json() + "\n" for e in [*events, *tail]).encode()
+        try:
+            self.store.write_bytes(key, data)
+        except Exception as exc:
+            if not self._warned:
+                log.warning("goodput: event log not written to %s: %s", self.store.url, exc)
+                self._warned = True
+            return False
+        return True
+
+    def _compact(self) -> None:
+        """Replace this log's last ``compact_every`` objects by one NEW object holding
+        them all, then delete them: a long job keeps a few objects per hour in the
+        durable tier, not one per flush. A crash in between leaves duplicates, which a
+        reader drops by number."""
+        events = [e for _, evs in self._written for e in evs]
+        key = f"{rank_prefix(self.attempt, self.rank)}/{events[0].n:09d}-{events[-1].n:09d}.jsonl"
+        if not self._write_durable(key, events):
+            return
+        for old, _ in self._written:
+            try:
+                self.store.delete(old)
+            except Exception as exc:
+                log.debug("goodput: %s not deleted after compaction: %s", old, exc)
+        self._written = []
 
     def close(self, *, beat: float, remove_local: bool) -> bool:
         """Stop the thread, flush everything to the durable tier; with ``remove_local``,
@@ -279,7 +310,7 @@ class EventLog:
         while not self._stop.wait(self.local_seconds):
             due = time.monotonic() - self._last_durable >= self.durable_seconds
             try:
-                self.flush(durable=due, beat=time.time())
+                self.flush(durable=due, beat=self.clock())
             except Exception:  # never let accounting kill the job
                 log.exception("goodput: event log flush failed")
 

@@ -1,6 +1,6 @@
 """Follow a job live in MLflow: rank 0 logs the loop's figures every N steps.
 
-On when ``mlflow`` is importable and a tracking URI is configured (``MLFLOW_TRACKING_URI``)
+On when ``mlflow`` is installed and a tracking URI is configured (``MLFLOW_TRACKING_URI``)
 or a run is active when the manager is made; off with ``CheckpointManager(mlflow=False)``
 or ``UNBROKEN_MLFLOW=0``. Everything after the start (creating the run, logging) happens
 on the sink's own thread, through ``MlflowClient`` with an explicit run id, so a slow
@@ -19,6 +19,7 @@ Metrics, each logged at the training step it was read at:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -57,21 +58,19 @@ def every_steps() -> int:
 def wanted() -> tuple[str, str | None] | None:
     """(tracking URI, the active run's id or None) if MLflow should be fed, else None.
 
-    Never imports mlflow only to find out: without ``MLFLOW_TRACKING_URI`` a run can only
-    be active if the user's code imported mlflow already."""
+    Never imports mlflow here (seconds): a run can only be active if the user's code
+    imported it already; with only ``MLFLOW_TRACKING_URI`` set the sink's thread does."""
     if not enabled_by_env():
         return None
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None:
+        active = mlflow.active_run()
+        if active is not None:
+            return mlflow.get_tracking_uri(), active.info.run_id
     uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri and "mlflow" not in sys.modules:
+    if not uri or importlib.util.find_spec("mlflow") is None:
         return None
-    try:
-        import mlflow
-    except ImportError:
-        return None
-    active = mlflow.active_run()
-    if active is None and not uri:
-        return None
-    return mlflow.get_tracking_uri(), active.info.run_id if active is not None else None
+    return uri, None
 
 
 class MlflowSink:

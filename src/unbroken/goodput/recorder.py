@@ -211,6 +211,7 @@ def start(
         store, staging_dir, attempt, rank, durable_seconds=_durable_seconds(rank)
     )
     rec = Recorder(event_log, wall0, mono0)
+    event_log.clock = rec.now
     info = {
         "pid": os.getpid(),
         "host": socket.gethostname(),
@@ -236,12 +237,14 @@ def start(
 
 
 def _durable_seconds(rank: int) -> float:
-    """Rank 0's log (the job's figure) is flushed every 30 s, the others every 2 min: a
-    thousand ranks must not fill the durable tier's listings. Env: UNBROKEN_GOODPUT_FLUSH."""
+    """Rank 0's log (the job's figure) goes to the durable tier every minute; the other
+    ranks' once at the start and at the end (close or exit), their crashed tails by the
+    next attempt on the node: a thousand ranks must not fill the durable tier's listings.
+    ``UNBROKEN_GOODPUT_FLUSH`` (seconds) sets it for every rank."""
     value = os.environ.get("UNBROKEN_GOODPUT_FLUSH")
     if value:
         return float(value)
-    return 30.0 if rank == 0 else 120.0
+    return 60.0 if rank == 0 else float("inf")
 
 
 @atexit.register
