@@ -110,6 +110,7 @@ INTERNAL_ERRORS = {
     "TransientStoreError": "retried inside the store; users see RetriesExhaustedError",
     "StagingBusyError": "the manager checks stager.busy first; it skips or waits instead",
     "UnsafeValueError": "reaches users as the cause of a SaveFailedError or as corruption",
+    "CliError": "the CLI prints it as one line, 'unbroken VERB: error: ...', and exits 1 or 2",
 }
 """Error classes no user meets as such, and why."""
 

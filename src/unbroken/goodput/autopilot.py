@@ -31,7 +31,7 @@ time on top of what was observed: a job starts out assuming an hourly failure, a
 estimate grows as it runs without one (a large fleet's per-job rate is of that order:
 8.6 interruptions a day is one every 2.8 hours)."""
 
-FIRST_INTERVAL = 60.0
+FIRST_INTERVAL = 10.0
 """Seconds to the first save, before any save has been measured."""
 
 MIN_INTERVAL = 1.0

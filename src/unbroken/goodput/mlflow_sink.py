@@ -14,6 +14,7 @@ Metrics, each logged at the training step it was read at:
 - ``checkpoint_commit_seconds``: the newest commit's save-to-commit time;
 - ``checkpoint_upload_mb_per_s``: its bytes over its upload time;
 - ``cache_hit_ratio``: the loader's cache hits over hits and misses, so far;
+- ``checkpoint_interval_seconds``: with ``every_seconds="auto"``, the interval chosen;
 - ``goodput``: the job's goodput so far (rank 0's timeline, earlier attempts included).
 """
 
@@ -43,6 +44,7 @@ METRICS = (
     "checkpoint_upload_mb_per_s",
     "cache_hit_ratio",
     "goodput",
+    "checkpoint_interval_seconds",
 )
 
 
@@ -199,6 +201,9 @@ class MlflowSink:
         goodput = self._running_goodput()
         if goodput is not None:
             values["goodput"] = goodput
+        interval = getattr(rec, "checkpoint_interval_seconds", None)
+        if interval is not None:  # every_seconds="auto" chose it
+            values["checkpoint_interval_seconds"] = float(interval)
         now_ms = int(time.time() * 1000)
         batch = [Metric(k, float(v), now_ms, step) for k, v in values.items()]
         self._client.log_batch(self.run_id, metrics=batch)
