@@ -236,17 +236,20 @@ def test_checksum_sees_every_byte_in_its_place():
 
 
 def test_memory_sampler_sees_a_short_lived_allocation():
+    import mmap
     import time
-
-    import torch
 
     from _ckpt_measure import MemorySampler
 
     sampler = MemorySampler().start()
     base = sampler.sample()
-    block = torch.ones(64 << 20)  # 256 MiB, touched
+    # A fresh mapping, not the allocator's: earlier tests in this process may have left
+    # resident memory that a tensor allocation would reuse without raising RSS.
+    block = mmap.mmap(-1, 256 << 20)
+    for offset in range(0, len(block), 4096):
+        block[offset] = 1  # touched: resident
     time.sleep(0.5)
-    del block
+    block.close()
     peak = sampler.stop()
     assert peak - base >= 200 << 20
     assert sampler.sample() - base < 100 << 20  # freed again
