@@ -154,3 +154,63 @@ def test_sigterm_to_the_agent_then_a_new_job_resumes_at_the_step_reached(tmp_pat
         shutil.rmtree(stage)
     second = _finish(_launch(tmp_path / "job", 60, 0))
     assert _last(second, "RESTORED", 0, 0) == reached == _last(second, "RESTORED", 1, 0)
+
+
+_NOT_SWALLOWED = """
+import os, signal, sys, time, torch, unbroken as ub
+import unbroken.checkpoint.preemption as preemption
+preemption.HANDLE_WITHIN_SECONDS = 1.0
+d, case = sys.argv[1], sys.argv[2]
+st = {"model": torch.nn.Linear(4, 4)}
+def mgr(name, **kw):
+    return ub.CheckpointManager(f"{d}/{name}", staging_dir=f"{d}/s-{name}", **kw)
+if case == "never_closed":
+    def run():
+        m = mgr("a", every_steps=2)
+        m.maybe_save(1, st)
+        raise RuntimeError("a bug in the user's loop")
+    try:
+        run()
+    except RuntimeError:
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+elif case == "closed_out_of_order":
+    a, b = mgr("a"), mgr("b", preemption="flag")
+    a.close()
+    b.close()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+elif case == "save_only_loop":
+    m = mgr("a", every_steps=None)
+    os.kill(os.getpid(), signal.SIGTERM)
+    for step in range(1, 4):
+        m.save(step, st)
+    m.close()
+    time.sleep(5)
+elif case == "second_signal_after_flag":
+    m = mgr("a", every_steps=None, preemption="flag")
+    os.kill(os.getpid(), signal.SIGTERM)
+    m.maybe_save(1, st)
+    assert m.preempted
+    m.maybe_save(2, st)  # one preemption save, not one per call
+    assert [c.step for c in m.checkpoints()] == [1], m.checkpoints()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+print("STILL ALIVE")
+"""
+
+
+@pytest.mark.parametrize(
+    "case", ["never_closed", "closed_out_of_order", "save_only_loop", "second_signal_after_flag"]
+)
+def test_a_signal_no_save_takes_up_still_ends_the_process(tmp_path, case):
+    """A scheduler's SIGTERM is never swallowed: a manager never closed, managers closed
+    out of order, a loop with no maybe_save, a signal after the preemption save."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _NOT_SWALLOWED, str(tmp_path), case],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    assert "STILL ALIVE" not in proc.stdout

@@ -309,6 +309,8 @@ class CheckpointManager:
         saved = self._save(step, state, skip_if_busy=False)
         self.wait()  # raises if the save failed: the process must not end quietly then
         self.preempted = True
+        assert self._preemption is not None
+        self._preemption.handled = True  # one save; a later signal goes on as usual
         if self.config.preemption == "exit":
             log.warning("preempted: step %d is committed; ending the process", step)
             self.close()

@@ -3,18 +3,26 @@
 Slurm and Kubernetes send SIGTERM some seconds before they take a node; torchrun's
 agent forwards it to every worker and kills them about 30 s later. The handler only
 raises a flag. Ranks receive the signal at different moments, so they must agree on
-the step to save at: every ``POLL_EVERY_CALLS``-th ``maybe_save`` call starts a tiny
-asynchronous all_reduce of the flag on a group of its own and reads the result of the
-one before, which has long arrived by then. The loop does not wait for it, and every
-rank learns of the signal at the same call, at most ``2 * POLL_EVERY_CALLS`` calls
-after the first rank raised its flag.
+the step to save at: ``maybe_save`` calls agree on the flag with a one-integer
+all_reduce on a group of the manager's own, at a cadence the ranks also agree on. Where
+a step is long (a quarter second or more), every call agrees, synchronously, so the
+save comes at most one step after the signal; where steps are short, every k-th call
+starts an asynchronous all_reduce and reads the one before (k up to 16, about a quarter
+second of steps), so the loop does not wait for it.
+
+A signal nothing acts on is not swallowed: after ``HANDLE_WITHIN_SECONDS`` without a
+``maybe_save`` (a loop that ended, a long evaluation, a manager never closed), a second
+signal, or once the manager is closed, it goes on to the handler before ours (by
+default: the process ends, as SIGTERM meant).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -25,9 +33,14 @@ from unbroken.checkpoint.collectives import Group
 
 log = logging.getLogger(__name__)
 
-POLL_EVERY_CALLS = 4
-"""Calls between two agreements: fewer collectives (each costs tens of microseconds of
-launch, more on a loaded CPU), against a few more steps of the grace period."""
+AGREE_EVERY_SECONDS = 0.25
+"""Loop time between two agreements on the flag (at most ``MAX_CALLS_BETWEEN`` calls)."""
+
+MAX_CALLS_BETWEEN = 16
+"""The most maybe_save calls between two agreements, however short the steps."""
+
+HANDLE_WITHIN_SECONDS = 10.0
+"""A signal no maybe_save acted on after this long is passed on (see the module doc)."""
 
 EXIT_CODE = 128 + signal.SIGTERM
 """What a preempted process exits with after its save committed (as if SIGTERM had
@@ -42,9 +55,17 @@ class PreemptionWatch:
         self.group = group
         self.received: int | None = None
         """The signal this process received, if any."""
+        self.handled = False
+        """The preemption save was made: later signals go on to the earlier handler."""
+        self.acting = False
+        """A maybe_save took the signal up (its save may take a while: no watchdog then)."""
+        self._closed = False
+        self._forward = False
         self._previous: dict[int, Any] = {}
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._calls = 0
+        self._every = 1  # calls between agreements, agreed by every rank; 1: synchronous
+        self._agreed_at = (0, time.monotonic())
         if threading.current_thread() is not threading.main_thread():
             log.warning(
                 "CheckpointManager built outside the main thread: Python delivers signals "
@@ -55,45 +76,98 @@ class PreemptionWatch:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        first = self.received is None
+        if self._closed or self._forward or self.handled or self.received is not None:
+            self._pass_on(signum, frame)  # closed, timed out, already saved, or a 2nd signal
+            return
         self.received = signum
-        if first:
-            log.warning(
-                "%s received: the next maybe_save saves the step reached and waits for "
-                "its commit", signal.Signals(signum).name
-            )
+        log.warning(
+            "%s received: the next maybe_save saves the step reached and waits for its "
+            "commit (a second one ends the process at once)", signal.Signals(signum).name
+        )
+        threading.Thread(
+            target=self._watchdog, args=(signum,), name="unbroken-preempt", daemon=True
+        ).start()
         previous = self._previous.get(signum)
         if callable(previous):  # the user's own handler still runs
             previous(signum, frame)
 
+    def _pass_on(self, signum: int, frame: FrameType | None) -> None:
+        """What the signal would have done without us (main thread, in the handler)."""
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous in (signal.SIG_DFL, None):
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def _watchdog(self, signum: int) -> None:
+        deadline = time.monotonic() + HANDLE_WITHIN_SECONDS
+        while time.monotonic() < deadline:
+            if self.acting or self.handled or self._closed:
+                return
+            time.sleep(0.1)
+        log.warning(
+            "%s: no maybe_save acted on it within %.0f s; passing it on",
+            signal.Signals(signum).name,
+            HANDLE_WITHIN_SECONDS,
+        )
+        self._forward = True
+        os.kill(os.getpid(), signum)  # the main thread's handler passes it on
+
     def poll(self) -> bool:
         """Once per ``maybe_save`` on every rank: True when every rank must save now."""
+        if self.handled or self.acting:
+            return False
+        self.acting = self._agree()
+        return self.acting
+
+    def _agree(self) -> bool:
         if self.group.pg is None:
             return self.received is not None
         self._calls += 1
-        if self._calls % POLL_EVERY_CALLS:
+        calls, since = self._agreed_at
+        if self._calls - calls < self._every:
             return False
-        agreed = False
-        if self._pending is not None:
-            work, flag = self._pending
-            work.wait()
-            self._pending = None
-            agreed = bool(flag.item())
+        per_call = (time.monotonic() - since) / max(self._calls - calls, 1)
+        proposal = max(1, min(MAX_CALLS_BETWEEN, int(AGREE_EVERY_SECONDS / max(per_call, 1e-6))))
+        self._agreed_at = (self._calls, time.monotonic())
+        mine = torch.tensor([0 if self.received is None else 1, proposal], dtype=torch.int64)
+        if self._every == 1:  # long steps: agree now
+            if self._pending is not None:  # left from a faster phase: read it first
+                agreed = self._read_pending()
+                if agreed:
+                    return True
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group.pg)
+            self._every = int(mine[1])
+            return bool(mine[0])
+        agreed = self._read_pending()
         if not agreed:
-            flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
-            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group.pg, async_op=True)
-            self._pending = (work, flag)
+            work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group.pg, async_op=True)
+            self._pending = (work, mine)
         return agreed
+
+    def _read_pending(self) -> bool:
+        if self._pending is None:
+            return False
+        work, flags = self._pending
+        work.wait()
+        self._pending = None
+        self._every = int(flags[1])
+        return bool(flags[0])
 
     def close(self) -> None:
         """Put the earlier handlers back; finish the agreement in flight (every rank has
-        issued it, so it completes)."""
+        issued it, so it completes). A signal received and never acted on goes on now."""
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None
+        self._closed = True
+        unhandled = self.received if not self.handled else None
         if threading.current_thread() is threading.main_thread():
             for sig, previous in self._previous.items():
                 if signal.getsignal(sig) == self._on_signal:
                     signal.signal(sig, previous)
-        self._previous.clear()
-
+            if unhandled is not None:
+                log.warning("closing with a %s no maybe_save acted on: passing it on",
+                            signal.Signals(unhandled).name)  # fmt: skip
+                self._pass_on(unhandled, None)
