@@ -98,6 +98,21 @@ def test_verify_names_the_file_with_a_flipped_byte(capsys, checkpoints, tmp_path
     assert code == 1 and "__0_0.distcp" in json.loads(out)["4"][0]
 
 
+@pytest.mark.parametrize("damage", ["edited", "cut short"])
+def test_verify_names_a_damaged_manifest(capsys, checkpoints, tmp_path, damage):
+    """Restore would skip that step without a word: verify must say so and exit 1."""
+    ck = copy_tree(checkpoints, tmp_path / "ck")
+    manifest = ck / step_dir(4) / "manifest.json"
+    text = manifest.read_text()
+    manifest.write_text(text.replace('"epoch": 3', '"epoch": 4') if damage == "edited"
+                        else text[: len(text) // 2])  # fmt: skip
+    assert damage == "cut short" or '"epoch": 4' in manifest.read_text()
+    code, out, err = run(capsys, "verify", str(ck))
+    assert code == 1, out
+    assert f"CORRUPT {ck / step_dir(4)}/manifest.json" in out
+    assert "ok " in out  # step 2 is sound
+
+
 def test_verify_of_a_partial_or_absent_step_fails(capsys, checkpoints):
     code, out, _ = run(capsys, "verify", str(checkpoints), "--step", "6")
     assert code == 1 and "not committed" in out

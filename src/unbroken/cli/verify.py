@@ -11,8 +11,8 @@ import argparse
 import json
 import sys
 
-from unbroken.checkpoint.catalog import list_checkpoints, verify_checkpoint
-from unbroken.checkpoint.format.manifest import step_dir
+from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
+from unbroken.checkpoint.format.manifest import MANIFEST_NAME, step_dir
 from unbroken.cli.errors import CliError
 from unbroken.cli.stores import open_existing
 
@@ -40,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
         if not chosen:
             raise CliError(f"no checkpoint of step {args.step} under {store.url}")
     else:
-        chosen = [i for i in infos if i.committed]
+        # Committed steps, and steps whose commit record is there but fails its checks (a
+        # manifest edited or cut short: restore skips it, and that is corruption to report).
+        chosen = [i for i in infos if i.committed or _damaged_record(store, i)]
         if not chosen:
             why = "only partial ones" if infos else "none at all"
             raise CliError(f"no committed checkpoint under {store.url} ({why})")
@@ -51,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
         for info in chosen:
             bar.set_description(f"step {info.step}")
             if not info.committed:
-                report[info.step] = [f"not committed: {info.problem}"]
+                if _damaged_record(store, info):
+                    report[info.step] = [f"{MANIFEST_NAME}: {info.problem}"]
+                else:
+                    report[info.step] = [f"not committed: {info.problem}"]
                 continue
             report[info.step] = verify_checkpoint(store, info.step, deep=True, on_bytes=bar.update)
     finally:
@@ -71,6 +76,14 @@ def run(args: argparse.Namespace) -> int:
         n = sum(len(p) for p in bad.values())
         raise CliError(f"{n} problem(s) in {len(bad)} checkpoint(s) under {store.url}")
     return 0
+
+
+def _damaged_record(store, info: CheckpointInfo) -> bool:
+    """A step that is not committed although its manifest is there (and not one a newer
+    unbroken wrote): the commit record itself is damaged."""
+    if info.committed or info.newer_format:
+        return False
+    return store.exists(f"{step_dir(info.step)}/{MANIFEST_NAME}")
 
 
 def _progress(total: int, *, disable: bool):
