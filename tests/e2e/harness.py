@@ -105,7 +105,8 @@ class Agent:
         return found
 
     def wait_until(self, found, what: str, timeout: float = 240):
-        """Wait until ``found(lines)`` returns something other than None; that."""
+        """Wait until ``found(lines)`` returns something other than None (asked at each
+        new line, and every 50 ms); that."""
         deadline = time.monotonic() + timeout
         with self._new_line:
             while (value := found(list(self.lines))) is None:
@@ -114,7 +115,7 @@ class Agent:
                 if time.monotonic() > deadline:
                     self.kill()
                     raise AssertionError(f"no {what} in {timeout}s:\n{self.output}")
-                self._new_line.wait(timeout=1.0)
+                self._new_line.wait(timeout=0.05)
         return value
 
     def wait_for_starts(self, count: int, timeout: float = 240) -> tuple[int, int]:
@@ -141,6 +142,11 @@ class Agent:
             return None
 
         return self.wait_until(found, f"step {step}", timeout)
+
+    def last_step(self, after: int) -> int:
+        """The newest step rank 0 reported in the lines past index ``after`` (0: none)."""
+        found = [int(m[1]) for _, line in self.lines[after + 1 :] for m in PROGRESS.finditer(line)]
+        return max(found, default=0)
 
     def workers(self) -> list[psutil.Process]:
         """The ranks this agent runs now (its children running the example)."""
@@ -290,16 +296,22 @@ def kill_at_random_moments(
     jitter: float,
     world_size: int = 2,
 ) -> CrashLog:
-    """Kill one rank of ``agent`` ``kills`` times: each attempt (once every rank announced
-    its start) trains to a random step at most ``span`` past the one it restored, then
-    runs on for a random ``jitter`` fraction of seconds, and a random rank dies. The job
-    must log every step (``--log-every 1``); each kill records the save phase it hit."""
+    """Kill one rank of ``agent`` ``kills`` times. Each attempt (once every rank announced
+    its start) first commits a step past the one it restored (so every kill loses work a
+    restore must bring back), trains on to a random step at most ``span`` further, runs
+    for a random fraction of ``jitter`` seconds more, and a random rank dies. The job must
+    log every step (``--log-every 1``); each kill records the save phase it hit."""
     log = CrashLog()
     for attempt in range(kills):
         line, restored = agent.wait_for_starts(world_size * (attempt + 1))
-        if restored >= steps - 1:
+        agent.wait_until(
+            lambda _, r=restored: True if max(committed_steps(durable), default=0) > r else None,
+            f"a commit past step {restored}",
+        )
+        now = agent.last_step(after=line)
+        if now >= steps - 1:
             break  # nothing left to interrupt
-        agent.wait_for_step(rng.randint(restored + 1, min(steps - 1, restored + span)), line)
+        agent.wait_for_step(rng.randint(now + 1, min(steps - 1, now + span)), line)
         time.sleep(rng.uniform(0.0, jitter))
         started = agent.lines[line][0]
         phase = save_phase(durable, staging, started, world_size)
