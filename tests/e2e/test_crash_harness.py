@@ -102,6 +102,6 @@ def test_random_kills_end_bitwise_equal_to_an_uninterrupted_run(
 def test_soak_many_random_kills(request, tmp_path, script):
     kills = int(os.environ.get("UNBROKEN_SOAK_KILLS", "50"))
     log = crash_run(
-        request, tmp_path, script, kills=kills, steps=10 * kills, every=4, span=15, jitter=0.4
+        request, tmp_path, script, kills=kills, steps=20 * kills, every=4, span=15, jitter=0.4
     )
     assert len(log.kills) == kills, f"the job ended after {len(log.kills)} kills: {log}"
