@@ -279,6 +279,8 @@ class CrashLog:
     kills: list[Kill] = field(default_factory=list)
     restores: list[tuple[int, int, str | None]] = field(default_factory=list)
     """(rank, step, tier) of each start after the first."""
+    restart_seconds: list[float] = field(default_factory=list)
+    """From each kill to every rank's start of the next attempt (restored, ready)."""
 
     def phases(self) -> dict[str, int]:
         return {p: sum(k.phase == p for k in self.kills) for p in PHASES}
@@ -340,6 +342,7 @@ def check_run(crashed: Agent, log: CrashLog, result: dict, reference: dict) -> N
         newest = max(kill.committed, default=0)
         assert step >= newest, f"kill {k} ({kill.phase}): restored {step}, {newest} committed"
         log.restores += [(rank, s, tier) for _, rank, s, tier in attempt]
+        log.restart_seconds.append(max(t for t, *_ in attempt) - kill.when)
     uncommitted = [step for step, committed in crashed.restored if not committed]
     assert not uncommitted, f"restored steps without a commit record: {uncommitted}"
     for key in ("samples_sha256", "steps"):

@@ -76,7 +76,8 @@ def crash_run(request, tmp_path, script, *, kills, steps, every, span, jitter) -
               read_result(tmp_path / "reference" / "result.json"))  # fmt: skip
     print(
         f"{script} (seed {seed}): {len(log.kills)} kills in {time.monotonic() - started:.0f}s, "
-        f"by phase {log.phases()}, restored {[s for _, s, _ in log.restores]}"
+        f"by phase {log.phases()}, restored {[s for _, s, _ in log.restores]}, "
+        f"kill to restored: {sum(log.restart_seconds) / max(1, len(log.kills)):.1f}s on average"
     )
     return log
 
