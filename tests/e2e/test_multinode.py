@@ -1,0 +1,97 @@
+"""Two "nodes" on one machine: a node lost and replaced by one with an empty local disk.
+
+Two torchrun agents (``--nnodes 2``, c10d rendezvous on 127.0.0.1), one rank each, each
+node with its own staging directory and data cache. Node 1 is killed whole (its agent
+and its rank) between two saves and a replacement starts on an empty staging directory
+and cache: it restores from the durable tier, node 0 (restarted by its agent) from the
+files its own staging tier holds, and the run ends bitwise equal to an uninterrupted
+one. Node 0 hosts torchrun's rendezvous store: losing it would end the job (see
+``Agent``), so it is the other node that goes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.checkpoint.distributed import free_port
+from tests.e2e.harness import Agent, committed_steps, read_result, save_phase
+from tests.e2e.test_crash_harness import EXAMPLES, faulty_remote, launch
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = "train_classifier.py"
+STEPS, EVERY = 40, 8
+
+
+def start_node(rank: int, endpoint: str, volume, run, staging: str, remote: dict) -> Agent:
+    args = [
+        "--data", f"emulated::{volume}", "--checkpoints", f"emulated::{run / 'durable'}",
+        "--staging-dir", str(run / staging), "--storage-options", json.dumps(remote),
+        "--steps", str(STEPS), "--every-steps", str(EVERY), "--log-every", "1",
+        "--result", str(run / "result.json"), *EXAMPLES[SCRIPT][1],
+    ]  # fmt: skip
+    return Agent(
+        SCRIPT, args, nproc=1, nnodes=2, endpoint=endpoint, hosts_store=rank == 0,
+        max_restarts=1, env={"UNBROKEN_CACHE_DIR": str(run / f"cache-{staging}")},
+        durable=run / "durable",
+    )  # fmt: skip
+
+
+def wait_between_saves(run, staging: list, since: float, after: int) -> set[int]:
+    """Wait until a step past ``after`` is committed and copied into every staging tier,
+    and no newer save has begun; the committed steps then."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        committed = committed_steps(run / "durable")
+        if max(committed, default=0) > after and save_phase(
+            run / "durable", staging, since, world_size=2
+        ) == "step":
+            return committed
+        time.sleep(0.02)
+    raise AssertionError("no commit came")
+
+
+@pytest.mark.timeout(600)
+def test_a_replaced_node_restores_from_durable_the_other_from_its_own_disk(
+    tmp_path, jpeg_volume
+):
+    reference = launch(SCRIPT, jpeg_volume, tmp_path, "reference", STEPS, EVERY)
+    run, remote = tmp_path / "nodes", faulty_remote()
+    endpoint = f"127.0.0.1:{free_port()}"
+    survivor = start_node(0, endpoint, jpeg_volume, run, "staging-0", remote)
+    lost = start_node(1, endpoint, jpeg_volume, run, "staging-1", remote)
+    replacement = None
+    try:
+        line, _ = survivor.wait_for_starts(1)
+        lost.wait_for_starts(1)
+        staging = [run / "staging-0", run / "staging-1"]
+        committed = wait_between_saves(run, staging, survivor.lines[line][0], after=EVERY)
+        lost.kill()  # the whole node: its agent and its rank
+        replacement = start_node(1, endpoint, jpeg_volume, run, "staging-new", remote)
+        survivor.finish(timeout=300)
+        replacement.finish(timeout=300)
+        reference.finish(timeout=300)
+    finally:
+        for agent in (survivor, lost, replacement, reference):
+            if agent is not None:
+                agent.kill()
+
+    newest = max(committed)
+    (*_, (_, _, kept_step, kept_tier)) = survivor.starts()
+    ((_, _, new_step, new_tier),) = replacement.starts()
+    assert kept_step == new_step >= newest, (committed, survivor.output, replacement.output)
+    assert new_tier == "durable", replacement.output  # an empty disk: all from the remote
+    assert kept_tier is not None and "staging" in kept_tier, survivor.output
+    assert all(committed for _, committed in survivor.restored + replacement.restored)
+    result, want = read_result(run / "result.json"), read_result(
+        tmp_path / "reference" / "result.json"
+    )
+    assert result["samples_sha256"] == want["samples_sha256"]
+    for got, expected in zip(result["ranks"], want["ranks"]):
+        assert got["weights_sha256"] == expected["weights_sha256"]
+        assert got["optimizer_sha256"] == expected["optimizer_sha256"]
+    print(f"node 1 lost after {sorted(committed)} committed: both restored {kept_step}, "
+          f"node 0 from {kept_tier}, the new node 1 from {new_tier}")  # fmt: skip
