@@ -107,7 +107,7 @@ def test_verify_names_a_damaged_manifest(capsys, checkpoints, tmp_path, damage):
     manifest.write_text(text.replace('"epoch": 3', '"epoch": 4') if damage == "edited"
                         else text[: len(text) // 2])  # fmt: skip
     assert damage == "cut short" or '"epoch": 4' in manifest.read_text()
-    code, out, err = run(capsys, "verify", str(ck))
+    code, out, _err = run(capsys, "verify", str(ck))
     assert code == 1, out
     assert f"CORRUPT {ck / step_dir(4)}/manifest.json" in out
     assert "ok " in out  # step 2 is sound
