@@ -124,3 +124,19 @@ def test_every_error_a_user_can_meet_is_in_the_troubleshooting_guide():
     guide += (ROOT / "docs" / "storage.md").read_text()
     missing = sorted(e for e in defined - set(INTERNAL_ERRORS) if e not in guide)
     assert not missing, f"add these to docs/troubleshooting.md: {missing}"
+
+
+def test_the_readme_sample_run_twice_restores_where_the_first_ended(tmp_path, monkeypatch):
+    """What the README says right after its sample: run it again and it restores step 20."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("UNBROKEN_CACHE_DIR", str(tmp_path / "default-cache"))
+    monkeypatch.setenv("UNBROKEN_STAGING_DIR", str(tmp_path / "default-staging"))
+    blocks = [b for b in python_blocks(ROOT / "README.md") if b.not_run is None]
+    restored = []
+    for _ in range(2):
+        namespace: dict = {"__name__": "__docs__"}
+        for block in blocks:
+            exec(_compiled(block), namespace)
+        last = namespace["mgr"].last_restore
+        restored.append(None if last is None else last.step)
+    assert restored == [None, 20]

@@ -99,7 +99,13 @@ def test_auto_counts_the_failures_of_earlier_attempts(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [{"every_seconds": "sometimes"}, {"every_seconds": True},
-                                 {"every_seconds": "auto", "mtbf": 0}])  # fmt: skip
+                                 {"every_seconds": float("nan")}, {"every_seconds": float("inf")},
+                                 {"every_seconds": "auto", "mtbf": 0}, {"mtbf": 3600}])  # fmt: skip
 def test_bad_cadence_is_refused_by_name(tmp_path, bad):
     with pytest.raises(ValueError, match=r"every_seconds|mtbf"):
         ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st", **bad)
+
+
+def test_an_unknown_option_is_named_with_the_ones_there_are(tmp_path):
+    with pytest.raises(TypeError, match=r"unknown options \['bogus_option'\].*every_steps"):
+        ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st", bogus_option=1)

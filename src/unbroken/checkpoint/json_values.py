@@ -31,7 +31,13 @@ def _check(path: str, value: Any, open_containers: set[int]) -> None:
             f"{path} is a tuple, which would come back from the checkpoint as a list; store a list"
         )
     if not isinstance(value, (list, dict)):
-        raise TypeError(f"{path} is a {type(value).__name__}, which JSON cannot hold")
+        hint = ""
+        if type(value).__name__ in ("Tensor", "Parameter"):
+            hint = (
+                "; a plain value is JSON. Give tensors entries of their own in the state "
+                "(state['ema_weight'] = t), or put them in a module (an EMA as an nn.Module)"
+            )
+        raise TypeError(f"{path} is a {type(value).__name__}, which JSON cannot hold{hint}")
     if id(value) in open_containers:
         raise TypeError(f"{path} contains itself")
     open_containers.add(id(value))

@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping, MutableMapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 import torch.distributed as dist
@@ -112,15 +112,22 @@ class CheckpointConfig:
         if self.every_seconds == "auto":
             if self.mtbf is not None:
                 _check_seconds("CheckpointManager: mtbf", self.mtbf, zero=False)
-        elif self.every_seconds is not None and (
-            isinstance(self.every_seconds, (str, bool))
-            or not isinstance(self.every_seconds, (int, float))
-            or self.every_seconds <= 0
-        ):
-            raise ValueError(
-                "CheckpointManager: every_seconds must be a number of seconds > 0 or 'auto', "
-                f"got {self.every_seconds!r}"
-            )
+        else:
+            if self.every_seconds is not None and (
+                isinstance(self.every_seconds, (str, bool))
+                or not isinstance(self.every_seconds, (int, float))
+                or not math.isfinite(self.every_seconds)
+                or self.every_seconds <= 0
+            ):
+                raise ValueError(
+                    "CheckpointManager: every_seconds must be a finite number of seconds > 0 "
+                    f"or 'auto', got {self.every_seconds!r}"
+                )
+            if self.mtbf is not None:
+                raise ValueError(
+                    "CheckpointManager: mtbf is read only with every_seconds='auto'; got "
+                    f"mtbf={self.mtbf!r} with every_seconds={self.every_seconds!r}"
+                )
         if self.preemption not in ("exit", "flag", "off"):
             raise ValueError(
                 "CheckpointManager: preemption must be 'exit', 'flag' or 'off', got "
@@ -202,6 +209,10 @@ class CheckpointManager:
     ) -> None:
         if every_seconds == "auto" and every_steps == 500:
             every_steps = None  # "auto" sets the cadence, unless given steps on purpose
+        unknown = sorted(set(options) - {f.name for f in fields(CheckpointConfig)})
+        if unknown:
+            known = ", ".join(f.name for f in fields(CheckpointConfig) if f.name != "url")
+            raise TypeError(f"CheckpointManager got unknown options {unknown}; it takes: {known}")
         config = CheckpointConfig(
             url=os.fspath(url),
             staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,

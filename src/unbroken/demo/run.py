@@ -1,11 +1,11 @@
-"""``unbroken demo``: the main job, trained through crashes, measured by goodput.
+"""unbroken demo: the main job, trained through crashes, measured by goodput.
 
 1. Writes a small image dataset of raw files to a local directory that stands in for
    the remote volume (read through the emulated standard remote: 20 ms per request,
-   200 MB/s), unless ``--data`` names one.
-2. Trains the job (:mod:`unbroken.demo.job`) on 2 ranks under torchrun, once without
+   200 MB/s), unless --data names one.
+2. Trains the job (unbroken.demo.job) on 2 ranks under torchrun, once without
    failures: the reference.
-3. Trains it again under ``torchrun --max-restarts``, killing a random rank with
+3. Trains it again under torchrun --max-restarts, killing a random rank with
    SIGKILL at random moments (mid-step, mid-save, mid-upload: wherever it lands).
    torchrun restarts the ranks; the job resumes by itself from the newest committed
    checkpoint.
