@@ -444,3 +444,26 @@ def test_a_refused_restore_leaves_model_and_optimizer_as_they_were(tmp_path, cas
         with pytest.raises(error, match=match):
             mgr.restore(fresh_state)
     assert_bitwise(snapshot(fresh_state), before, "refused")
+
+
+def test_a_scheduler_added_since_the_save_is_named_not_called_another_model(tmp_path):
+    """A scheduler writes settings (initial_lr) into the optimizer's groups: a run that
+    adds one is told so, and strict=False keeps this run's settings."""
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optim.step()
+    with ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st") as mgr:
+        mgr.save(1, {"model": model, "optim": optim})
+    fresh = torch.nn.Linear(4, 4)
+    optim2 = torch.optim.Adam(fresh.parameters())
+    torch.optim.lr_scheduler.CosineAnnealingLR(optim2, T_max=10)
+    before = fresh.weight.detach().clone()
+    with ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st2") as mgr:
+        with pytest.raises(ub.CheckpointMismatchError, match=r"initial_lr.*LR scheduler") as e:
+            mgr.restore({"model": fresh, "optim": optim2})
+        assert "another model" not in str(e.value)
+        assert torch.equal(fresh.weight, before)  # nothing loaded
+        assert mgr.restore({"model": fresh, "optim": optim2}, strict=False) == 1
+    assert torch.equal(fresh.weight, model.weight)
+    assert optim2.param_groups[0]["initial_lr"] == 0.001

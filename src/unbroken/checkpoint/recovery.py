@@ -53,7 +53,13 @@ from unbroken.checkpoint.format.planners import SafeLoadPlanner
 from unbroken.checkpoint.format.reader import TierReader
 from unbroken.checkpoint.pipeline import MANIFEST
 from unbroken.checkpoint.save_job import describe, rng_file
-from unbroken.checkpoint.state_dicts import FlatState, collect, fit_to_saved, restore_into
+from unbroken.checkpoint.state_dicts import (
+    KIND_OPTIMIZER,
+    FlatState,
+    collect,
+    fit_to_saved,
+    restore_into,
+)
 from unbroken.state.rng import RngState, apply_rng_state, decode_rng_state
 from unbroken.storage import Store
 
@@ -390,6 +396,12 @@ def _read_rng(reader: TierReader, manifest: Manifest, rank: int, durable: Store)
         raise CheckpointCorruptError(f"{url}: {e}", step=manifest.step, file=fname, url=url) from e
 
 
+def _is_group_setting(key: str, optimizers: set[str]) -> bool:
+    """``optim.param_groups.0.initial_lr``: a setting of an optimizer's parameter group."""
+    parts = key.split(".")
+    return len(parts) == 4 and parts[0] in optimizers and parts[1] == "param_groups"
+
+
 def check_compatible(
     flat: FlatState, metadata: Metadata, manifest: Manifest, *, strict: bool, where: str
 ) -> None:
@@ -414,6 +426,17 @@ def check_compatible(
                 f"{key}: shape {tuple(md.size)} in the checkpoint, "
                 f"{tuple(value.shape)} in the state"
             )
+    optimizers = {n for n, k in flat.kinds.items() if k == KIND_OPTIMIZER}
+    reported = (missing if strict else []) + unexpected
+    hyper = [k for k in reported if _is_group_setting(k, optimizers)]
+    if hyper and len(hyper) == len(reported) and not shapes:
+        raise CheckpointMismatchError(
+            f"checkpoint {where}: the optimizer's parameter-group settings differ from the "
+            f"state's ({', '.join(hyper[:_SHOW])}): an LR scheduler added or removed since "
+            "the save (schedulers write settings such as initial_lr, max_lr into the "
+            "optimizer)? Build optimizer and scheduler as the saving run did, or restore "
+            "with strict=False to keep this run's settings where the checkpoint has none"
+        )
     parts = []
     for label, names in (
         ("missing from the checkpoint", missing),
