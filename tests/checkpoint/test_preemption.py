@@ -197,6 +197,17 @@ elif case == "second_signal_after_flag":
     assert [c.step for c in m.checkpoints()] == [1], m.checkpoints()
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5)
+elif case == "leaked_manager_then_a_handled_save":  # must NOT end the process
+    leaked = mgr("leaked")
+    m = mgr("a", every_steps=3)
+    try:
+        for step in range(1, 10):
+            if step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            m.maybe_save(step, st)
+    except SystemExit as e:
+        assert e.code == 143
+    time.sleep(3)
 print("STILL ALIVE")
 """
 
@@ -214,3 +225,14 @@ def test_a_signal_no_save_takes_up_still_ends_the_process(tmp_path, case):
     )  # fmt: skip
     assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
     assert "STILL ALIVE" not in proc.stdout
+
+
+def test_a_signal_a_manager_saved_for_does_not_reach_one_left_open(tmp_path):
+    """A manager never closed, beneath one that took the signal up and saved: the leaked
+    one only notes it and arms nothing, so the process lives on after the SystemExit."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _NOT_SWALLOWED, str(tmp_path), "leaked_manager_then_a_handled_save"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "STILL ALIVE" in proc.stdout, proc.stdout + proc.stderr

@@ -75,20 +75,24 @@ class PreemptionWatch:
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None, *, chained: bool = False) -> None:
         if self._closed or self._forward or self.handled or self.received is not None:
             self._pass_on(signum, frame)  # closed, timed out, already saved, or a 2nd signal
             return
         self.received = signum
-        log.warning(
-            "%s received: the next maybe_save saves the step reached and waits for its "
-            "commit (a second one ends the process at once)", signal.Signals(signum).name
-        )
-        threading.Thread(
-            target=self._watchdog, args=(signum,), name="unbroken-preempt", daemon=True
-        ).start()
+        if not chained:  # the first manager to see it watches; those it chains to only note it
+            log.warning(
+                "%s received: the next maybe_save saves the step reached and waits for its "
+                "commit (a second one ends the process at once)", signal.Signals(signum).name
+            )
+            threading.Thread(
+                target=self._watchdog, args=(signum,), name="unbroken-preempt", daemon=True
+            ).start()
         previous = self._previous.get(signum)
-        if callable(previous):  # the user's own handler still runs
+        inner = getattr(previous, "__self__", None)
+        if isinstance(inner, PreemptionWatch):  # another manager's: it saves at its next call
+            inner._on_signal(signum, frame, chained=True)
+        elif callable(previous):  # the user's own handler still runs
             previous(signum, frame)
 
     def _pass_on(self, signum: int, frame: FrameType | None) -> None:
