@@ -14,6 +14,8 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 
 BACKENDS = ["local", "memory", "s3"]
+STORE_BACKENDS = [*BACKENDS, "s3-fsspec"]
+"""The ``store`` fixture's: S3 through both backends (native obstore, and s3fs)."""
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,11 +29,15 @@ def _discard_test_links():
 
 @pytest.fixture(scope="session")
 def s3_server():
+    """SeaweedFS's S3 gateway on loopback, for the whole session; SIGKILLed at its end
+    (and by the kernel if this process dies first)."""
     from tests.s3server import S3Server
 
     server = S3Server()
-    yield server
-    server.close()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture
@@ -60,14 +66,18 @@ def make_store_url(backend: str, tmp_path, lazy) -> tuple[str, dict]:
         return str(tmp_path / "store"), {}
     if backend == "memory":
         return f"memory://unbroken-test-{uuid.uuid4().hex[:10]}", {}
-    if backend == "s3":
+    if backend in ("s3", "s3-fsspec"):
         server = lazy.get()
-        return f"s3://{server.new_bucket()}/prefix", server.storage_options
+        options = dict(server.storage_options)
+        if backend == "s3-fsspec":
+            options["backend"] = "fsspec"
+        return f"s3://{server.new_root()}/prefix", options
     raise ValueError(backend)
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=STORE_BACKENDS)
 def store(request, tmp_path, s3_server_lazy) -> Store:
-    """An empty store on each backend: a local path, memory:// and S3 on loopback."""
+    """An empty store on each backend: a local path, memory:// and S3 on loopback
+    (SeaweedFS) through the native backend and through s3fs."""
     url, options = make_store_url(request.param, tmp_path, s3_server_lazy)
     return open_store(url, **options)

@@ -9,6 +9,7 @@ from unbroken._util.lazy import lazy_getattr
 from unbroken._version import __version__
 from unbroken.storage import (
     Entry,
+    ObjectExistsError,
     ObjectNotFoundError,
     RemoteProfile,
     RetryPolicy,
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointManager",
     "DataLoader",
     "Entry",
+    "ObjectExistsError",
     "ObjectNotFoundError",
     "RemoteProfile",
     "RetryPolicy",
