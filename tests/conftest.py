@@ -14,8 +14,9 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 
 BACKENDS = ["local", "memory", "s3"]
-STORE_BACKENDS = [*BACKENDS, "s3-fsspec"]
-"""The ``store`` fixture's: S3 through both backends (native obstore, and s3fs)."""
+STORE_BACKENDS = [*BACKENDS, "s3-fsspec", "azure"]
+"""The ``store`` fixture's: S3 through both backends (native obstore, and s3fs), and
+Azure Blob on Azurite (skipped where `make install` found no npm to bring it)."""
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -40,6 +41,21 @@ def s3_server():
         server.close()
 
 
+@pytest.fixture(scope="session")
+def azurite_server():
+    """Azurite's Blob service on loopback, for the whole session."""
+    from tests.s3server import AzuriteServer, azurite_binary
+
+    binary = azurite_binary()
+    if binary is None:
+        pytest.skip("Azurite is not installed (make install brings it with npm)")
+    server = AzuriteServer(binary)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.fixture
 def store_url(request, tmp_path, s3_server_lazy) -> tuple[str, dict]:
     """(url, storage_options) of an empty store on the backend named by the param."""
@@ -58,6 +74,9 @@ def s3_server_lazy(request):
                 self.server = request.getfixturevalue("s3_server")
             return self.server
 
+        def azurite(self):
+            return request.getfixturevalue("azurite_server")
+
     return Lazy()
 
 
@@ -72,6 +91,9 @@ def make_store_url(backend: str, tmp_path, lazy) -> tuple[str, dict]:
         if backend == "s3-fsspec":
             options["backend"] = "fsspec"
         return f"s3://{server.new_root()}/prefix", options
+    if backend == "azure":
+        server = lazy.azurite()
+        return f"az://{server.new_root()}", server.storage_options
     raise ValueError(backend)
 
 

