@@ -15,8 +15,8 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 
 BACKENDS = ["local", "memory", "s3"]
 STORE_BACKENDS = [*BACKENDS, "s3-fsspec", "azure"]
-"""The ``store`` fixture's: S3 through both backends (native obstore, and s3fs), and
-Azure Blob on Azurite (skipped where `make install` found no npm to bring it)."""
+"""The store contract's (tests/storage/): S3 through both backends (native obstore, and
+s3fs), and Azure Blob on Azurite (skipped where `make install` found no npm for it)."""
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -97,9 +97,9 @@ def make_store_url(backend: str, tmp_path, lazy) -> tuple[str, dict]:
     raise ValueError(backend)
 
 
-@pytest.fixture(params=STORE_BACKENDS)
+@pytest.fixture(params=BACKENDS)
 def store(request, tmp_path, s3_server_lazy) -> Store:
     """An empty store on each backend: a local path, memory:// and S3 on loopback
-    (SeaweedFS) through the native backend and through s3fs."""
+    (SeaweedFS). tests/storage/ widens it to STORE_BACKENDS."""
     url, options = make_store_url(request.param, tmp_path, s3_server_lazy)
     return open_store(url, **options)

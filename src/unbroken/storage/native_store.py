@@ -13,6 +13,7 @@ loses one part starts again from its first part.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from unbroken.storage.errors import TransientStoreError, redact
 from unbroken.storage.in_memory import FileInMemory
 from unbroken.storage.native_options import NativeTarget, native_target
 from unbroken.storage.parts import PART_SIZE, PART_STREAMS, download_in_parts
-from unbroken.storage.retry import RetryPolicy
+from unbroken.storage.retry import NO_RETRY, RetryPolicy
 
 _TRANSIENT = re.compile(
     r"status code: (5\d\d|429)|HTTP error|error sending request|connection (reset|closed|"
@@ -46,7 +47,7 @@ _RANGE_NOT_SATISFIABLE = re.compile(r"status code: 416|InvalidRange|Range Not Sa
 class NativeStore(Store):
     """Objects under ``s3://``, ``gs://`` or ``az://`` (``abfs://``) through obstore."""
 
-    sends_from_memory = True
+    sends_from_memory = True  # a forked child's fsspec store reads the file instead
 
     def __init__(
         self,
@@ -58,10 +59,27 @@ class NativeStore(Store):
         super().__init__(url, retry=retry)
         self.target = native_target(url, storage_options or {})
         self._store = _build(self.target, url)
+        self._options = dict(storage_options or {})
+        self._pid = os.getpid()
+        self._forked: Store | None = None
+
+    def _in_fork(self) -> Store | None:
+        """The fsspec store that serves this one in a forked child (a fork-started
+        DataLoader worker): obstore's runtime threads do not survive a fork, and any
+        obstore call in the child hangs. None in the process that made the store."""
+        if os.getpid() == self._pid:
+            return None
+        if self._forked is None:
+            from unbroken.storage.fsspec_store import FsspecStore
+
+            self._forked = FsspecStore(self.url, retry=NO_RETRY, storage_options=self._options)
+        return self._forked
 
     # -- hooks ----------------------------------------------------------------------
 
     def _write_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        if (forked := self._in_fork()) is not None:
+            return forked._write_bytes(key, data)
         view = memoryview(data).cast("B")
         with _native_errors(key):
             obstore.put(
@@ -70,10 +88,14 @@ class NativeStore(Store):
             )  # fmt: skip
 
     def _create_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        if (forked := self._in_fork()) is not None:
+            return forked._create_bytes(key, data)
         with _native_errors(key):
             obstore.put(self._store, key, memoryview(data).cast("B"), mode="create")
 
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
+        if (forked := self._in_fork()) is not None:
+            return forked._read_bytes(key, start, end)
         with _native_errors(key):
             if start is None and end is None:
                 return bytes(obstore.get(self._store, key).bytes())
@@ -93,6 +115,8 @@ class NativeStore(Store):
                 return b""
 
     def _upload(self, local_path: str, key: str, memory: FileInMemory | None) -> None:
+        if (forked := self._in_fork()) is not None:
+            return forked._upload(local_path, key, memory)
         parts = memory.take() if memory is not None else None
         if parts is not None:
             assert memory is not None
@@ -118,6 +142,8 @@ class NativeStore(Store):
             )  # fmt: skip
 
     def _download(self, key: str, local_path: str) -> None:
+        if (forked := self._in_fork()) is not None:
+            return forked._download(key, local_path)
         size = self._info(key).size
         if size <= PART_SIZE:
             with open(local_path, "wb") as f:
@@ -130,11 +156,15 @@ class NativeStore(Store):
             return obstore.get_range(self._store, key, start=start, end=end)
 
     def _info(self, key: str) -> Entry:
+        if (forked := self._in_fork()) is not None:
+            return forked._info(key)
         with _native_errors(key):
             meta = obstore.head(self._store, key)
         return Entry(key, int(meta["size"]), _etag(meta))
 
     def _list(self, prefix: str) -> list[Entry]:
+        if (forked := self._in_fork()) is not None:
+            return forked._list(prefix)
         with _native_errors(prefix or "/"):
             found = obstore.list(self._store, prefix=prefix or None).collect()
             entries = [Entry(m["path"], int(m["size"]), _etag(m)) for m in found]
@@ -146,6 +176,8 @@ class NativeStore(Store):
         return entries
 
     def _delete(self, key: str) -> None:
+        if (forked := self._in_fork()) is not None:
+            return forked._delete(key)
         with _native_errors(key):
             targets = [m["path"] for m in obstore.list(self._store, prefix=key).collect()]
             # GCS and Azure report an absent key (S3 does not): absent is fine here.
