@@ -12,6 +12,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0"
 	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" -e ".[test,s3,mlflow,plot]"
+	# Azurite (Azure Blob emulator, npm) for the az:// store tests; skipped without npm.
+	if command -v npm >/dev/null; then npm install --silent --no-audit --no-fund \
+		--prefix .tools azurite@3 || echo "azurite not installed: az:// tests skip"; fi
 	touch $@
 
 install: $(VENV)/.installed

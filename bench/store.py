@@ -4,6 +4,7 @@ Later benchmarks are read against these numbers: they say what the link can carr
 large objects (bandwidth-bound) and for small ones (latency-bound).
 
     python bench/store.py [--quick] [--latency 0.02] [--bandwidth 200MB]
+    python bench/store.py --s3 [--quick]   # a real S3 server: unbroken vs boto3 vs s3fs
 """
 
 from __future__ import annotations
@@ -50,7 +51,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller transfers (~10 s)")
     parser.add_argument("--latency", type=float, default=ub.RemoteProfile().latency)
     parser.add_argument("--bandwidth", default="200MB")
+    parser.add_argument(
+        "--s3", action="store_true", help="a real S3 server (SeaweedFS): vs boto3 and s3fs"
+    )
     args = parser.parse_args()
+    if args.s3:
+        from _store_s3 import print_rows, run
+
+        print_rows(run(args.quick))
+        return
     bandwidth = float(parse_size(args.bandwidth))
     profile = ub.RemoteProfile(
         latency=args.latency, bandwidth=bandwidth, link=f"bench-store-{os.getpid()}"

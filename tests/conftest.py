@@ -14,6 +14,9 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 
 BACKENDS = ["local", "memory", "s3"]
+STORE_BACKENDS = [*BACKENDS, "s3-fsspec", "azure"]
+"""The store contract's (tests/storage/): S3 through both backends (native obstore, and
+s3fs), and Azure Blob on Azurite (skipped where `make install` found no npm for it)."""
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,11 +30,30 @@ def _discard_test_links():
 
 @pytest.fixture(scope="session")
 def s3_server():
+    """SeaweedFS's S3 gateway on loopback, for the whole session; SIGKILLed at its end
+    (and by the kernel if this process dies first)."""
     from tests.s3server import S3Server
 
     server = S3Server()
-    yield server
-    server.close()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def azurite_server():
+    """Azurite's Blob service on loopback, for the whole session."""
+    from tests.s3server import AzuriteServer, azurite_binary
+
+    binary = azurite_binary()
+    if binary is None:
+        pytest.skip("Azurite is not installed (make install brings it with npm)")
+    server = AzuriteServer(binary)
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture
@@ -52,6 +74,9 @@ def s3_server_lazy(request):
                 self.server = request.getfixturevalue("s3_server")
             return self.server
 
+        def azurite(self):
+            return request.getfixturevalue("azurite_server")
+
     return Lazy()
 
 
@@ -60,14 +85,21 @@ def make_store_url(backend: str, tmp_path, lazy) -> tuple[str, dict]:
         return str(tmp_path / "store"), {}
     if backend == "memory":
         return f"memory://unbroken-test-{uuid.uuid4().hex[:10]}", {}
-    if backend == "s3":
+    if backend in ("s3", "s3-fsspec"):
         server = lazy.get()
-        return f"s3://{server.new_bucket()}/prefix", server.storage_options
+        options = dict(server.storage_options)
+        if backend == "s3-fsspec":
+            options["backend"] = "fsspec"
+        return f"s3://{server.new_root()}/prefix", options
+    if backend == "azure":
+        server = lazy.azurite()
+        return f"az://{server.new_root()}", server.storage_options
     raise ValueError(backend)
 
 
 @pytest.fixture(params=BACKENDS)
 def store(request, tmp_path, s3_server_lazy) -> Store:
-    """An empty store on each backend: a local path, memory:// and S3 on loopback."""
+    """An empty store on each backend: a local path, memory:// and S3 on loopback
+    (SeaweedFS). tests/storage/ widens it to STORE_BACKENDS."""
     url, options = make_store_url(request.param, tmp_path, s3_server_lazy)
     return open_store(url, **options)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.multiprocess
 @pytest.mark.s3
 def test_ddp_round_trip_on_two_ranks_both_tiers_s3(tmp_path, s3_server):
     """Both ranks upload to the loopback S3 server; restore from staging, then from S3."""
-    url = f"s3://{s3_server.new_bucket()}/run/ckpt"
+    url = f"s3://{s3_server.new_root()}/run/ckpt"
     options = json.dumps(s3_server.storage_options)
     out = check(
         torchrun(2, "ddp", "--url", url, "--staging", str(tmp_path / "s"), "--options", options)

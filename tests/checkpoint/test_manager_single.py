@@ -343,7 +343,7 @@ def test_another_model_is_a_mismatch_naming_keys(tmp_path):
 
 
 def test_s3_durable_tier(tmp_path, s3_server):
-    url = f"s3://{s3_server.new_bucket()}/run/ckpt"
+    url = f"s3://{s3_server.new_root()}/run/ckpt"
     state = make_state()
     with manager(tmp_path, url=url, storage_options=s3_server.storage_options) as mgr:
         train(state, range(1, 3))
@@ -355,7 +355,8 @@ def test_s3_durable_tier(tmp_path, s3_server):
         shutil.rmtree(mgr.staging_dir)
         fresh = make_state(9)
         assert mgr.restore(fresh) == 2
-        assert mgr.stats.bytes_from_memory == 0  # s3fs's multipart reads the staged file
+        # the native backend sends the shards from the host buffers, not the staged file
+        assert mgr.stats.bytes_from_memory > 0
     assert_same(snapshot(fresh), expected)
     store = ub.open_store(url, **s3_server.storage_options)
     doc = json.loads(store.read_bytes(f"{step_dir(2)}/manifest.json"))

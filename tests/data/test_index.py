@@ -77,7 +77,7 @@ def test_unreachable_volume_names_the_url(s3_server, tmp_path):
     options = dict(
         s3_server.storage_options,
         endpoint_url="http://127.0.0.1:9",
-        config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 1},
+        connect_timeout="1s",
     )
     with pytest.raises(StoreError, match="no-such-bucket-here"):
         build_index(open_store(url, retry=NO_RETRY, **options))

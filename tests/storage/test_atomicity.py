@@ -89,7 +89,7 @@ def test_kill_9_during_local_writes_never_leaves_a_partial_file(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.s3
 def test_kill_9_during_s3_uploads_never_leaves_a_partial_object(tmp_path, s3_server):
-    url = f"s3://{s3_server.new_bucket()}/run"
+    url = f"s3://{s3_server.new_root()}/run"
     options = {k: v for k, v in s3_server.storage_options.items() if k != "skip_instance_cache"}
     _kill_writer_repeatedly(url, options, "upload", tmp_path, trials=4)
 

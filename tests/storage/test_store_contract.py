@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 
 import pytest
 
 from unbroken import open_store
-from unbroken.storage import Entry, ObjectNotFoundError, Store
+from unbroken.storage import Entry, ObjectExistsError, ObjectNotFoundError, Store
 
 
 def test_round_trip_whole_and_ranges(store: Store):
@@ -123,3 +124,72 @@ def test_a_prefix_is_not_an_object(store: Store):
     assert not store.exists("dir")
     with pytest.raises(ObjectNotFoundError):
         store.info("dir")
+
+
+def test_create_only_write_never_replaces(store: Store):
+    store.write_bytes("commit/record", b"first writer", create_only=True)
+    with pytest.raises(ObjectExistsError) as err:
+        store.write_bytes("commit/record", b"second writer", create_only=True)
+    assert "commit/record" in str(err.value)
+    assert isinstance(err.value, FileExistsError)
+    assert store.read_bytes("commit/record") == b"first writer"
+    assert [e.key for e in store.list()] == ["commit/record"]  # no temp left behind
+    assert store.stats.retries == 0
+
+
+def test_create_only_between_racing_threads_has_one_winner(store: Store):
+    barrier = threading.Barrier(4)
+    won: list[int] = []
+
+    def write(i: int) -> None:
+        barrier.wait()
+        try:
+            store.write_bytes("race", str(i).encode(), create_only=True)
+            won.append(i)
+        except ObjectExistsError:
+            pass
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1
+    assert store.read_bytes("race") == str(won[0]).encode()
+
+
+@pytest.mark.parametrize(
+    "start,end", [(20, 10), (0, 101), (50, 200), (101, None), (200, 300)]
+)
+def test_ranges_reversed_or_past_the_end_are_refused(store: Store, start, end):
+    store.write_bytes("k", bytes(100))
+    with pytest.raises(ValueError, match=r"range|past the end"):
+        store.read_bytes("k", start, end)
+
+
+def test_range_up_to_the_end_is_fine(store: Store):
+    store.write_bytes("k", bytes(range(100)))
+    assert store.read_bytes("k", 100) == b""
+    assert store.read_bytes("k", 90, 100) == bytes(range(90, 100))
+    assert store.read_bytes("k", 100, 100) == b""
+
+
+@pytest.mark.parametrize("absolute", ["/etc/passwd", "/a/b"])
+def test_absolute_keys_are_refused_not_rewritten(store: Store, absolute):
+    with pytest.raises(ValueError, match="absolute"):
+        store.write_bytes(absolute, b"x")
+    with pytest.raises(ValueError, match="absolute"):
+        store.read_bytes(absolute)
+    assert store.list() == []
+
+
+@pytest.mark.parametrize("inner", ["local", "memory"])
+def test_the_emulated_remote_passes_create_only_through(tmp_path, inner):
+    root = str(tmp_path / "r") if inner == "local" else "memory://emu-create"
+    store = open_store(f"emulated::{root}", latency=0.0, bandwidth=None)
+    store.write_bytes("k", b"one", create_only=True)
+    with pytest.raises(ObjectExistsError, match="k"):
+        store.write_bytes("k", b"two", create_only=True)
+    assert store.read_bytes("k") == b"one"
+    assert store.atomic_create
+    store.delete("k")

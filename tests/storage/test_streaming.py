@@ -39,7 +39,7 @@ def test_s3_upload_and_download_use_bounded_memory(tmp_path, s3_server):
             f.write(block)
     options = {k: v for k, v in s3_server.storage_options.items() if k != "skip_instance_cache"}
     out = subprocess.run(
-        [sys.executable, "-c", MEASURE, f"s3://{s3_server.new_bucket()}/x", json.dumps(options),
+        [sys.executable, "-c", MEASURE, f"s3://{s3_server.new_root()}/x", json.dumps(options),
          str(path)],
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),

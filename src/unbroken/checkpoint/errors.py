@@ -69,3 +69,12 @@ class SaveFailedError(CheckpointError):
         self.cause = cause
         if cause is not None:
             self.__cause__ = cause
+
+
+class OtherWriterError(CheckpointError):
+    """Another job saves or committed this step at the same URL (two writers on one URL)."""
+
+    def __init__(self, message: str, *, step: int, url: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.url = url

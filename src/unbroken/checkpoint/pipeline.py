@@ -11,6 +11,7 @@ every rank has reported its files durable.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -33,18 +34,21 @@ from unbroken._util.thread_names import name_native_thread
 from unbroken._version import __version__
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.durable_index import DurableIndex
-from unbroken.checkpoint.errors import SaveFailedError
+from unbroken.checkpoint.errors import OtherWriterError, SaveFailedError
 from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
     FileRecord,
     Manifest,
+    committed_by,
     crc32c_bytes,
     parse_step_dir,
     step_dir,
+    verify_committed_files,
     write_manifest,
 )
 from unbroken.checkpoint.format.planners import PinnedSavePlanner
 from unbroken.checkpoint.format.writer import TierWriter
+from unbroken.checkpoint.format.writers import claim_step, writer_identity
 from unbroken.checkpoint.retention import plan_deletions
 from unbroken.checkpoint.save_job import (
     SaveJob,
@@ -53,8 +57,11 @@ from unbroken.checkpoint.save_job import (
     lend_until_read,
     rng_file,
 )
+from unbroken.checkpoint.staging.owner import claim_staging_dir
 from unbroken.storage import LocalStore, Store
+from unbroken.storage.errors import RetriesExhaustedError, StoreError, redact
 from unbroken.storage.in_memory import FileInMemory
+from unbroken.storage.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +69,7 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or")
 
 MANIFEST = MANIFEST_NAME
+_CLAIM_RETRY = RetryPolicy(max_attempts=2, base_delay=0.05, max_delay=0.05)
 
 
 class _PhaseFailed(Exception):
@@ -95,6 +103,9 @@ class SavePipeline:
     ) -> None:
         self.durable = durable
         self.staging_dir = staging_dir
+        self._release_staging = claim_staging_dir(
+            staging_dir, group.global_rank, f"saving to {redact(durable.url)}"
+        )
         self.local = LocalStore(staging_dir)
         # Versions before O_DIRECT staging kept superseded shards here between saves.
         shutil.rmtree(os.path.join(staging_dir, ".spare"), ignore_errors=True)
@@ -157,6 +168,7 @@ class SavePipeline:
         """Finish every job and its retention, then stop the worker."""
         self._queue.put(None)
         self._thread.join()
+        self._release_staging()
 
     # -- worker side -----------------------------------------------------------------
 
@@ -209,17 +221,20 @@ class SavePipeline:
         local_dir = os.path.join(self.staging_dir, name)
         t0 = time.monotonic()
 
-        problem, exc = None, None
+        problem, exc, claimed = None, None, True
         try:
             job.staged.wait()
             os.makedirs(local_dir, exist_ok=True)
             if g.is_coordinator and step in self.index.committed_steps():
                 problem = (
-                    f"step {step} is already committed at {self.durable.url_for(name)}; "
-                    "a committed checkpoint is never overwritten"
+                    f"step {step} is already committed at {self.durable.url_for(name)}"
+                    f"{committed_by(self.durable, step)}; a committed checkpoint is never "
+                    "overwritten"
                 )
             elif g.is_coordinator and (newer := self.index.newer_format(step)) is not None:
                 problem = newer.problem
+            elif g.is_coordinator:
+                claimed = self._claim_quickly(name, step)
         except Exception as e:
             problem, exc = describe(e), e
         self._agree(problem, f"staging step {step}", exc)
@@ -262,19 +277,23 @@ class SavePipeline:
         job.checksummed_in_copy_bytes = writer.reused_checksum_bytes
         self._note_page_cache_writes(writer)
 
-        problem, exc, records = None, None, []
+        problem, exc, records, etags = None, None, [], {}
         memory = lend_until_read(writer.parts, job.staged.release)
         writer.parts = {}
         try:
             records = [*writer.records, self._write_rng(local_dir, job.rng)]
-            self._upload(local_dir, name, records, memory)
+            if not claimed:  # the durable tier was down at staging: claim now, retrying
+                for lent in memory.values():
+                    lent.give_back()  # not held through retries: the next save needs them
+                claim_step(self.durable, name, step)
+            etags = self._upload(local_dir, name, records, memory)
         except Exception as e:
             problem, exc = f"uploading to {self.durable.url_for(name)}: {describe(e)}", e
         finally:
             for copy in memory.values():
                 copy.give_back()  # unsent (a failure before its upload): free the buffers
         job.memory_bytes = sum(c.size for c in memory.values() if c.sent_from_memory)
-        gathered = g.all_gather((records, problem))
+        gathered = g.all_gather((records, problem, etags))
         t3 = time.monotonic()
         job.seconds["upload"] = t3 - t2
 
@@ -293,6 +312,20 @@ class SavePipeline:
                 "step %d: could not copy the manifest to the staging tier: %s", step, describe(e)
             )
         return manifest
+
+    def _claim_quickly(self, name: str, step: int) -> bool:
+        """Claim the step before any rank uploads (format/writers.py), in at most two
+        attempts: a durable tier that is down must not hold up the local write (the
+        staging buffers are needed by the next save). False: claim at the upload."""
+        quick = copy.copy(self.durable)
+        quick.retry = _CLAIM_RETRY
+        try:
+            claim_step(quick, name, step)
+        except StoreError as e:
+            if not e.transient and not isinstance(e, RetriesExhaustedError):
+                raise
+            return False
+        return True
 
     def _note_page_cache_writes(self, writer: TierWriter) -> None:
         """Say once when a shard went through the page cache (no O_DIRECT there)."""
@@ -317,11 +350,15 @@ class SavePipeline:
         name: str,
         records: list[FileRecord],
         memory: dict[str, FileInMemory],
-    ) -> None:
+    ) -> dict[str, str | None]:
+        """Upload every file; returns each one's etag as it stood right after the upload
+        (the commit checks that no other writer's upload replaced it since)."""
+        etags: dict[str, str | None] = {}
+
         def one(rec: FileRecord) -> None:
-            self.durable.upload(
-                os.path.join(local_dir, rec.name), f"{name}/{rec.name}", memory=memory.get(rec.name)
-            )
+            key = f"{name}/{rec.name}"
+            self.durable.upload(os.path.join(local_dir, rec.name), key, memory=memory.get(rec.name))
+            etags[rec.name] = self.durable.info(key).etag
 
         streams = max(1, min(self.config.upload_streams, len(records)))
         with ThreadPoolExecutor(
@@ -329,14 +366,17 @@ class SavePipeline:
         ) as pool:
             for f in [pool.submit(one, r) for r in records]:
                 f.result()
+        return etags
 
     def _commit(self, job: SaveJob, gathered: list[Any]) -> tuple[str, Any]:
         """Coordinator: write the manifest if every rank's files are durable."""
-        bad = [f"rank {r}: {p}" for r, (_, p) in enumerate(gathered) if p]
+        bad = [f"rank {r}: {p}" for r, (_, p, _) in enumerate(gathered) if p]
         if bad:
             return ("error", f"step {job.step} not committed: " + "; ".join(bad))
         files: dict[str, FileRecord] = {}
-        for rank, (records, _) in enumerate(gathered):
+        etags: dict[str, str | None] = {}
+        for rank, (records, _, rank_etags) in enumerate(gathered):
+            etags.update(rank_etags)
             for rec in records:
                 if rec.name in files:
                     return ("error", f"step {job.step}: rank {rank} wrote {rec.name} twice")
@@ -348,14 +388,46 @@ class SavePipeline:
             library_version=__version__,
             torch_version=torch.__version__,
             created=time.time(),
-            extra={"values": job.values, "rng_files": "rng/rank-{rank:05d}.json"},
+            extra={
+                "values": job.values,
+                "rng_files": "rng/rank-{rank:05d}.json",
+                "writer": writer_identity(),
+            },
         )
         try:
             write_manifest(self.durable, manifest)
+        except OtherWriterError as e:
+            return ("error", str(e) + self._overwritten_note(manifest, etags))
         except Exception as e:
             return ("error", f"step {job.step}: writing the commit record failed: {describe(e)}")
+        changed = verify_committed_files(self.durable, manifest, etags)
+        if changed:  # another job's upload landed over ours: un-commit (the record is ours)
+            self.durable.delete(f"{step_dir(job.step)}/{MANIFEST}")
+            return (
+                "error",
+                f"step {job.step} not committed: {', '.join(changed)} at "
+                f"{self.durable.url_for(step_dir(job.step))} were replaced by another "
+                "writer's upload while this job committed (two jobs saving to one URL)",
+            )
         self.index.add(manifest)
         return ("ok", manifest.to_json())
+
+    def _overwritten_note(self, manifest: Manifest, etags: dict[str, str | None]) -> str:
+        """For the job that lost a commit: did its uploads replace the winner's files?"""
+        try:
+            mine = [
+                n for n, tag in etags.items()
+                if tag is not None
+                and self.durable.info(f"{step_dir(manifest.step)}/{n}").etag == tag
+            ]  # fmt: skip
+        except Exception:
+            return ""
+        if not mine:
+            return ""
+        return (
+            f". This job's uploads replaced {', '.join(sorted(mine))} of that step: its "
+            "checksums will not match and restore will fall back past it"
+        )
 
     def _after_commit(self, manifest: Manifest) -> None:
         """Retention on both tiers (best effort; a failure here never fails the save)."""

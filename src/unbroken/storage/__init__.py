@@ -8,14 +8,17 @@ from typing import Any
 from unbroken.storage.base import Entry, Store
 from unbroken.storage.emulated import EMULATED_PREFIX, EmulatedStore, RemoteProfile
 from unbroken.storage.errors import (
+    ObjectExistsError,
     ObjectNotFoundError,
     RetriesExhaustedError,
     StoreError,
     StorePermissionError,
     TransientStoreError,
+    redact,
 )
 from unbroken.storage.fsspec_store import FsspecStore
 from unbroken.storage.local import LocalStore
+from unbroken.storage.native_options import native_kind
 from unbroken.storage.retry import NO_RETRY, RetryPolicy
 
 __all__ = [
@@ -24,6 +27,7 @@ __all__ = [
     "Entry",
     "FsspecStore",
     "LocalStore",
+    "ObjectExistsError",
     "ObjectNotFoundError",
     "RemoteProfile",
     "RetriesExhaustedError",
@@ -40,6 +44,12 @@ def open_store(
     url: str | os.PathLike, *, retry: RetryPolicy | None = None, **storage_options: Any
 ) -> Store:
     """A store for a path, a ``file://`` URL or any fsspec URL (``s3://``, ``memory://``).
+
+    ``s3://``, ``gs://`` and ``az://`` (``abfs://``) go through the native backend
+    (:class:`NativeStore`, obstore); its options take the fsspec names (``endpoint_url``,
+    ``key``, ``secret``, ``anon``, ``client_kwargs``...) or obstore's own. Pass
+    ``backend="fsspec"`` to use s3fs / gcsfs / adlfs instead. Every other URL goes
+    through fsspec.
 
     ``emulated::<url>`` wraps the store at ``<url>`` in the emulated remote; its
     :class:`RemoteProfile` fields (``latency``, ``bandwidth``, ``fail_rate``, ...) may be
@@ -67,4 +77,14 @@ def open_store(
                 f"got {sorted(storage_options)}"
             )
         return LocalStore(url, retry=retry)
-    return FsspecStore(url, retry=retry, storage_options=storage_options)
+    options = dict(storage_options)
+    backend = options.pop("backend", "native")
+    if backend not in ("native", "fsspec"):
+        raise ValueError(
+            f"open_store({redact(url)!r}): backend must be 'native' or 'fsspec', got {backend!r}"
+        )
+    if backend == "native" and native_kind(url) is not None:
+        from unbroken.storage.native_store import NativeStore
+
+        return NativeStore(url, retry=retry, storage_options=options)
+    return FsspecStore(url, retry=retry, storage_options=options)

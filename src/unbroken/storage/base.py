@@ -6,7 +6,9 @@ loop, so a backend only says how to move bytes and never how to retry or name er
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -33,9 +35,14 @@ class Entry:
 
 
 def check_key(key: str, *, allow_empty: bool = False) -> str:
-    """Keys are relative, '/'-separated, with no '.' or '..' parts and no temp marker."""
+    """Keys are relative, '/'-separated, with no '.' or '..' parts and no temp marker.
+
+    An absolute key ('/a/b') is refused rather than quietly made relative: the caller
+    may have meant a path outside the store."""
     if not isinstance(key, str):
         raise TypeError(f"store key must be a str, got {type(key).__name__}")
+    if key.startswith("/") and key.strip("/"):
+        raise ValueError(f"invalid store key {key!r}: absolute; keys are relative to the store")
     stripped = key.strip("/")
     if not stripped:
         if allow_empty:
@@ -80,17 +87,49 @@ class Store(ABC):
         key = check_key(key, allow_empty=True)
         return f"{self.url}/{key}" if key else self.url
 
-    def write_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        """Store ``data`` under ``key`` atomically, replacing any old object."""
+    def write_bytes(
+        self, key: str, data: bytes | bytearray | memoryview, *, create_only: bool = False
+    ) -> None:
+        """Store ``data`` under ``key`` atomically, replacing any old object.
+
+        ``create_only``: never replace; if an object is already there (or another writer
+        creates it first) raise :class:`ObjectExistsError` and leave it as it was. Atomic
+        on local paths, S3, GCS, Azure and memory:// (see ``atomic_create``)."""
         key = check_key(key)
-        self._run("write_bytes", key, lambda: self._write_bytes(key, data))
+        if create_only:
+            self._run("create", key, lambda: self._create_bytes(key, data))
+        else:
+            self._run("write_bytes", key, lambda: self._write_bytes(key, data))
+
+    atomic_create: bool = True
+    """Whether ``write_bytes(create_only=True)`` is one atomic step on this store. Where
+    it is not (an fsspec filesystem without an exclusive create), it checks, then writes:
+    two writers racing within that window can both succeed."""
 
     def read_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        """The object's bytes, or the range [start, end) of them."""
+        """The object's bytes, or the range [start, end) of them.
+
+        A range that is reversed or reaches past the end of the object is a ValueError,
+        never a short or empty answer that a caller could take for the data."""
         key = check_key(key)
         if (start is not None and start < 0) or (end is not None and end < 0):
             raise ValueError(f"read_bytes {key!r}: negative range [{start}, {end})")
-        return self._run("read_bytes", key, lambda: self._read_bytes(key, start, end))
+        if start is not None and end is not None and start > end:
+            raise ValueError(f"read_bytes {key!r}: reversed range [{start}, {end})")
+        data = self._run("read_bytes", key, lambda: self._read_bytes(key, start, end))
+        if end is not None and len(data) < end - (start or 0):
+            raise ValueError(
+                f"read_bytes {self.url_for(key)}: range [{start or 0}, {end}) reaches past "
+                f"the end of the object ({(start or 0) + len(data)} bytes)"
+            )
+        if end is None and start and not data:
+            size = self.info(key).size
+            if start > size:
+                raise ValueError(
+                    f"read_bytes {self.url_for(key)}: start {start} is past the end of the "
+                    f"object ({size} bytes)"
+                )
+        return data
 
     def upload(
         self, local_path: str | os.PathLike, key: str, *, memory: FileInMemory | None = None
@@ -171,8 +210,14 @@ class Store(ABC):
     @abstractmethod
     def _write_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
 
+    def _create_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Write ``data`` only if nothing is at ``key``; raise FileExistsError if it is."""
+        raise NotImplementedError(f"{type(self).__name__} has no create-only write")
+
     @abstractmethod
-    def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes: ...
+    def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
+        """The bytes in [start, end), clamped to the object (b'' past its end): the
+        public method tells a short answer from the data and raises."""
 
     sends_from_memory: bool = False
     """Whether ``upload`` can send a file's bytes from memory (see :meth:`upload`)."""
@@ -235,17 +280,29 @@ def fsync_dir(path: str) -> None:
 
 
 def atomic_local_write(
-    final_path: str, fill: Callable[[str, str], None], key: str, *, sync: bool = True
+    final_path: str,
+    fill: Callable[[str, str], None],
+    key: str,
+    *,
+    sync: bool = True,
+    create_only: bool = False,
 ) -> None:
     """Run ``fill(key, tmp)`` into a sibling temp file, fsync it, rename into place.
 
     ``sync=False`` skips both fsyncs: still atomic for readers, but not durable across a
-    power loss; for copies that are checksummed and can be fetched again."""
-    staged_local_write(final_path, fill, key, sync=sync)(True)
+    power loss; for copies that are checksummed and can be fetched again.
+    ``create_only``: hard-link the temp file to the final name instead of renaming, which
+    fails (FileExistsError) if the name is taken, so of two writers exactly one wins."""
+    staged_local_write(final_path, fill, key, sync=sync, create_only=create_only)(True)
 
 
 def staged_local_write(
-    final_path: str, fill: Callable[[str, str], None], key: str, *, sync: bool = True
+    final_path: str,
+    fill: Callable[[str, str], None],
+    key: str,
+    *,
+    sync: bool = True,
+    create_only: bool = False,
 ) -> Callable[[bool], None]:
     """The first half of :func:`atomic_local_write`: ``fill`` a sibling temp file.
 
@@ -276,7 +333,11 @@ def staged_local_write(
             drop()
             return
         try:
-            os.replace(tmp, final_path)
+            if create_only:
+                _link_exclusive(tmp, final_path)
+                drop()
+            else:
+                os.replace(tmp, final_path)
         except BaseException:
             drop()
             raise
@@ -284,3 +345,26 @@ def staged_local_write(
             fsync_dir(directory)
 
     return finish
+
+
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV}
+
+
+def _link_exclusive(tmp: str, final_path: str) -> None:
+    """Publish the whole file ``tmp`` at ``final_path`` unless something is there.
+
+    A hard link is atomic and exclusive: readers see all of the file or nothing, and a
+    second writer gets FileExistsError. A filesystem without hard links (some network
+    and FUSE mounts) falls back to O_EXCL: still exclusive, but a reader may see the
+    file while it is being copied in."""
+    try:
+        os.link(tmp, final_path)
+        return
+    except OSError as exc:
+        if isinstance(exc, FileExistsError) or exc.errno not in _NO_HARD_LINKS:
+            raise
+    fd = os.open(final_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as dst, open(tmp, "rb") as src:
+        shutil.copyfileobj(src, dst)
+        dst.flush()
+        os.fsync(dst.fileno())

@@ -144,6 +144,15 @@ class EmulatedStore(Store):
         self._move(nbytes, self._send("write_bytes", key, nbytes))
         self.inner._write_bytes(key, data)
 
+    def _create_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        nbytes = memoryview(data).nbytes
+        self._move(nbytes, self._send("create", key, nbytes))
+        self.inner._create_bytes(key, data)
+
+    @property
+    def atomic_create(self) -> bool:  # type: ignore[override]
+        return self.inner.atomic_create
+
     @property
     def sends_from_memory(self) -> bool:  # type: ignore[override]
         return self.inner.sends_from_memory

@@ -55,6 +55,15 @@ _TRANSIENT_CLASS_NAMES = {
 }
 
 
+_PERMANENT_OS_ERRORS = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
+
+
 class StoreError(OSError):
     """A store operation failed for good. ``op`` and ``url`` say which."""
 
@@ -77,6 +86,10 @@ class TransientStoreError(StoreError):
 
 class ObjectNotFoundError(StoreError, FileNotFoundError):
     """The key (or the bucket) does not exist."""
+
+
+class ObjectExistsError(StoreError, FileExistsError):
+    """A create-only write found the key already taken (another writer got there first)."""
 
 
 class StorePermissionError(StoreError, PermissionError):
@@ -103,7 +116,7 @@ def is_transient(exc: BaseException) -> bool:
 def _classify_one(exc: BaseException) -> bool | None:
     if isinstance(exc, StoreError):
         return exc.transient
-    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+    if isinstance(exc, _PERMANENT_OS_ERRORS):
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
@@ -140,6 +153,13 @@ def final_error(op: str, url: str, exc: BaseException, *, attempts: int = 1) -> 
     where = f"{op} {safe_url}"
     if isinstance(exc, StoreError) and not exc.transient and exc.url:
         return exc
+    if isinstance(exc, FileExistsError) and op == "create":
+        return ObjectExistsError(
+            f"{where}: an object already exists there and this create-only write may not "
+            f"replace it ({cause})",
+            op=op,
+            url=safe_url,
+        )
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFoundError(f"{where}: not found ({cause})", op=op, url=safe_url)
     if isinstance(exc, (IsADirectoryError, NotADirectoryError)):

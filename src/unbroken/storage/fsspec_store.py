@@ -6,20 +6,24 @@ atomic step, and an unfinished multipart upload is never visible as an object.
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
+import contextlib
+import re
+import threading
 from typing import Any
 
 import fsspec
 
 from unbroken.storage.base import Entry, Store
 from unbroken.storage.in_memory import FileInMemory
+from unbroken.storage.parts import PART_SIZE, PART_STREAMS, download_in_parts
 from unbroken.storage.retry import RetryPolicy
 
-RANGED_PART = 8 << 20
-"""Objects larger than this move as parallel parts (ranged GETs, multipart PUTs) of this size."""
-RANGED_STREAMS = 8
-"""Parallel streams for one large download or multipart upload (memory: streams x part)."""
+_ATOMIC_CREATE = ("memory", "s3", "s3a")
+"""Filesystems whose ``pipe_file(mode="create")`` is one atomic step."""
+_MEMORY_CREATE = threading.Lock()
+_PRECONDITION = re.compile(r"pre-?condition", re.IGNORECASE)
+"""How s3fs reports a create-only PUT that found the key taken (412)."""
+_RANGE_NOT_SATISFIABLE = re.compile(r"range is not satisfiable|InvalidRange", re.IGNORECASE)
 
 
 class FsspecStore(Store):
@@ -44,11 +48,37 @@ class FsspecStore(Store):
         self.fs.pipe_file(self.path_for(key), bytes(data))
         self._forget(key)
 
+    @property
+    def atomic_create(self) -> bool:  # type: ignore[override]
+        """fsspec's own ``pipe_file(mode="create")`` checks, then writes; memory:// and
+        s3fs make it one step (``open("xb")`` under the GIL, ``If-None-Match: *``)."""
+        return any(p in _ATOMIC_CREATE for p in _protocols(self.fs))
+
+    def _create_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        self._forget(key)
+        # memory:// lives in this process: one lock makes its check-and-create one step.
+        lock = _MEMORY_CREATE if "memory" in _protocols(self.fs) else contextlib.nullcontext()
+        try:
+            with lock:
+                self.fs.pipe_file(self.path_for(key), bytes(data), mode="create")
+        except OSError as exc:
+            if isinstance(exc, FileExistsError) or not _PRECONDITION.search(str(exc)):
+                raise
+            raise FileExistsError(f"{self.path_for(key)} already exists ({exc})") from exc
+        finally:
+            self._forget(key)
+
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
         if end is not None and start is not None and end <= start:
             self._info(key)  # still raise for a missing key
             return b""
-        return self.fs.cat_file(self.path_for(key), start=start, end=end)
+        try:
+            return self.fs.cat_file(self.path_for(key), start=start, end=end)
+        except OSError as exc:
+            if not start or not _RANGE_NOT_SATISFIABLE.search(str(exc)):
+                raise
+            self._info(key)  # the range starts past the end (or the key is missing)
+            return b""
 
     def _upload(self, local_path: str, key: str, memory: FileInMemory | None) -> None:
         # Not from memory (sends_from_memory is False): s3fs's multipart reads the file.
@@ -57,8 +87,8 @@ class FsspecStore(Store):
             self.fs.put_file(
                 local_path,
                 self.path_for(key),
-                chunksize=max(RANGED_PART, 5 << 20),  # S3's minimum part is 5 MiB
-                max_concurrency=RANGED_STREAMS,
+                chunksize=PART_SIZE,
+                max_concurrency=PART_STREAMS,
             )
         else:
             self.fs.put_file(local_path, self.path_for(key))
@@ -66,20 +96,13 @@ class FsspecStore(Store):
 
     def _download(self, key: str, local_path: str) -> None:
         size = self._info(key).size
-        if size <= RANGED_PART:
-            self.fs.get_file(self.path_for(key), local_path)
-            return
         path = self.path_for(key)
-        with open(local_path, "wb") as f:
-            f.truncate(size)
-            fd = f.fileno()
-
-            def fetch(offset: int) -> None:
-                data = self.fs.cat_file(path, start=offset, end=min(size, offset + RANGED_PART))
-                os.pwrite(fd, data, offset)
-
-            with ThreadPoolExecutor(RANGED_STREAMS) as pool:
-                list(pool.map(fetch, range(0, size, RANGED_PART)))
+        if size <= PART_SIZE:
+            self.fs.get_file(path, local_path)
+            return
+        download_in_parts(
+            size, lambda start, end: self.fs.cat_file(path, start=start, end=end), local_path
+        )
 
     def _info(self, key: str) -> Entry:
         self._forget(key)

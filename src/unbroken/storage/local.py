@@ -37,17 +37,29 @@ class LocalStore(Store):
         super().__init__(self.root, retry=retry)
 
     def path_for(self, key: str) -> str:
-        return os.path.join(self.root, *key.split("/")) if key else self.root
+        """The file of ``key``, refused if any part of it under the root is a symbolic
+        link: a key never reaches outside the root (nor a file a link points at)."""
+        if not key:
+            return self.root
+        path = self.root
+        for part in key.split("/"):
+            path = os.path.join(path, part)
+            if os.path.islink(path):
+                raise PermissionError(
+                    errno.EPERM,
+                    f"{path} is a symbolic link; the store at {self.root} never follows "
+                    f"links, so key {key!r} is refused",
+                )
+        return path
 
     def _write_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        def fill(_key: str, tmp: str) -> None:
-            with open(tmp, "wb") as f:
-                f.write(data)
+        atomic_local_write(self.path_for(key), _fill_with(data), key)
 
-        atomic_local_write(self.path_for(key), fill, key)
+    def _create_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        atomic_local_write(self.path_for(key), _fill_with(data), key, create_only=True)
 
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
-        fd = os.open(self.path_for(key), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(self.path_for(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
@@ -92,9 +104,10 @@ class LocalStore(Store):
         copy_file(self.path_for(key), local_path)
 
     def _info(self, key: str) -> Entry:
-        st = os.stat(self.path_for(key))
-        if not os.path.isfile(self.path_for(key)):
-            raise IsADirectoryError(f"{self.path_for(key)} is a directory, not an object")
+        path = self.path_for(key)
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise IsADirectoryError(f"{path} is a directory, not an object")
         return Entry(key, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}")
 
     def _list(self, prefix: str) -> list[Entry]:
@@ -141,6 +154,14 @@ class LocalStore(Store):
                 except FileNotFoundError:
                     continue
         return removed
+
+
+def _fill_with(data: bytes | bytearray | memoryview) -> Callable[[str, str], None]:
+    def fill(_key: str, tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    return fill
 
 
 def copy_file(src: str, dst: str) -> None:

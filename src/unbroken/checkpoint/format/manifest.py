@@ -1,8 +1,9 @@
 """The commit record: a JSON manifest that lists every file of a checkpoint.
 
 A checkpoint is committed iff its ``manifest.json`` parses and every file it lists exists
-with the listed size. The manifest is written last, in one ``write_bytes`` (an atomic
-rename on a path, a single PUT on an object store), so it is the commit.
+with the listed size. The manifest is written last, in one create-only ``write_bytes`` (a
+hard link on a path, a PUT with ``If-None-Match: *`` on an object store), so it is the
+commit, and a commit is never overwritten: of two jobs on one URL, one commits a step.
 """
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ from typing import Any
 import crc32c as _crc32c
 
 from unbroken._version import __version__
-from unbroken.checkpoint.errors import CheckpointCorruptError, NewerFormatError, NoCheckpointError
-from unbroken.storage import ObjectNotFoundError, Store
+from unbroken.checkpoint.errors import (
+    CheckpointCorruptError,
+    NewerFormatError,
+    NoCheckpointError,
+    OtherWriterError,
+)
+from unbroken.checkpoint.format.writers import describe_writer, writer_identity
+from unbroken.storage import ObjectExistsError, ObjectNotFoundError, Store
 
 MANIFEST_NAME = "manifest.json"
 METADATA_JSON = "metadata.json"
@@ -259,9 +266,60 @@ def manifest_key(step: int) -> str:
     return f"{step_dir(step)}/{MANIFEST_NAME}"
 
 
+def committed_by(store: Store, step: int) -> str:
+    """' by <the job that wrote it> (two jobs ...)' for a step some other job committed,
+    '' when this process did (or the record cannot be read: the caller's words stand)."""
+    try:
+        writer = read_manifest(store, step).extra.get("writer")
+    except Exception:
+        return ""
+    if isinstance(writer, dict) and writer == writer_identity():
+        return ""
+    return f" by {describe_writer(writer)} (two jobs are saving to one URL?)"
+
+
 def write_manifest(store: Store, manifest: Manifest) -> None:
-    """Commit a checkpoint: one atomic write of its manifest, after all its files landed."""
-    store.write_bytes(manifest_key(manifest.step), manifest.to_json())
+    """Commit a checkpoint: one atomic, create-only write of its manifest, after all its
+    files landed. Of two jobs committing the same step to one URL, one wins; the other
+    gets OtherWriterError naming the winner, and nothing is overwritten."""
+    key = manifest_key(manifest.step)
+    try:
+        store.write_bytes(key, manifest.to_json(), create_only=True)
+    except ObjectExistsError as exc:
+        try:
+            other = Manifest.from_json(store.read_bytes(key), where=store.url_for(key))
+            who = describe_writer(other.extra.get("writer"))
+        except Exception as read_exc:  # still refuse: the record is there
+            who = f"another writer (its manifest cannot be read: {read_exc})"
+        raise OtherWriterError(
+            f"step {manifest.step} was committed at {store.url_for(key)} by {who}, not by "
+            f"this job ({describe_writer(manifest.extra.get('writer'))}): two jobs are saving "
+            "to one URL; this job's save of the step is not committed. Give each job its own "
+            "URL.",
+            step=manifest.step,
+            url=store.url_for(key),
+        ) from exc
+
+
+def verify_committed_files(
+    store: Store, manifest: Manifest, etags: dict[str, str | None]
+) -> list[str]:
+    """The files of a just-committed step whose durable object changed since this job
+    uploaded it (another writer's upload landed over it); [] when all are this job's.
+
+    ``etags``: file name -> the etag each rank read right after its upload."""
+    prefix = step_dir(manifest.step)
+    changed = []
+    for name, rec in sorted(manifest.files.items()):
+        try:
+            entry = store.info(f"{prefix}/{name}")
+        except ObjectNotFoundError:
+            changed.append(f"{name} (gone)")
+            continue
+        mine = etags.get(name)
+        if entry.size != rec.size or (mine is not None and entry.etag != mine):
+            changed.append(name)
+    return changed
 
 
 def read_manifest(store: Store, step: int) -> Manifest:

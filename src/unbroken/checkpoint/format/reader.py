@@ -200,6 +200,8 @@ class TierReader(StorageReader):
             return self.source(name).read_bytes(f"{self.prefix}/{name}", start, end)
         except ObjectNotFoundError as exc:
             raise self._corrupt(name, "file is missing") from exc
+        except ValueError as exc:  # the range reaches past the end: a truncated file
+            raise self._corrupt(name, f"short file: {exc}") from exc
 
     def read_whole(self, name: str) -> bytes:
         """File ``name`` whole, checked against its manifest record (size, crc32c)."""

@@ -1,0 +1,94 @@
+"""Who uses a staging directory: one live process per rank, recorded in a lock file.
+
+Why: the default staging_dir is derived from the URL, so two jobs saving to one URL on
+one machine share it, and each deletes the other's step directories while tidying; the
+loser saw bare FileNotFoundErrors. Each rank claims ``.<dir>.owners/rank-<r>`` beside
+the directory (its pid and the process's start time) when its manager starts; a second
+live claimant is refused by name. A claim whose process is gone (a crash, a kill -9) is taken over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+from unbroken._util.procs import pid_alive
+from unbroken.checkpoint.errors import CheckpointError
+
+
+class StagingDirInUseError(CheckpointError):
+    """Another live process claimed this staging directory for the same rank."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _holder(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(doc: dict) -> bool:
+    pid = doc.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid() or not pid_alive(pid):
+        return False
+    started = doc.get("started")
+    return started is None or _start_time(pid) in (None, started)
+
+
+def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[], None]:
+    """Claim ``staging_dir`` for ``rank`` of this process; returns the release function.
+
+    Raises StagingDirInUseError naming the other process if it is alive."""
+    parent, base = os.path.split(os.path.abspath(staging_dir))
+    folder = os.path.join(parent, f".{base}.owners")  # beside it: its listing stays the steps
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank-{rank:05d}")
+    mine = {"pid": os.getpid(), "started": _start_time(os.getpid()), "purpose": purpose}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(mine, f)
+    try:
+        for _ in range(3):
+            try:
+                os.link(tmp, path)  # exclusive: of two claimants, one links
+                break
+            except FileExistsError:
+                other = _holder(path)
+                if other is not None and _alive(other):
+                    raise StagingDirInUseError(
+                        f"staging_dir {staging_dir} is in use by pid {other['pid']} "
+                        f"({other.get('purpose', '?')}), rank {rank}: two jobs share it "
+                        "(the default staging_dir is derived from the URL, so two jobs "
+                        "saving to one URL on one machine do). Give each job its own "
+                        "staging_dir, and its own URL."
+                    ) from None
+                try:  # its owner is gone: take over
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        else:
+            raise StagingDirInUseError(f"could not claim staging_dir {staging_dir} for rank {rank}")
+    finally:
+        os.unlink(tmp)
+
+    def release() -> None:
+        holder = _holder(path)
+        if holder is not None and holder.get("pid") == os.getpid():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    return release

@@ -1,0 +1,247 @@
+"""S3, GCS and Azure Blob through obstore (the Rust ``object_store`` crate).
+
+Why not fsspec here: s3fs spends its time in Python per request (about 3 ms of CPU per
+100 KB object on this project's machines, where obstore spends 0.3 ms), while obstore
+releases the GIL for the whole request, runs multipart uploads and ranged reads in
+Rust, and has conditional puts (``If-None-Match: *``) for create-only commit records.
+
+One retry layer: obstore's own retries are off (``max_retries=0``), so every failed
+request surfaces at once and ``Store._run``'s policy decides, with the same budget and
+the same error classes as every other backend. The price: a multipart upload that
+loses one part starts again from its first part.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import obstore
+from obstore.exceptions import (
+    AlreadyExistsError,
+    BaseError,
+    NotFoundError,
+    PermissionDeniedError,
+    PreconditionError,
+    UnauthenticatedError,
+)
+
+from unbroken.storage.base import Entry, Store
+from unbroken.storage.errors import TransientStoreError, redact
+from unbroken.storage.in_memory import FileInMemory
+from unbroken.storage.native_options import NativeTarget, native_target
+from unbroken.storage.parts import PART_SIZE, PART_STREAMS, download_in_parts
+from unbroken.storage.retry import NO_RETRY, RetryPolicy
+
+_TRANSIENT = re.compile(
+    r"status code: (5\d\d|429)|HTTP error|error sending request|connection (reset|closed|"
+    r"refused)|timed? ?out|broken pipe|incomplete|SlowDown|ServiceUnavailable",
+    re.IGNORECASE,
+)
+"""What obstore says when the request never got a definite answer: worth a retry."""
+_RANGE_NOT_SATISFIABLE = re.compile(r"status code: 416|InvalidRange|Range Not Satisfiable")
+
+
+class NativeStore(Store):
+    """Objects under ``s3://``, ``gs://`` or ``az://`` (``abfs://``) through obstore."""
+
+    sends_from_memory = True  # a forked child's fsspec store reads the file instead
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        retry: RetryPolicy | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(url, retry=retry)
+        self.target = native_target(url, storage_options or {})
+        self._store = _build(self.target, url)
+        self._options = dict(storage_options or {})
+        self._pid = os.getpid()
+        self._forked: Store | None = None
+
+    def _in_fork(self) -> Store | None:
+        """The fsspec store that serves this one in a forked child (a fork-started
+        DataLoader worker): obstore's runtime threads do not survive a fork, and any
+        obstore call in the child hangs. None in the process that made the store."""
+        if os.getpid() == self._pid:
+            return None
+        if self._forked is None:
+            from unbroken.storage.fsspec_store import FsspecStore
+
+            self._forked = FsspecStore(self.url, retry=NO_RETRY, storage_options=self._options)
+        return self._forked
+
+    # -- hooks ----------------------------------------------------------------------
+
+    def _write_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        if (forked := self._in_fork()) is not None:
+            return forked._write_bytes(key, data)
+        view = memoryview(data).cast("B")
+        with _native_errors(key):
+            obstore.put(
+                self._store, key, view, use_multipart=view.nbytes > PART_SIZE,
+                chunk_size=PART_SIZE, max_concurrency=PART_STREAMS,
+            )  # fmt: skip
+
+    def _create_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        if (forked := self._in_fork()) is not None:
+            return forked._create_bytes(key, data)
+        with _native_errors(key):
+            obstore.put(self._store, key, memoryview(data).cast("B"), mode="create")
+
+    def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
+        if (forked := self._in_fork()) is not None:
+            return forked._read_bytes(key, start, end)
+        with _native_errors(key):
+            if start is None and end is None:
+                return bytes(obstore.get(self._store, key).bytes())
+            first = start or 0
+            try:
+                if end is None:
+                    got = obstore.get(self._store, key, options={"range": {"offset": first}})
+                    return bytes(got.bytes())
+                if end <= first:
+                    obstore.head(self._store, key)  # still raise for a missing key
+                    return b""
+                return bytes(obstore.get_range(self._store, key, start=first, end=end))
+            except BaseError as exc:
+                if not _RANGE_NOT_SATISFIABLE.search(str(exc)):
+                    raise
+                obstore.head(self._store, key)  # the range starts past the end
+                return b""
+
+    def _upload(self, local_path: str, key: str, memory: FileInMemory | None) -> None:
+        if (forked := self._in_fork()) is not None:
+            return forked._upload(local_path, key, memory)
+        parts = memory.take() if memory is not None else None
+        if parts is not None:
+            assert memory is not None
+            read_all = False
+            try:
+                with _native_errors(key):
+                    if memory.size <= PART_SIZE:
+                        obstore.put(self._store, key, b"".join(parts), use_multipart=False)
+                    else:
+                        obstore.put(
+                            self._store, key, parts, chunk_size=PART_SIZE,
+                            max_concurrency=PART_STREAMS,
+                        )  # fmt: skip
+                read_all = True
+            finally:
+                memory.give_back(read_all=read_all)
+            return
+        with _native_errors(key):
+            # From the file, PART_STREAMS parts of PART_SIZE in flight at most.
+            obstore.put(
+                self._store, key, Path(local_path), chunk_size=PART_SIZE,
+                max_concurrency=PART_STREAMS,
+            )  # fmt: skip
+
+    def _download(self, key: str, local_path: str) -> None:
+        if (forked := self._in_fork()) is not None:
+            return forked._download(key, local_path)
+        size = self._info(key).size
+        if size <= PART_SIZE:
+            with open(local_path, "wb") as f:
+                f.write(memoryview(self._fetch(key, 0, size)) if size else b"")
+            return
+        download_in_parts(size, lambda start, end: self._fetch(key, start, end), local_path)
+
+    def _fetch(self, key: str, start: int, end: int) -> Any:
+        with _native_errors(key):
+            return obstore.get_range(self._store, key, start=start, end=end)
+
+    def _info(self, key: str) -> Entry:
+        if (forked := self._in_fork()) is not None:
+            return forked._info(key)
+        with _native_errors(key):
+            meta = obstore.head(self._store, key)
+        return Entry(key, int(meta["size"]), _etag(meta))
+
+    def _list(self, prefix: str) -> list[Entry]:
+        if (forked := self._in_fork()) is not None:
+            return forked._list(prefix)
+        with _native_errors(prefix or "/"):
+            found = obstore.list(self._store, prefix=prefix or None).collect()
+            entries = [Entry(m["path"], int(m["size"]), _etag(m)) for m in found]
+            if not entries and prefix:  # list() looks under "prefix/"; the key itself?
+                try:
+                    entries = [self._info(prefix)]
+                except FileNotFoundError:
+                    pass
+        return entries
+
+    def _delete(self, key: str) -> None:
+        if (forked := self._in_fork()) is not None:
+            return forked._delete(key)
+        with _native_errors(key):
+            targets = [m["path"] for m in obstore.list(self._store, prefix=key).collect()]
+            # GCS and Azure report an absent key (S3 does not): absent is fine here.
+            for batch in (targets, [] if key in targets else [key]):
+                if batch:
+                    try:
+                        obstore.delete(self._store, batch)
+                    except FileNotFoundError:
+                        pass
+
+
+def _build(target: NativeTarget, url: str) -> Any:
+    from obstore.store import AzureStore, GCSStore, S3Store
+
+    kinds = {"s3": S3Store, "gcs": GCSStore, "azure": AzureStore}
+    try:
+        return kinds[target.kind](
+            target.bucket,
+            prefix=target.prefix or None,
+            config=target.config or None,
+            client_options=target.client_options or None,
+            retry_config={"max_retries": 0},
+        )
+    except BaseError as exc:  # a value obstore cannot parse
+        raise ValueError(f"open_store({redact(url)!r}): {_first_line(exc)}") from None
+
+
+class _native_errors:
+    """Turn obstore's exceptions into the classes the retry loop and users know, with a
+    one-line message (obstore appends a multi-line debug dump)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or not isinstance(exc, (BaseError, OSError)):
+            return False
+        if isinstance(exc, TransientStoreError) or type(exc).__module__.startswith("unbroken"):
+            return False
+        message = redact(_first_line(exc))
+        if isinstance(exc, (AlreadyExistsError, PreconditionError)):
+            raise FileExistsError(f"{self.key} already exists: {message}") from exc
+        if isinstance(exc, (NotFoundError, FileNotFoundError)):
+            raise FileNotFoundError(message) from exc
+        if isinstance(exc, (PermissionDeniedError, UnauthenticatedError, PermissionError)):
+            raise PermissionError(message) from exc
+        if isinstance(exc, BaseError) and _TRANSIENT.search(str(exc)):
+            raise TransientStoreError(message) from exc
+        return False
+
+
+def _first_line(exc: BaseException) -> str:
+    """obstore's message without its debug dump and the server's XML body."""
+    text = str(exc).split("\n\nDebug source:", 1)[0].split(": <?xml", 1)[0]
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[0][:500] if lines else type(exc).__name__
+
+
+def _etag(meta: dict[str, Any]) -> str | None:
+    tag = meta.get("e_tag") or meta.get("version")
+    if tag:
+        return str(tag).strip('"')
+    modified = meta.get("last_modified")
+    return f"{modified.timestamp()}-{meta.get('size')}" if modified else None

@@ -1,0 +1,130 @@
+"""Two jobs saving the same steps to one durable URL: at most one is told a step
+committed, every committed step holds one writer's bytes, the loser is told who won."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import unbroken as ub
+from unbroken.checkpoint.catalog import verify_checkpoint
+from unbroken.checkpoint.staging.owner import StagingDirInUseError
+
+JOB = textwrap.dedent(
+    """
+    import json, sys, torch
+    import unbroken as ub
+    url, staging, fill, options, go = sys.argv[1:6]
+    options = json.loads(options)
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = {} if staging == "-" else {"staging_dir": staging}
+    try:
+        mgr = ub.CheckpointManager(
+            url, every_steps=1, keep_last=None, storage_options=options, **kw
+        )
+    except Exception as e:
+        print(json.dumps({"0": f"{type(e).__name__}: {e}"}))
+        sys.exit(0)
+    while not __import__("os").path.exists(go):  # start together
+        pass
+    told = {}
+    for step in range(1, 9):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(fill) * 1000 + step)  # who wrote it, which step
+        try:
+            mgr.save(step, {"model": model, "optim": opt})
+            mgr.wait()
+            told[step] = "committed"
+        except Exception as e:
+            told[step] = f"{type(e).__name__}: {e}"
+    try:
+        mgr.close()
+    except Exception:
+        pass
+    print(json.dumps(told))
+    """
+)
+
+
+def run_two_jobs(tmp_path, url, options, stagings) -> list[dict[int, str]]:
+    go = tmp_path / "go"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", JOB, url, staging, str(i + 1), json.dumps(options), str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i, staging in enumerate(stagings)
+    ]
+    go.write_text("")
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return [{int(k): v for k, v in json.loads(out.splitlines()[-1]).items()} for out, _ in outs]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_two_jobs_on_one_url_one_writer_per_step(tmp_path, backend, s3_server_lazy):
+    if backend == "local":
+        url, options = str(tmp_path / "durable"), {}
+    else:
+        server = s3_server_lazy.get()
+        url, options = f"s3://{server.new_root()}/ckpt", server.storage_options
+    told = run_two_jobs(
+        tmp_path, url, options, [str(tmp_path / "staging-a"), str(tmp_path / "staging-b")]
+    )
+    store = ub.open_store(url, **options)
+    for step in range(1, 9):
+        winners = [i for i, t in enumerate(told) if t[step] == "committed"]
+        assert len(winners) <= 1, (step, told)
+        for t in told:
+            if t[step] != "committed":
+                assert "two jobs" in t[step] and "pid" in t[step], t[step]
+        committed = store.exists(f"step-{step:012d}/manifest.json")
+        if winners:
+            assert committed, (step, told)
+        if committed:
+            # every byte of a committed step is one writer's: its checksums all match
+            assert verify_checkpoint(store, step, deep=True) == [], (step, told)
+            doc = json.loads(store.read_bytes(f"step-{step:012d}/manifest.json"))
+            assert doc["extra"]["writer"]["pid"] > 0
+
+
+@pytest.mark.multiprocess
+def test_two_jobs_sharing_the_default_staging_dir_are_told_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("UNBROKEN_STAGING_DIR", str(tmp_path / "staging-base"))
+    told = run_two_jobs(tmp_path, str(tmp_path / "durable"), {}, ["-", "-"])
+    refused = [t[0] for t in told if 0 in t]
+    assert len(refused) == 1, told
+    assert "StagingDirInUseError" in refused[0] and "in use by pid" in refused[0]
+    assert "give each job its own staging_dir" in refused[0].lower()
+    ran = next(t for t in told if 0 not in t)
+    assert all(ran[step] == "committed" for step in range(1, 9)), ran
+
+
+def test_a_live_claim_on_a_staging_dir_is_refused_by_pid(tmp_path):
+    from unbroken.checkpoint.staging.owner import claim_staging_dir
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        folder = tmp_path / ".staging.owners"
+        folder.mkdir(parents=True)
+        (folder / "rank-00000").write_text(json.dumps({"pid": other.pid, "purpose": "job A"}))
+        with pytest.raises(StagingDirInUseError, match=f"pid {other.pid}.*job A"):
+            claim_staging_dir(str(tmp_path / "staging"), 0, "job B")
+    finally:
+        other.kill()
+        other.wait()
+    release = claim_staging_dir(str(tmp_path / "staging"), 0, "job B")  # owner gone
+    release()
