@@ -111,8 +111,11 @@ def main() -> None:
                ("auto, estimated", "auto-estimated", None)]  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, every, mtbf in configs:
-            print(f"running {name} ...", file=sys.stderr, flush=True)
+        from tqdm import tqdm
+
+        bar = tqdm(configs, desc="configurations", unit="cfg", file=sys.stderr)
+        for name, every, mtbf in bar:
+            bar.set_postfix_str(name)
             rows.append(run(name.replace(" ", "_").replace(",", ""), every, mtbf, kills,
                             budget, tmp) | {"name": name})  # fmt: skip
     print(f"\n{len(kills)} kills in {budget:.0f} s per configuration (mean gap {args.mtbf} s)")

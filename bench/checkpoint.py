@@ -75,9 +75,14 @@ def run_all(cfg: Config) -> dict[str, dict]:
     os.makedirs(results_dir, exist_ok=True)
     results: dict[str, dict] = {}
     pending = list(cfg.rows)
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(pending), desc="rows", unit="row", file=sys.stderr)
     while pending:
         batch = list(pending[:1] if cfg.isolate else pending)
+        bar.set_postfix_str(",".join(batch))
         why = _launch(cfg, batch)
+        left = len(pending)
         for key in batch:
             path = os.path.join(results_dir, f"{key}.json")
             pending.remove(key)
@@ -86,9 +91,11 @@ def run_all(cfg: Config) -> dict[str, dict]:
                 break  # later rows get a fresh launch
             with open(path) as f:
                 results[key] = json.load(f)
+        bar.update(left - len(pending))
         base = results.get("baseline", {})
         if cfg.every is None and base.get("every"):
             cfg.every = base["every"]
+    bar.close()
     return results
 
 

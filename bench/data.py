@@ -21,6 +21,7 @@ import os
 import random
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -281,7 +282,9 @@ def main() -> None:
     # rows interleaved round by round, best of --repeat: load drift hits every row alike
     runs_dir = tempfile.mkdtemp(prefix="unbroken-bench-data-", dir=args.bench_dir)
     try:
-        for round_ in range(args.repeat):
+        from tqdm import tqdm
+
+        for round_ in tqdm(range(args.repeat), desc="rounds", unit="round", file=sys.stderr):
             keep_best("stock local", Epoch(stock_loader(LocalFiles(root, keys), args)))
             remote = RemoteFiles(remote_url, options, keys)
             keep_best("stock remote", Epoch(stock_loader(remote, args)))

@@ -53,6 +53,15 @@ def test_listing_is_complete_sorted_and_recursive(store: Store):
     assert store.list("nothing-here") == []
 
 
+def test_a_listing_reports_its_pages_as_they_come(store: Store):
+    for i in range(12):
+        store.write_bytes(f"p/f{i:02d}", b"x")
+    pages: list[int] = []
+    listed = store.list(progress=pages.append)
+    assert pages and sum(pages) == len(listed) == 12
+    assert store.list("p", progress=pages.append) == listed
+
+
 def test_delete_key_and_prefix(store: Store):
     for key in ["p/a", "p/b/c", "p/b/d", "q"]:
         store.write_bytes(key, b"1")

@@ -14,6 +14,7 @@ file that changed is fetched again once the index has seen the change.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import fnmatch
 import hashlib
@@ -23,9 +24,10 @@ import logging
 import math
 import os
 import re
+import sys
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from unbroken.storage import Entry, Store, StoreError
 from unbroken.storage.base import temp_name
@@ -179,13 +181,28 @@ def fingerprint_columns(
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def listing_progress(url: str) -> Iterator[Callable[[int], None]]:
+    """A count of the files listed so far, on stderr when it is a terminal (a volume of
+    millions of objects lists for minutes; nothing is drawn in logs or pipes)."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=f"listing {url}", unit=" files", file=sys.stderr, disable=None,
+               leave=False, mininterval=0.5)  # fmt: skip
+    try:
+        yield bar.update
+    finally:
+        bar.close()
+
+
 def build_index(
     store: Store, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
 ) -> FileIndex:
     """List the volume now. Raises naming the URL if it is unreachable or empty."""
     url = redact(store.url)
     try:
-        listed = store.list()
+        with listing_progress(url) as progress:
+            listed = store.list(progress=progress)
     except StoreError as exc:
         raise StoreError(
             f"VolumeDataset: cannot list the volume {url}: {exc}", op="list", url=url

@@ -11,7 +11,7 @@ import os
 import shutil
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -193,11 +193,28 @@ class Store(ABC):
         key = check_key(key)
         return self._run("info", key, lambda: self._info(key))
 
-    def list(self, prefix: str = "", *, include_temp: bool = False) -> list[Entry]:
+    def list(
+        self,
+        prefix: str = "",
+        *,
+        include_temp: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[Entry]:
         """Every object under ``prefix``, recursively, sorted by key; temp files hidden
-        unless ``include_temp`` (housekeeping: a crashed writer's are its only trace)."""
+        unless ``include_temp`` (housekeeping: a crashed writer's are its only trace).
+        ``progress(n)`` hears of each page of ``n`` entries as it arrives (a listing of
+        millions of objects takes minutes), where the backend lists in pages."""
         prefix = check_key(prefix, allow_empty=True)
-        entries = self._run("list", prefix, lambda: self._list(prefix))
+
+        def collect() -> list[Entry]:
+            entries: list[Entry] = []
+            for page in self._list_pages(prefix):
+                entries.extend(page)
+                if progress is not None:
+                    progress(len(page))
+            return entries
+
+        entries = self._run("list", prefix, collect)
         return sorted(e for e in entries if include_temp or not is_temp_name(e.key))
 
     def delete(self, key: str) -> None:
@@ -258,6 +275,10 @@ class Store(ABC):
 
     @abstractmethod
     def _list(self, prefix: str) -> list[Entry]: ...
+
+    def _list_pages(self, prefix: str) -> Iterator[list[Entry]]:
+        """The listing in pages as they arrive; one page where the backend has no pages."""
+        yield self._list(prefix)
 
     @abstractmethod
     def _delete(self, key: str) -> None: ...

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,18 @@ class NativeStore(Store):
                 except FileNotFoundError:
                     pass
         return entries
+
+    def _list_pages(self, prefix: str) -> Iterator[list[Entry]]:
+        forked = self._in_fork()
+        if forked is not None:
+            yield forked._list(prefix)
+            return
+        if prefix:  # _list also answers for a key that is itself the prefix
+            yield self._list(prefix)
+            return
+        with _native_errors("/"):  # the root, the big case: its pages as they come
+            for page in obstore.list(self._store, prefix=None):
+                yield [Entry(m["path"], int(m["size"]), _etag(m)) for m in page]
 
     def _delete(self, key: str) -> None:
         if (forked := self._in_fork()) is not None:
