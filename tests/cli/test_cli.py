@@ -192,15 +192,18 @@ def test_plan_reproduces_the_published_figures(capsys):
         ["plan", "--interval-minutes", "30"],
         ["plan", "--gpus", "x", "--days", "1", "--afr", "0.1"],
         ["plan", "--gpus", "8", "--days", "1", "--afr", "2"],
+        ["plan", "--interruptions-per-day", "8.6", "--interval-minutes", "0"],
+        ["goodput", "somewhere", "--rank", "-1"],
     ],
 )
 def test_plan_bad_arguments(capsys, argv):
     code, _, err = run(capsys, *argv)
     assert code == 2 and "error:" in err
+    assert "> 0 seconds" not in err  # the user gave minutes
 
 
 def test_every_verb_has_help(capsys):
-    for verb in ("ls", "verify", "goodput", "plan"):
+    for verb in ("ls", "verify", "goodput", "plan", "demo"):
         code, out, _ = run(capsys, verb, "--help")
         assert code == 0 and f"usage: unbroken {verb}" in out
 

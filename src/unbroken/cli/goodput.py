@@ -30,6 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rank < 0:
+        raise CliError(f"--rank must be >= 0, got {args.rank}", code=2)
     store = open_existing(args.url)
     log = read_log(store)
     if not log:

@@ -44,6 +44,8 @@ def compute(args: argparse.Namespace) -> dict[str, float]:
         raise CliError("--interval-minutes and --save-seconds need --interruptions-per-day", code=2)
     if rate is not None:
         interval = args.interval_minutes
+        if interval is not None and not interval > 0:
+            raise CliError(f"--interval-minutes must be > 0, got {interval:g}", code=2)
         if interval is None:
             if not save:
                 raise CliError(
