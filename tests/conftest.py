@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 
 import pytest
@@ -103,3 +104,12 @@ def store(request, tmp_path, s3_server_lazy) -> Store:
     (SeaweedFS). tests/storage/ widens it to STORE_BACKENDS."""
     url, options = make_store_url(request.param, tmp_path, s3_server_lazy)
     return open_store(url, **options)
+
+
+@pytest.fixture(autouse=True)
+def _sigterm_handler_restored():
+    """A test that leaves a CheckpointManager open leaves its SIGTERM handler installed;
+    put the one from before back, so no test inherits another's preemption state."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)

@@ -197,9 +197,11 @@ elif case == "second_signal_after_flag":
     assert [c.step for c in m.checkpoints()] == [1], m.checkpoints()
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5)
-elif case == "leaked_manager_then_a_handled_save":  # must NOT end the process
-    leaked = mgr("leaked")
+elif case in ("leaked_manager_then_a_handled_save", "closed_beneath_then_a_handled_save"):
+    beneath = mgr("beneath")  # must NOT end the process: left open, or closed out of order
     m = mgr("a", every_steps=3)
+    if case == "closed_beneath_then_a_handled_save":
+        beneath.close()
     try:
         for step in range(1, 10):
             if step == 5:
@@ -227,12 +229,16 @@ def test_a_signal_no_save_takes_up_still_ends_the_process(tmp_path, case):
     assert "STILL ALIVE" not in proc.stdout
 
 
-def test_a_signal_a_manager_saved_for_does_not_reach_one_left_open(tmp_path):
-    """A manager never closed, beneath one that took the signal up and saved: the leaked
-    one only notes it and arms nothing, so the process lives on after the SystemExit."""
+@pytest.mark.parametrize(
+    "case", ["leaked_manager_then_a_handled_save", "closed_beneath_then_a_handled_save"]
+)
+def test_a_signal_a_manager_saved_for_does_not_end_the_process_through_another(tmp_path, case):
+    """Beneath the manager that took the signal up and saved, one left open only notes
+    it and one closed out of order passes it on to nobody: the process lives on after
+    the SystemExit (this killed the test suite, through a test's leaked manager)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run(
-        [sys.executable, "-c", _NOT_SWALLOWED, str(tmp_path), "leaked_manager_then_a_handled_save"],
+        [sys.executable, "-c", _NOT_SWALLOWED, str(tmp_path), case],
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert proc.returncode == 0 and "STILL ALIVE" in proc.stdout, proc.stdout + proc.stderr

@@ -61,6 +61,7 @@ class PreemptionWatch:
         """A maybe_save took the signal up (its save may take a while: no watchdog then)."""
         self._closed = False
         self._forward = False
+        self._noted_only = False
         self._previous: dict[int, Any] = {}
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._calls = 0
@@ -76,29 +77,43 @@ class PreemptionWatch:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None, *, chained: bool = False) -> None:
+        if chained:  # reached through a newer manager's handler, which took the signal up
+            if not (self._closed or self.handled) and self.received is None:
+                self.received = signum  # an open manager beneath saves at its next call
+                self._noted_only = True  # the newer manager watches and passes it on
+            self._chain(signum, frame)
+            return
         if self._closed or self._forward or self.handled or self.received is not None:
             self._pass_on(signum, frame)  # closed, timed out, already saved, or a 2nd signal
             return
         self.received = signum
-        if not chained:  # the first manager to see it watches; those it chains to only note it
-            log.warning(
-                "%s received: the next maybe_save saves the step reached and waits for its "
-                "commit (a second one ends the process at once)", signal.Signals(signum).name
-            )
-            threading.Thread(
-                target=self._watchdog, args=(signum,), name="unbroken-preempt", daemon=True
-            ).start()
+        log.warning(
+            "%s received: the next maybe_save saves the step reached and waits for its "
+            "commit (a second one ends the process at once)", signal.Signals(signum).name
+        )
+        threading.Thread(
+            target=self._watchdog, args=(signum,), name="unbroken-preempt", daemon=True
+        ).start()
+        self._chain(signum, frame)
+
+    def _chain(self, signum: int, frame: FrameType | None) -> None:
+        """Tell the handlers installed before ours: other managers note the signal, the
+        user's own handler runs; nothing here ends the process."""
         previous = self._previous.get(signum)
         inner = getattr(previous, "__self__", None)
-        if isinstance(inner, PreemptionWatch):  # another manager's: it saves at its next call
+        if isinstance(inner, PreemptionWatch):
             inner._on_signal(signum, frame, chained=True)
-        elif callable(previous):  # the user's own handler still runs
+        elif callable(previous):
             previous(signum, frame)
 
     def _pass_on(self, signum: int, frame: FrameType | None) -> None:
-        """What the signal would have done without us (main thread, in the handler)."""
+        """What the signal would have done without any manager (main thread, in the
+        handler): past other managers' handlers, to the one installed before them all."""
         previous = self._previous.get(signum, signal.SIG_DFL)
-        if callable(previous):
+        inner = getattr(previous, "__self__", None)
+        if isinstance(inner, PreemptionWatch):
+            inner._pass_on(signum, frame)
+        elif callable(previous):
             previous(signum, frame)
         elif previous in (signal.SIG_DFL, None):
             signal.signal(signum, signal.SIG_DFL)
@@ -166,7 +181,7 @@ class PreemptionWatch:
             self._pending[0].wait()
             self._pending = None
         self._closed = True
-        unhandled = self.received if not self.handled else None
+        unhandled = self.received if not (self.handled or self._noted_only) else None
         if threading.current_thread() is threading.main_thread():
             for sig, previous in self._previous.items():
                 if signal.getsignal(sig) == self._on_signal:
