@@ -36,7 +36,8 @@ def test_a_sqlite_tracking_uri_gets_every_metric(tmp_path, monkeypatch):
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(saved_run(url))
     assert run.info.status == "FINISHED"
-    assert set(run.data.metrics) == set(METRICS)
+    # every metric but the autopilot's interval (this loop saves every 3 steps)
+    assert set(run.data.metrics) == set(METRICS) - {"checkpoint_interval_seconds"}
     goodput = client.get_metric_history(run.info.run_id, "goodput")
     assert len(goodput) >= 2  # batched along the way, not only at the end
     assert all(0 < m.value <= 1 for m in goodput)
