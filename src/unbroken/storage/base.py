@@ -227,9 +227,10 @@ class Store(ABC):
     @abstractmethod
     def _write_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
 
+    @abstractmethod
     def _create_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        """Write ``data`` only if nothing is at ``key``; raise FileExistsError if it is."""
-        raise NotImplementedError(f"{type(self).__name__} has no create-only write")
+        """Write ``data`` only if nothing is at ``key``; raise FileExistsError if it is.
+        Every backend has one: a commit record must never be overwritten."""
 
     @abstractmethod
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
