@@ -10,7 +10,6 @@ every rank has reported its files durable.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from unbroken._util.priority import lower_thread_priority
 from unbroken._util.thread_names import name_native_thread
 from unbroken._version import __version__
+from unbroken.checkpoint import staging_tier
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.durable_index import DurableIndex
 from unbroken.checkpoint.errors import OtherWriterError, SaveFailedError
@@ -41,7 +41,6 @@ from unbroken.checkpoint.format.manifest import (
     Manifest,
     committed_by,
     crc32c_bytes,
-    parse_step_dir,
     step_dir,
     verify_committed_files,
     write_manifest,
@@ -121,7 +120,7 @@ class SavePipeline:
         self._told_page_cache = False
         self.current_step: int | None = None
         """The step this run is at: its last commit, or what the manager restored. Its
-        copy is the one the staging tier keeps (``_tidy_local``)."""
+        copy is the one the staging tier keeps (``staging_tier.tidy``)."""
         self._idle = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._loop, name="unbroken-ckpt", daemon=True)
         self._thread.start()
@@ -194,7 +193,7 @@ class SavePipeline:
                 job.staged.release()  # idempotent; covers a failure before the local write
             if job.error is not None:
                 drop_frame_locals(job.error)
-                self._remove_uncommitted_local(job.step)
+                staging_tier.remove_unfinished(self.staging_dir, job.step)
             job.seconds["total"] = time.monotonic() - job.submitted
             try:
                 self._on_done(job)  # before the job leaves _jobs: wait() then sees its error
@@ -244,7 +243,7 @@ class SavePipeline:
             os.unlink(os.path.join(local_dir, MANIFEST))
         except FileNotFoundError:
             pass
-        self._tidy_local(writing=step)
+        staging_tier.tidy(self.staging_dir, self.current_step, writing=step)
         t1 = time.monotonic()
         job.seconds["staging"] = t1 - t0
         job.seconds["blocking"] = float(job.staged.stats.get("blocking_seconds", 0.0))
@@ -432,7 +431,7 @@ class SavePipeline:
     def _after_commit(self, manifest: Manifest) -> None:
         """Retention on both tiers (best effort; a failure here never fails the save)."""
         self.current_step = manifest.step
-        self._tidy_local()
+        staging_tier.tidy(self.staging_dir, self.current_step)
         if self.group.is_coordinator:
             try:
                 self._prune_durable()
@@ -450,47 +449,6 @@ class SavePipeline:
                 manifest.step,
                 describe(e),
             )
-
-    def _tidy_local(self, writing: int | None = None) -> None:
-        """The staging tier keeps the copy of the step this run is at (``current_step``;
-        before a commit or restore, the newest directory holding a manifest) and the step
-        being written, nothing else: older copies, newer committed ones (a rolled-back or
-        restarted run's) and partial ones a killed job left.
-
-        After a commit (no ``writing``) a newer directory without a manifest stays: a
-        rank of this node may have made it for its next save before the ranks agreed on
-        that save. Before a local write every rank has agreed on ``writing``, so no rank
-        can be making another step's directory then. A copy is un-committed first (its
-        manifest goes), then deleted."""
-        try:
-            names = os.listdir(self.staging_dir)
-        except OSError:
-            return
-        entries = {step: e for e in names if (step := parse_step_dir(e)) is not None}
-        committed = {s for s, e in entries.items() if os.path.exists(self._local_path(e, MANIFEST))}
-        keep = self.current_step if self.current_step is not None else max(committed, default=None)
-        for step, entry in sorted(entries.items()):
-            if step in (keep, writing):
-                continue
-            if writing is None and step not in committed and (keep is None or step > keep):
-                continue
-            if step not in committed:
-                log.info("staging tier: removing %s, a save that did not finish", entry)
-            with contextlib.suppress(OSError):
-                os.unlink(self._local_path(entry, MANIFEST))
-            shutil.rmtree(self._local_path(entry), ignore_errors=True)
-
-    def _local_path(self, *parts: str) -> str:
-        return os.path.join(self.staging_dir, *parts)
-
-    def _remove_uncommitted_local(self, step: int) -> None:
-        """A failed save's shard would stay in the staging tier until a later commit, and
-        a store that stays down for a few saves would fill the disk with them. A directory
-        that holds a manifest is left alone: that is a committed step's copy (the save
-        failed because the step was already committed)."""
-        path = os.path.join(self.staging_dir, step_dir(step))
-        if not os.path.exists(os.path.join(path, MANIFEST)):
-            shutil.rmtree(path, ignore_errors=True)
 
     def _prune_durable(self) -> None:
         doomed = plan_deletions(

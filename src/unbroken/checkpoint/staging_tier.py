@@ -1,0 +1,55 @@
+"""What the local staging tier keeps between saves: one committed copy, the step being
+written, nothing else (disk on the training node is bounded: two copies of a shard)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+
+from unbroken.checkpoint.format.manifest import MANIFEST_NAME, parse_step_dir, step_dir
+
+log = logging.getLogger(__name__)
+
+
+def tidy(staging_dir: str, current_step: int | None, *, writing: int | None = None) -> None:
+    """Keep the copy of the step this run is at (``current_step``; before a commit or
+    restore, the newest directory holding a manifest) and the step being written,
+    nothing else: older copies, newer committed ones (a rolled-back or restarted run's)
+    and partial ones a killed job left.
+
+    After a commit (no ``writing``) a newer directory without a manifest stays: a rank of
+    this node may have made it for its next save before the ranks agreed on that save.
+    Before a local write every rank has agreed on ``writing``, so no rank can be making
+    another step's directory then. A copy is un-committed first (its manifest goes),
+    then deleted."""
+    try:
+        names = os.listdir(staging_dir)
+    except OSError:
+        return
+    entries = {step: e for e in names if (step := parse_step_dir(e)) is not None}
+    committed = {
+        s for s, e in entries.items() if os.path.exists(os.path.join(staging_dir, e, MANIFEST_NAME))
+    }
+    keep = current_step if current_step is not None else max(committed, default=None)
+    for step, entry in sorted(entries.items()):
+        if step in (keep, writing):
+            continue
+        if writing is None and step not in committed and (keep is None or step > keep):
+            continue
+        if step not in committed:
+            log.info("staging tier: removing %s, a save that did not finish", entry)
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(staging_dir, entry, MANIFEST_NAME))
+        shutil.rmtree(os.path.join(staging_dir, entry), ignore_errors=True)
+
+
+def remove_unfinished(staging_dir: str, step: int) -> None:
+    """A failed save's shard would stay until a later commit, and a store that stays
+    down for a few saves would fill the disk with them. A directory that holds a
+    manifest is left alone: that is a committed step's copy (the save failed because
+    the step was already committed)."""
+    path = os.path.join(staging_dir, step_dir(step))
+    if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+        shutil.rmtree(path, ignore_errors=True)
