@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -29,8 +30,10 @@ JOB = textwrap.dedent(
             url, every_steps=1, keep_last=None, storage_options=options, **kw
         )
     except Exception as e:
+        open(f"{go}.ready-{fill}", "w").close()
         print(json.dumps({"0": f"{type(e).__name__}: {e}"}))
         sys.exit(0)
+    open(f"{go}.ready-{fill}", "w").close()  # made while the other job is made, too
     while not __import__("os").path.exists(go):  # start together
         pass
     told = {}
@@ -66,6 +69,15 @@ def run_two_jobs(tmp_path, url, options, stagings) -> list[dict[int, str]]:
         )
         for i, staging in enumerate(stagings)
     ]
+    # Both managers exist (or were refused) before either job saves: a job that started
+    # slowly must not find the other one already finished.
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not all(
+        os.path.exists(f"{go}.ready-{i + 1}") for i in range(len(procs))
+    ):
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.05)
     go.write_text("")
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs):
