@@ -15,8 +15,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._latency_proxy import LatencyProxy
 from tests.s3server import CREDENTIALS, S3Server
+
+from _latency_proxy import LatencyProxy
 
 PROFILES = {"loopback": 0.0, "far": 20.0}
 """Remote profiles by name: milliseconds added to each request."""

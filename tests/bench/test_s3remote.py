@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 import time
 
-from bench._s3remote import S3Remote
-
 import unbroken as ub
+from _s3remote import S3Remote
 
 
 def test_far_profile_keeps_bytes_and_adds_latency(s3_server):

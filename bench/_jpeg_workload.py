@@ -1,0 +1,135 @@
+"""The JPEG workload every data benchmark shares: the files, the decode, the clock.
+
+Every loader compared (stock, unbroken, the peers) reads the same generated JPEGs, runs
+the same :func:`decode` and is timed by the same :class:`Epoch`, so their rows differ only
+in the loader.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import resource
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+CROP = 224
+SIDE = 400  # 400x400, quality 88, with grain: about 100 KB per JPEG
+
+
+# -- data ------------------------------------------------------------------------------
+
+
+def _make_jpegs(args: tuple[str, int, int]) -> None:
+    directory, start, stop = args
+    rng = np.random.default_rng(start)
+    for i in range(start, stop):
+        path = os.path.join(directory, f"{i // 1000:03d}", f"img{i:06d}.jpg")
+        if os.path.exists(path):
+            continue
+        low = rng.integers(0, 256, (SIDE // 8, SIDE // 8, 3), dtype=np.uint8)
+        base = np.asarray(Image.fromarray(low).resize((SIDE, SIDE), Image.BILINEAR))
+        grain = rng.normal(0, 30, (SIDE, SIDE, 3))
+        pixels = np.clip(base.astype(np.int16) + grain, 0, 255).astype(np.uint8)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + f".tmp{os.getpid()}"
+        Image.fromarray(pixels).save(tmp, "JPEG", quality=88)
+        os.replace(tmp, path)
+
+
+def ensure_dataset(bench_dir: str, files: int, workers: int) -> tuple[str, list[str]]:
+    """``files`` JPEGs under ``bench_dir`` (generated once, reused by later runs)."""
+    directory = os.path.join(bench_dir, f"jpeg{SIDE}-{files}")
+    os.makedirs(directory, exist_ok=True)
+    step = 250
+    jobs = [(directory, s, min(files, s + step)) for s in range(0, files, step)]
+    with ProcessPoolExecutor(max(1, workers)) as pool:
+        list(pool.map(_make_jpegs, jobs))
+    keys = [f"{i // 1000:03d}/img{i:06d}.jpg" for i in range(files)]
+    return directory, keys
+
+
+def decode(data: bytes, path: str) -> torch.Tensor:
+    """A real decode and augmentation: JPEG -> RGB -> random crop -> random flip -> CHW."""
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    x = random.randint(0, img.width - CROP)
+    y = random.randint(0, img.height - CROP)
+    img = img.crop((x, y, x + CROP, y + CROP))
+    if random.random() < 0.5:
+        img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.array(img)).permute(2, 0, 1)
+
+
+def tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and all its children, live or reaped."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in _live_descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def _live_descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+class Epoch:
+    """One timed pass: images, seconds, seconds to the first batch, steady rate, CPU."""
+
+    def __init__(self, loader) -> None:
+        self.images = 0
+        cpu_before = tree_cpu_seconds()
+        started = time.perf_counter()
+        first_at, first_images = None, 0
+        for batch in loader:
+            self.images += len(batch)
+            if first_at is None:
+                first_at, first_images = time.perf_counter(), self.images
+        ended = time.perf_counter()
+        self.cpu_ms = (tree_cpu_seconds() - cpu_before) * 1000 / max(self.images, 1)
+        """CPU milliseconds per image, all processes: what the load of others cannot skew."""
+        self.seconds = ended - started
+        self.first_batch = (first_at or ended) - started
+        steady_seconds = ended - (first_at or ended)
+        # worker start-up (paid by the stock loaders every epoch) is left out of the rate
+        self.rate = (self.images - first_images) / steady_seconds if steady_seconds else 0.0
+
+
+def upload(client: Any, bucket: str, prefix: str, root: str, keys: list[str]) -> None:
+    """Put every file of the set under ``s3://bucket/prefix/`` (16 threads, boto3)."""
+
+    def put(key: str) -> None:
+        with open(os.path.join(root, key), "rb") as f:
+            client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=f.read())
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(put, keys))
