@@ -1,0 +1,113 @@
+"""Rerun the benchmarks a doc quotes and put their fresh output in place.
+
+A doc names each benchmark it quotes beside the output, in a block of this shape::
+
+    <!-- bench: bench/peers.py --profile both --plot docs/img -->
+    ```text
+    (what that command printed, the JSON line left out)
+    ```
+    <!-- /bench -->
+
+so a reader sees the command that made every table, and this script makes them again:
+it runs each block's command with this interpreter, from the repository root, and writes
+its output into the block, with a line saying when and on what machine. Plots come from
+the commands themselves (``--plot``).
+
+    python bench/regenerate_docs.py [docs/benchmarks.md] [--only peers.py] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = re.compile(
+    r"(?P<open><!-- bench: (?P<command>.+?) -->\n)(?P<body>.*?)(?P<close><!-- /bench -->)",
+    re.DOTALL,
+)
+WHEN = re.compile(r"<!-- measured -->.*?<!-- /measured -->", re.DOTALL)
+
+
+def blocks(text: str) -> list[str]:
+    """The commands of every block, in order."""
+    return [m.group("command") for m in BLOCK.finditer(text)]
+
+
+def fill(text: str, outputs: dict[str, str]) -> str:
+    """``text`` with each block whose command is in ``outputs`` holding that output."""
+
+    def replace(m: re.Match[str]) -> str:
+        command = m.group("command")
+        if command not in outputs:
+            return m.group(0)
+        return f"{m.group('open')}```text\n{outputs[command].rstrip()}\n```\n{m.group('close')}"
+
+    return BLOCK.sub(replace, text)
+
+
+def keep_table(stdout: str) -> str:
+    """What a reader needs from a benchmark's stdout: everything but its JSON lines."""
+    return "\n".join(line for line in stdout.splitlines() if not line.lstrip().startswith("{"))
+
+
+def machine() -> str:
+    cores = os.cpu_count()
+    try:
+        with open("/proc/meminfo") as f:
+            mem_kb = int(f.readline().split()[1])
+        memory = f", {mem_kb / 2**20:.0f} GiB"
+    except (OSError, ValueError, IndexError):
+        memory = ""
+    import torch
+
+    system = f"Linux {platform.release()}, torch {torch.__version__}"
+    return f"{platform.machine()}, {cores} cores{memory}, {system}"
+
+
+def run(command: str) -> str:
+    argv = shlex.split(command)
+    if argv and argv[0].endswith(".py"):
+        argv = [sys.executable, *argv]
+    print(f"running: {command}", file=sys.stderr, flush=True)
+    done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"`{command}` failed (exit {done.returncode}); the doc is unchanged")
+    return keep_table(done.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("doc", nargs="?", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    parser.add_argument("--only", action="append", default=[], help="commands containing this")
+    parser.add_argument("--list", action="store_true", help="print the commands and stop")
+    args = parser.parse_args()
+    with open(args.doc) as f:
+        text = f.read()
+    commands = [c for c in blocks(text) if not args.only or any(o in c for o in args.only)]
+    if args.list:
+        print("\n".join(commands))
+        return
+    if not commands:
+        raise SystemExit(f"{args.doc}: no <!-- bench: ... --> block matches {args.only}")
+    outputs = {command: run(command) for command in commands}
+    stamp = (
+        f"<!-- measured -->Last regenerated {datetime.date.today().isoformat()} on "
+        f"{machine()}.<!-- /measured -->"
+    )
+    text = WHEN.sub(lambda _: stamp, fill(text, outputs))
+    tmp = args.doc + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, args.doc)
+    print(f"{args.doc}: {len(outputs)} block(s) regenerated", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""bench/regenerate_docs.py puts each command's fresh table in its block, and nothing else."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import regenerate_docs
+
+SCRIPT = os.path.join(os.path.dirname(regenerate_docs.__file__), "regenerate_docs.py")
+
+
+def _doc(tmp_path, table_script: str, failing_script: str) -> str:
+    return (
+        "# Results\n\n<!-- measured -->never<!-- /measured -->\n\n"
+        f"<!-- bench: {table_script} --rows 2 -->\n```text\nold table\n```\n<!-- /bench -->\n\n"
+        f"<!-- bench: {failing_script} -->\n```text\nkept\n```\n<!-- /bench -->\n"
+    )
+
+
+def _scripts(tmp_path):
+    table = tmp_path / "table.py"
+    table.write_text(
+        "import sys, json\n"
+        "n = int(sys.argv[sys.argv.index('--rows') + 1])\n"
+        "for i in range(n): print(f'row {i}  {i * 10}')\n"
+        "print(json.dumps({'rows': n}))\n"
+    )
+    failing = tmp_path / "failing.py"
+    failing.write_text("raise SystemExit(3)\n")
+    return str(table), str(failing)
+
+
+def test_only_the_named_block_is_rerun_and_json_is_left_out(tmp_path):
+    table, failing = _scripts(tmp_path)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(_doc(tmp_path, table, failing))
+    subprocess.run([sys.executable, SCRIPT, str(doc), "--only", "table.py"], check=True)
+    text = doc.read_text()
+    assert "row 0  0\nrow 1  10\n```" in text
+    assert "old table" not in text and '{"rows"' not in text
+    assert "```text\nkept\n```" in text  # the other block is untouched
+    assert "never" not in text and "Last regenerated" in text
+
+
+def test_a_failing_benchmark_leaves_the_doc_as_it_was(tmp_path):
+    table, failing = _scripts(tmp_path)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(_doc(tmp_path, table, failing))
+    before = doc.read_text()
+    done = subprocess.run([sys.executable, SCRIPT, str(doc)], capture_output=True, text=True)
+    assert done.returncode != 0 and "failing.py" in done.stderr + done.stdout
+    assert doc.read_text() == before
+
+
+def test_blocks_lists_commands_in_order(tmp_path):
+    table, failing = _scripts(tmp_path)
+    assert regenerate_docs.blocks(_doc(tmp_path, table, failing)) == [
+        f"{table} --rows 2",
+        failing,
+    ]
