@@ -29,9 +29,9 @@ def _native_only_options(server) -> dict:
 
 @pytest.mark.s3
 @pytest.mark.multiprocess
-def test_fork_started_workers_read_s3_natively_and_every_sample_is_the_source(
-    s3_server, tmp_path
-):
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_workers_read_s3_natively_and_every_sample_is_the_source(s3_server, tmp_path, start):
+    """Fork: through the parent's relay; spawn: with obstore in the worker itself."""
     root = s3_server.new_root()
     bucket, prefix = root.split("/", 1)
     client = s3_server.client()
@@ -45,7 +45,10 @@ def test_fork_started_workers_read_s3_natively_and_every_sample_is_the_source(
         f"s3://{root}", _digest, cache_dir=str(tmp_path / "cache"),
         storage_options=_native_only_options(s3_server),
     )  # fmt: skip
-    loader = ub.DataLoader(ds, batch_size=4, num_workers=2, timeout=120, collate_fn=list)
+    loader = ub.DataLoader(
+        ds, batch_size=4, num_workers=2, timeout=120, collate_fn=list,
+        multiprocessing_context=start,
+    )  # fmt: skip
     for epoch in range(2):  # cold (fetched by the workers), then warm (from the cache)
         seen = {path: digest for batch in loader for path, digest in batch}
         assert seen == source, f"epoch {epoch}"

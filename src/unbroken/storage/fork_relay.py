@@ -194,29 +194,46 @@ def _serve(conn: socket.socket) -> None:
                 if head is None:
                     return
                 token, hook, args = pickle.loads(_recv_exact(conn, struct.unpack("!Q", head)[0]))
-                conn.sendall(_answer(token, hook, args))
+                kind, payload = _answer(token, hook, args)
+                _send(conn, _HEADER.pack(kind, len(payload)), payload)
             except OSError:  # the child went away
                 return
 
 
-def _answer(token: str, hook: str, args: tuple) -> bytes:
+def _send(conn: socket.socket, header: bytes, payload: bytes) -> None:
+    """Header and payload in one call, without joining them (a copy of the payload)."""
+    sent = conn.sendmsg([header, payload])
+    if sent < len(header):
+        conn.sendall(header[sent:])
+        sent = len(header)
+    if sent < len(header) + len(payload):
+        conn.sendall(memoryview(payload)[sent - len(header) :])
+
+
+def _answer(token: str, hook: str, args: tuple) -> tuple[bytes, bytes]:
+    """(kind, payload): the hook's bytes or pickled value, or its pickled exception."""
     store = _stores.get(token)
     if store is None:
-        return _HEADER.pack(_UNKNOWN, 0)
+        return _UNKNOWN, b""
     try:
         if hook not in RELAYED:
             raise ValueError(f"the fork relay does not run {hook!r}")
         value = getattr(store, hook)(*args)
     except Exception as exc:
-        try:
-            payload = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:  # an exception that cannot travel: its class and message do
-            payload = pickle.dumps(OSError(f"{type(exc).__name__}: {exc}"))
-        return _HEADER.pack(_ERROR, len(payload)) + payload
+        return _ERROR, _pickled_error(exc)
     if isinstance(value, bytes):
-        return _HEADER.pack(_BYTES, len(value)) + value
-    payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(_VALUE, len(payload)) + payload
+        return _BYTES, value
+    return _VALUE, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _pickled_error(exc: Exception) -> bytes:
+    """``exc`` as the child will raise it; an OSError naming it if it cannot travel."""
+    try:
+        payload = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(payload)  # some exception classes pickle but cannot be rebuilt
+        return payload
+    except Exception:
+        return pickle.dumps(OSError(f"{type(exc).__name__}: {exc}"))
 
 
 def _recv_exact(sock: socket.socket, size: int, eof_ok: bool = False) -> Any:
