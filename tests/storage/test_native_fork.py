@@ -10,6 +10,18 @@ import pytest
 import unbroken as ub
 
 
+def _exit_code(pid: int) -> int:
+    """The forked child's exit code; fails the test if it hangs (as obstore calls did)."""
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on the store")
+        time.sleep(0.05)
+    return os.waitstatus_to_exitcode(done[1])
+
+
 @pytest.mark.s3
 @pytest.mark.multiprocess
 def test_a_forked_child_reads_and_writes_through_a_native_store(s3_server):
@@ -23,14 +35,7 @@ def test_a_forked_child_reads_and_writes_through_a_native_store(s3_server):
             os._exit(0 if ok else 3)
         except BaseException:
             os._exit(4)
-    deadline = time.monotonic() + 60
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung on the store")
-        time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert _exit_code(pid) == 0
     assert store.read_bytes("child") == b"from the child"  # the parent's store still works
 
 
@@ -65,11 +70,4 @@ def test_a_forked_child_gets_the_errors_and_large_objects_the_parent_would(s3_se
                 code = 0 if ok else 4
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 60
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung on the store")
-        time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert _exit_code(pid) == 0
