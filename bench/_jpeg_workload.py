@@ -83,6 +83,24 @@ def tree_cpu_seconds() -> float:
     return total
 
 
+def machine_cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) CPU ticks of the whole machine since boot, or None without /proc."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    total = sum(ticks[:8])  # guest time is already inside user
+    return total - idle, total
+
+
+def _busy_between(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def _live_descendants(pid: int) -> list[int]:
     found, todo = [], [pid]
     while todo:
@@ -114,6 +132,7 @@ class Epoch:
         self.images = 0
         outside = outside or {}
         outside_before = {name: clock() for name, clock in outside.items()}
+        machine_before = machine_cpu_ticks()
         cpu_before = tree_cpu_seconds()
         started = time.perf_counter()
         first_at, first_images = None, 0
@@ -123,6 +142,8 @@ class Epoch:
                 first_at, first_images = time.perf_counter(), self.images
         ended = time.perf_counter()
         tree_ms = (tree_cpu_seconds() - cpu_before) * 1000 / max(self.images, 1)
+        self.machine_busy = _busy_between(machine_before, machine_cpu_ticks())
+        """Share of the whole machine's CPU busy over the pass (every job's), or None."""
         self.outside_ms = {
             name: (clock() - outside_before[name]) * 1000 / max(self.images, 1)
             for name, clock in outside.items()

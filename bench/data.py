@@ -329,22 +329,29 @@ S3_COLUMNS = (
 )  # fmt: skip
 CPU_BOUND = 0.8
 """A row that kept this share of the machine's cores busy is limited by CPU."""
+MACHINE_BUSY = 0.9
+"""A row below CPU_BOUND whose machine was this busy (every job) was starved by others."""
 
 
 def limited_by(epoch: Epoch, cores: int) -> str:
-    """What held a row back: the CPU (and whose) if the cores were busy, else waiting.
+    """What held a row back: CPU (whose), CPU taken by other jobs, or waiting on the remote.
 
     Busy is every process of the row (loader, server, proxy) over the whole epoch, start-up
-    included, in cores; other jobs on the machine are not counted, so a loaded machine
-    shows as waits.
+    included, in cores; the machine's share (every job's) tells a row starved by others
+    from one that waits on the remote.
     """
     shares = {"client": epoch.cpu_ms, **epoch.outside_ms}
     total_ms = sum(shares.values())
     busy = total_ms * epoch.images / 1000 / max(epoch.seconds, 1e-9) / cores
-    if busy < CPU_BOUND:
-        return f"waits (cores {busy:.0%} busy)"
-    split = ", ".join(f"{k} {v / total_ms:.0%}" for k, v in shares.items() if v >= 0.05 * total_ms)
-    return f"CPU {busy:.0%} ({split})"
+    if busy >= CPU_BOUND:
+        split = ", ".join(
+            f"{k} {v / total_ms:.0%}" for k, v in shares.items() if v >= 0.05 * total_ms
+        )
+        return f"CPU {busy:.0%} ({split})"
+    machine = getattr(epoch, "machine_busy", None)
+    if machine is not None and machine >= MACHINE_BUSY:
+        return f"CPU, other jobs took {max(machine - busy, 0):.0%} (this row {busy:.0%})"
+    return f"waits on the remote (cores {busy:.0%} busy)"
 
 
 def s3_table(rows: dict[str, Epoch], cores: int) -> str:
@@ -449,8 +456,8 @@ def s3_main(args: argparse.Namespace) -> None:
           f"round(s); load average {load:.1f} on {cores} cores")  # fmt: skip
     print("CPU ms/img: loader = this process and its workers; server = SeaweedFS; proxy = "
           "the delay line (both left out of the loader's). limited by: CPU when the row "
-          f"kept >= {CPU_BOUND:.0%} of the cores busy (whose share), else waits on the "
-          "remote")  # fmt: skip
+          f"kept >= {CPU_BOUND:.0%} of the cores busy (whose share); other jobs when the "
+          f"machine was >= {MACHINE_BUSY:.0%} busy; else waits on the remote")  # fmt: skip
     summary: dict = {"files": files, "mean_bytes": round(mean), "workers": args.workers,
                      "batch_size": args.batch_size, "load_average": round(load, 2)}  # fmt: skip
     for p in profiles:

@@ -40,6 +40,7 @@ def _s3_epoch(rate: float, cpu_ms: float, server_ms: float, proxy_ms: float = 0.
     epoch = _epoch(576, rate, cpu_ms)
     epoch.seconds = 576 / rate  # no start-up: busy is exactly rate x CPU
     epoch.outside_ms = {"server": server_ms, "proxy": proxy_ms}
+    epoch.machine_busy = 0.5
     return epoch
 
 
@@ -58,7 +59,9 @@ def test_s3_table_has_a_row_per_loader_with_each_process_cpu_and_what_limited_it
     e1 = cells[data.S3_LABELS["unbroken e1"]]
     assert e1[:5] == ["360.0", "3.60x", "3.00", "1.50", "0.50"]
     assert e1[5] == "CPU 90% (client 60%, server 30%, proxy 10%)"
-    assert cells[data.S3_LABELS["stock boto3"]][-1] == "waits (cores 25% busy)"
+    assert cells[data.S3_LABELS["stock boto3"]][-1] == "waits on the remote (cores 25% busy)"
+    rows["stock boto3"].machine_busy = 0.95  # the rest of the machine was taken by others
+    assert data.limited_by(rows["stock boto3"], 2) == "CPU, other jobs took 70% (this row 25%)"
 
     ratios = data.s3_targets(rows)
     assert round(ratios["cold_vs_stock_boto3"], 3) == 3.6
