@@ -71,3 +71,52 @@ def test_a_forked_child_gets_the_errors_and_large_objects_the_parent_would(s3_se
         finally:
             os._exit(code)
     assert _exit_code(pid) == 0
+
+
+_OWNER_EXITS = """
+import os, sys, time
+import unbroken as ub
+url, options, out = sys.argv[1], eval(sys.argv[2]), sys.argv[3]
+store = ub.open_store(url, **options)
+store.write_bytes("k", b"from the owner")
+if os.fork() == 0:
+    import signal
+    signal.alarm(90)       # a hung child must not outlive the test run
+    store.read_bytes("k")  # through the owner's relay: a connection is open
+    while os.getppid() != 1 and os.path.exists(out + ".owner"):
+        time.sleep(0.05)   # until the owner has exited
+    time.sleep(0.2)
+    try:
+        result = repr(store.read_bytes("k"))
+    except Exception as exc:
+        result = "error: " + repr(exc)
+    with open(out + ".tmp", "w") as f:
+        f.write(result)
+    os.replace(out + ".tmp", out)
+    os._exit(0)
+os.unlink(out + ".owner")
+"""
+
+
+@pytest.mark.s3
+@pytest.mark.multiprocess
+def test_a_child_outliving_the_store_owner_falls_back_instead_of_hanging(s3_server, tmp_path):
+    """The owner (a fresh process, as the relay's owner) exits; its child's next read
+    must be answered (through fsspec), not wait forever on a socket nobody serves."""
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "result")
+    open(out + ".owner", "w").close()
+    url = f"s3://{s3_server.new_root()}"
+    subprocess.run(
+        [sys.executable, "-c", _OWNER_EXITS, url, repr(s3_server.storage_options), out],
+        check=True, timeout=120,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not os.path.exists(out):
+        if time.monotonic() > deadline:
+            pytest.fail("the child of the exited owner hung on the store")
+        time.sleep(0.1)
+    with open(out) as f:
+        assert f.read() == repr(b"from the owner")

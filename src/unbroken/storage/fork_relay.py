@@ -9,9 +9,15 @@ it opens a Unix socket with one thread per connection; a child sends each store 
 exception, which the child raises as its own. The request runs in Rust in the parent,
 with the GIL released; the child pays one local round trip and one copy of the bytes.
 
-Nothing runs until a process that made a native store forks. Where no relay can be
-reached (it was never started, the parent is gone) :func:`relay_for` says so and the
-store falls back to fsspec.
+Measured on 100 KB objects (SeaweedFS on loopback): 0.07-0.13 ms of CPU per request in
+the child and ~0.15 ms more than a direct obstore GET in the parent, about the same in
+all as spawn-started workers that run obstore themselves. The parent's share is spent
+in the training process, partly holding the GIL.
+
+Nothing runs until a process that made a native store forks. Only a peer of the same
+user is served (the socket is abstract on Linux: no file permissions guard it). Where no
+relay answers (it was never started, the parent has exited) the store falls back to
+fsspec, so a child that outlives its parent still reads.
 """
 
 from __future__ import annotations
@@ -101,7 +107,7 @@ class RelayedHooks:
             if self._instead is None:
                 try:
                     return self.client.call(hook, *args)
-                except RelayUnknownStore:
+                except (RelayUnknownStore, RelayGone):
                     self._instead = self._fallback()
             return getattr(self._instead, hook)(*args)
 
@@ -110,6 +116,10 @@ class RelayedHooks:
 
 class RelayUnknownStore(LookupError):
     """The parent no longer holds the store this child's copy came from."""
+
+
+class RelayGone(LookupError):
+    """Nothing listens at the parent's relay any more (the parent has exited)."""
 
 
 class RelayClient:
@@ -137,6 +147,9 @@ class RelayClient:
         request = pickle.dumps((self.token, hook, args), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             sock = self.connect()
+        except OSError as exc:
+            raise RelayGone(f"{self.address!r}: {exc}") from exc
+        try:
             sock.sendall(struct.pack("!Q", len(request)) + request)
             kind, size = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
             payload = _recv_exact(sock, size)
@@ -166,12 +179,13 @@ class _Relay:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if sys.platform.startswith("linux"):  # abstract: nothing to clean up on disk
             self.address = f"\0unbroken-relay-{os.getpid()}-{uuid.uuid4().hex}"
-        else:
-            name = f"unbroken-relay-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            self.address = os.path.join(tempfile.gettempdir(), name)
+        else:  # a socket file in a directory only this user can enter
+            self.address = os.path.join(tempfile.mkdtemp(prefix="unbroken-relay-"), "socket")
         self.sock.bind(self.address)
         self.sock.listen(256)
         self.pid = os.getpid()
+        self.conns: set[socket.socket] = set()
+        """Open connections: a child forked later must close its copies (see below)."""
         thread = threading.Thread(target=self._accept, name="unbroken-fork-relay", daemon=True)
         thread.start()
 
@@ -181,23 +195,46 @@ class _Relay:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            if not _same_user(conn):  # an abstract socket has no permissions of its own
+                conn.close()
+                continue
+            self.conns.add(conn)
             threading.Thread(
-                target=_serve, args=(conn,), name="unbroken-fork-relay", daemon=True
+                target=_serve, args=(conn, self.conns), name="unbroken-fork-relay", daemon=True
             ).start()
 
 
-def _serve(conn: socket.socket) -> None:
-    with conn:
-        while True:
-            try:
-                head = _recv_exact(conn, 8, eof_ok=True)
-                if head is None:
-                    return
-                token, hook, args = pickle.loads(_recv_exact(conn, struct.unpack("!Q", head)[0]))
-                kind, payload = _answer(token, hook, args)
-                _send(conn, _HEADER.pack(kind, len(payload)), payload)
-            except OSError:  # the child went away
+def _same_user(conn: socket.socket) -> bool:
+    """Whether the peer runs as this process's user: only it may use our credentials."""
+    peercred = getattr(socket, "SO_PEERCRED", None)
+    if peercred is None:  # no peer credentials here: the socket file's directory guards
+        return True
+    try:
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, peercred, 12))
+    except OSError:
+        return False
+    return uid == os.getuid()
+
+
+def _serve(conn: socket.socket, conns: set[socket.socket]) -> None:
+    try:
+        _serve_requests(conn)
+    finally:
+        conns.discard(conn)
+        conn.close()
+
+
+def _serve_requests(conn: socket.socket) -> None:
+    while True:
+        try:
+            head = _recv_exact(conn, 8, eof_ok=True)
+            if head is None:
                 return
+            token, hook, args = pickle.loads(_recv_exact(conn, struct.unpack("!Q", head)[0]))
+            kind, payload = _answer(token, hook, args)
+            _send(conn, _HEADER.pack(kind, len(payload)), payload)
+        except OSError:  # the child went away
+            return
 
 
 def _send(conn: socket.socket, header: bytes, payload: bytes) -> None:
@@ -269,8 +306,14 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
+    """The child keeps the parent's address, not its sockets: a copy of the listening
+    socket or of the parent's end of a sibling's connection kept alive here would let
+    that sibling wait forever on a parent that has exited, instead of seeing the end."""
     global _forked, _relay
     _forked = _forked or _made_any
+    if _relay is not None:
+        for sock in [_relay.sock, *list(_relay.conns)]:
+            sock.close()  # this process's copy only
     _relay = None  # its threads stayed in the parent; _address still names it
     _stores.clear()
 
