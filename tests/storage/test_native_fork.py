@@ -120,3 +120,32 @@ def test_a_child_outliving_the_store_owner_falls_back_instead_of_hanging(s3_serv
         time.sleep(0.1)
     with open(out) as f:
         assert f.read() == repr(b"from the owner")
+
+
+@pytest.mark.s3
+@pytest.mark.multiprocess
+def test_a_child_and_its_own_fork_never_share_a_relay_connection(s3_server):
+    """A worker that forks again (multiprocessing inside a DataLoader worker): its child
+    inherits the worker's open connection to the relay, and sharing it would hand one
+    process the other's bytes. Each must read its own objects, intact, side by side."""
+    store = ub.open_store(f"s3://{s3_server.new_root()}", **s3_server.storage_options)
+    blobs = {f"k{i}": os.urandom(50_000 + i) for i in range(2)}
+    for key, blob in blobs.items():
+        store.write_bytes(key, blob)
+    child = os.fork()
+    if child == 0:
+        code = 9
+        try:
+            import signal
+
+            signal.alarm(60)
+            store.read_bytes("k0")  # this thread's connection to the relay is now open
+            grandchild = os.fork()
+            key = "k1" if grandchild == 0 else "k0"
+            ok = all(store.read_bytes(key) == blobs[key] for _ in range(40))
+            if grandchild == 0:
+                os._exit(0 if ok else 5)
+            code = 0 if ok and _exit_code(grandchild) == 0 else 6
+        finally:
+            os._exit(code)
+    assert _exit_code(child) == 0

@@ -131,15 +131,20 @@ class RelayClient:
         self._local = threading.local()
 
     def connect(self) -> socket.socket:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
+        """This thread's connection in this process: a process forked from here inherits
+        the thread's socket, and two processes on one connection would take each other's
+        replies, so a connection made in another process is never used."""
+        pid, sock = getattr(self._local, "conn", (0, None))
+        if sock is None or pid != os.getpid():
+            if sock is not None:
+                sock.close()  # this process's copy of its parent's connection
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect(self.address)
             except OSError:
                 sock.close()
                 raise
-            self._local.sock = sock
+            self._local.conn = (os.getpid(), sock)
         return sock
 
     def call(self, hook: str, *args: Any) -> Any:
@@ -166,9 +171,9 @@ class RelayClient:
         return value
 
     def _drop(self) -> None:
-        sock = getattr(self._local, "sock", None)
-        self._local.sock = None
-        if sock is not None:
+        pid, sock = getattr(self._local, "conn", (0, None))
+        self._local.conn = (0, None)
+        if sock is not None and pid == os.getpid():
             sock.close()
 
 
