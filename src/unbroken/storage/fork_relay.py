@@ -63,7 +63,7 @@ def register(store: Any) -> str:
     token = getattr(store, "_relay_token", None) or uuid.uuid4().hex
     _made_any = True
     if not _forked:
-        _stores[token] = store
+        _stores.setdefault(token, store)  # a copy unpickled here must not displace it
     return token
 
 
