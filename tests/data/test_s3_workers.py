@@ -8,23 +8,10 @@ import os
 import pytest
 
 import unbroken as ub
-from tests.s3server import CREDENTIALS
 
 
 def _digest(data: bytes, path: str) -> tuple[str, str]:
     return path, hashlib.sha256(data).hexdigest()
-
-
-def _native_only_options(server) -> dict:
-    """obstore's own option names, as a user of obstore writes them: s3fs knows none of
-    them, so a worker that fell back to s3fs could not even make its client."""
-    return {
-        "access_key_id": CREDENTIALS["key"],
-        "secret_access_key": CREDENTIALS["secret"],
-        "endpoint": server.endpoint_url,
-        "region": "us-east-1",
-        "allow_http": True,
-    }
 
 
 @pytest.mark.s3
@@ -43,7 +30,7 @@ def test_workers_read_s3_natively_and_every_sample_is_the_source(s3_server, tmp_
         source[key] = hashlib.sha256(blob).hexdigest()
     ds = ub.VolumeDataset(
         f"s3://{root}", _digest, cache_dir=str(tmp_path / "cache"),
-        storage_options=_native_only_options(s3_server),
+        storage_options=s3_server.native_storage_options,  # s3fs knows none of these
     )  # fmt: skip
     loader = ub.DataLoader(
         ds, batch_size=4, num_workers=2, timeout=120, collate_fn=list,

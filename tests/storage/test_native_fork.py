@@ -149,3 +149,27 @@ def test_a_child_and_its_own_fork_never_share_a_relay_connection(s3_server):
         finally:
             os._exit(code)
     assert _exit_code(child) == 0
+
+
+@pytest.mark.s3
+@pytest.mark.multiprocess
+def test_a_dropped_copy_of_the_store_does_not_cut_its_children_off(s3_server):
+    """A copy pickled and dropped in the owner (a DataLoader pickles its dataset) must
+    leave the original the one its forked children are served by. obstore's own option
+    names: a child that fell back to s3fs could not make its client at all."""
+    import gc
+    import pickle
+
+    url = f"s3://{s3_server.new_root()}"
+    store = ub.open_store(url, **s3_server.native_storage_options)
+    store.write_bytes("k", b"kept")
+    copy = pickle.loads(pickle.dumps(store))
+    del copy
+    gc.collect()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if store.read_bytes("k") == b"kept" else 3)
+        except BaseException:
+            os._exit(4)
+    assert _exit_code(pid) == 0
