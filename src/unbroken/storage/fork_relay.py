@@ -22,8 +22,10 @@ fsspec, so a child that outlives its parent still reads.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
+import shutil
 import socket
 import struct
 import sys
@@ -184,8 +186,10 @@ class _Relay:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if sys.platform.startswith("linux"):  # abstract: nothing to clean up on disk
             self.address = f"\0unbroken-relay-{os.getpid()}-{uuid.uuid4().hex}"
-        else:  # a socket file in a directory only this user can enter
-            self.address = os.path.join(tempfile.mkdtemp(prefix="unbroken-relay-"), "socket")
+        else:  # a socket file in a directory only this user can enter, gone at exit
+            folder = tempfile.mkdtemp(prefix="unbroken-relay-")
+            self.address = os.path.join(folder, "socket")
+            atexit.register(_remove_if_owner, os.getpid(), folder)
         self.sock.bind(self.address)
         self.sock.listen(256)
         self.pid = os.getpid()
@@ -207,6 +211,11 @@ class _Relay:
             threading.Thread(
                 target=_serve, args=(conn, self.conns), name="unbroken-fork-relay", daemon=True
             ).start()
+
+
+def _remove_if_owner(pid: int, folder: str) -> None:
+    if os.getpid() == pid:  # a forked child that exits normally runs this hook too
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _same_user(conn: socket.socket) -> bool:
