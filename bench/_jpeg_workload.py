@@ -12,12 +12,15 @@ import os
 import random
 import resource
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
+
+from _proc_cpu import process_cpu_seconds
 
 CROP = 224
 SIDE = 400  # 400x400, quality 88, with grain: about 100 KB per JPEG
@@ -72,15 +75,30 @@ def tree_cpu_seconds() -> float:
     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
         usage = resource.getrusage(who)
         total += usage.ru_utime + usage.ru_stime
-    tick = os.sysconf("SC_CLK_TCK")
     for pid in _live_descendants(os.getpid()):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            total += process_cpu_seconds(pid)
         except (OSError, IndexError, ValueError):
             continue
     return total
+
+
+def machine_cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) CPU ticks of the whole machine since boot, or None without /proc."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    total = sum(ticks[:8])  # guest time is already inside user
+    return total - idle, total
+
+
+def _busy_between(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def _live_descendants(pid: int) -> list[int]:
@@ -103,10 +121,18 @@ def _live_descendants(pid: int) -> list[int]:
 
 
 class Epoch:
-    """One timed pass: images, seconds, seconds to the first batch, steady rate, CPU."""
+    """One timed pass: images, seconds, seconds to the first batch, steady rate, CPU.
 
-    def __init__(self, loader) -> None:
+    ``outside``: CPU-seconds clocks (by name) of processes in this tree that are not the
+    loader's, such as an S3 server or a delay line this process started; their CPU is
+    taken out of :attr:`cpu_ms` and reported per image in :attr:`outside_ms`.
+    """
+
+    def __init__(self, loader, outside: dict[str, Callable[[], float]] | None = None) -> None:
         self.images = 0
+        outside = outside or {}
+        outside_before = {name: clock() for name, clock in outside.items()}
+        machine_before = machine_cpu_ticks()
         cpu_before = tree_cpu_seconds()
         started = time.perf_counter()
         first_at, first_images = None, 0
@@ -115,8 +141,17 @@ class Epoch:
             if first_at is None:
                 first_at, first_images = time.perf_counter(), self.images
         ended = time.perf_counter()
-        self.cpu_ms = (tree_cpu_seconds() - cpu_before) * 1000 / max(self.images, 1)
-        """CPU milliseconds per image, all processes: what the load of others cannot skew."""
+        tree_ms = (tree_cpu_seconds() - cpu_before) * 1000 / max(self.images, 1)
+        self.machine_busy = _busy_between(machine_before, machine_cpu_ticks())
+        """Share of the whole machine's CPU busy over the pass (every job's), or None."""
+        self.outside_ms = {
+            name: (clock() - outside_before[name]) * 1000 / max(self.images, 1)
+            for name, clock in outside.items()
+        }
+        """CPU milliseconds per image of each ``outside`` process."""
+        self.cpu_ms = tree_ms - sum(self.outside_ms.values())
+        """CPU milliseconds per image of the loader's processes (the main one and its
+        workers, not ``outside``): what the load of others cannot skew."""
         self.seconds = ended - started
         self.first_batch = (first_at or ended) - started
         steady_seconds = ended - (first_at or ended)

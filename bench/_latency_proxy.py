@@ -132,9 +132,9 @@ class LatencyProxy:
 
     def cpu_seconds(self) -> float:
         """User + system CPU the proxy process has used so far."""
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        from _proc_cpu import process_cpu_seconds
+
+        return process_cpu_seconds(self.proc.pid)
 
     def close(self) -> None:
         if self.proc.poll() is None:

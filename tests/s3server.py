@@ -77,6 +77,18 @@ class _Server:
             "skip_instance_cache": True,
         }
 
+    @property
+    def native_storage_options(self) -> dict[str, Any]:
+        """The same, in obstore's own option names, as a user of obstore writes them:
+        s3fs knows none of them, so a fallback to s3fs could not even make its client."""
+        return {
+            "access_key_id": CREDENTIALS["key"],
+            "secret_access_key": CREDENTIALS["secret"],
+            "endpoint": self.endpoint_url,
+            "region": "us-east-1",
+            "allow_http": True,
+        }
+
     def client(self) -> Any:
         import boto3
 

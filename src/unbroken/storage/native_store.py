@@ -13,7 +13,6 @@ loses one part starts again from its first part.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from obstore.exceptions import (
     UnauthenticatedError,
 )
 
+from unbroken.storage import fork_relay
 from unbroken.storage.base import Entry, Store
 from unbroken.storage.errors import TransientStoreError, redact
 from unbroken.storage.in_memory import FileInMemory
@@ -61,20 +61,31 @@ class NativeStore(Store):
         self.target = native_target(url, storage_options or {})
         self._store = _build(self.target, url)
         self._options = dict(storage_options or {})
-        self._pid = os.getpid()
-        self._forked: Store | None = None
+        self._forked: Any = None
+        self._relay_token = fork_relay.register(self)
 
-    def _in_fork(self) -> Store | None:
-        """The fsspec store that serves this one in a forked child (a fork-started
-        DataLoader worker): obstore's runtime threads do not survive a fork, and any
-        obstore call in the child hangs. None in the process that made the store."""
-        if os.getpid() == self._pid:
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_forked": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        fork_relay.register(self)  # a spawned process can serve forks of its own
+
+    def _in_fork(self) -> Any:
+        """What serves this store in a process forked from one that ran obstore (a
+        fork-started DataLoader worker), where obstore's runtime threads are gone and any
+        obstore call hangs: the parent's store through its relay (``fork_relay.py``),
+        else fsspec. None where obstore runs (the process that made it, a spawned one)."""
+        if not fork_relay.in_forked_child():
             return None
         if self._forked is None:
-            from unbroken.storage.fsspec_store import FsspecStore
-
-            self._forked = FsspecStore(self.url, retry=NO_RETRY, storage_options=self._options)
+            self._forked = fork_relay.relay_for(self._relay_token, self._fsspec) or self._fsspec()
         return self._forked
+
+    def _fsspec(self) -> Store:
+        from unbroken.storage.fsspec_store import FsspecStore
+
+        return FsspecStore(self.url, retry=NO_RETRY, storage_options=self._options)
 
     # -- hooks ----------------------------------------------------------------------
 
