@@ -65,12 +65,18 @@ class RowContext:
 
 
 def local_tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every tensor of this rank's share of the state: parameters, then optimizer state."""
+    """Every tensor of this rank's share of the state: parameters, then optimizer state.
+
+    Each parameter's optimizer state in the order of its names: a restore may put the
+    same entries back in another order (set_optimizer_state_dict on FSDP2 does), and the
+    byte checks compare these lists by position.
+    """
     out = []
     for p in model.parameters():
         out.append(p.to_local() if hasattr(p, "to_local") else p)
     for p in model.parameters():
-        for v in optim.state.get(p, {}).values():
+        state = optim.state.get(p, {})
+        for _, v in sorted(state.items(), key=lambda kv: str(kv[0])):
             if isinstance(v, torch.Tensor):
                 out.append(v.to_local() if hasattr(v, "to_local") else v)
     return [t.detach() for t in out]
