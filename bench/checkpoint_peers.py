@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _ckpt_measure import GiB
+from _ckpt_measure import GiB, in_row_extra
 from _ckpt_rows import BASELINES
 from _ckpt_s3rows import S3_ROWS, S3Config, aws_env
 from _s3remote import PROFILES, S3Remote
@@ -51,6 +51,7 @@ RANKS = (1, 2, 4)
 COLUMNS = [  # (result key, title, divisor, digits)
     ("blocked_s", "loop blocked s/save", 1.0, 3),
     ("extra_s", "extra wall s/save", 1.0, 3),
+    ("in_row_extra_s", "extra in run s/save", 1.0, 3),
     ("commit_s", "to commit s", 1.0, 2),
     ("restore_durable_s", "restore from S3 s", 1.0, 2),
     ("peak_pss", "peak PSS/rank GiB", GiB, 2),
@@ -61,12 +62,19 @@ COLUMNS = [  # (result key, title, divisor, digits)
 
 
 def add_extra_per_save(results: dict[str, dict], saves: int) -> None:
-    """``extra_s``: how much longer each row's loop ran than the no-saves loop, per save."""
+    """Per save, two ways: ``extra_s``, how much longer each row's loop ran than the
+    no-saves loop; ``in_row_extra_s``, what its save steps and the steps with a save in
+    flight took beyond the mean of its own quiet steps (bench/checkpoint.py's "lost in
+    run": blind to a slowdown that outlasts a save, but not to the drift between runs
+    minutes apart, which on a shared machine can exceed a save's cost)."""
     base, _ = baseline_loop(results)
     for key, r in results.items():
-        if key in BASELINES or r.get("error") or base is None or r.get("loop_s") is None:
+        if key in BASELINES or r.get("error"):
             continue
-        r["extra_s"] = (r["loop_s"] - base) / saves
+        if base is not None and r.get("loop_s") is not None:
+            r["extra_s"] = (r["loop_s"] - base) / saves
+        if r.get("step_ends_s") and r.get("every") and r.get("commit_s") is not None:
+            r["in_row_extra_s"] = in_row_extra(r["step_ends_s"], r["every"], r["commit_s"])
 
 
 def _cell(value: Any, divisor: float, digits: int) -> str:
@@ -126,6 +134,9 @@ def summary(results: dict[str, dict], put_s: float | None) -> dict[str, Any]:
         "extra_torch_save_over_unbroken": _ratio(
             _get(results, "s3_torch_save", "extra_s"), _get(results, ub, "extra_s")
         ),
+        "in_run_extra_best_peer_over_unbroken": _ratio(
+            _get(results, BEST_PEER, "in_row_extra_s"), _get(results, ub, "in_row_extra_s")
+        ),
         "commit_unbroken_over_best_peer": _ratio(
             _get(results, ub, "commit_s"), _get(results, BEST_PEER, "commit_s")
         ),
@@ -152,6 +163,7 @@ def scaling_points(results: dict[str, dict], params_gb: float, ranks: int) -> li
                 "state_gib": (r.get("state_bytes") or 0) / GiB or None,
                 "ranks": ranks,
                 "extra_s": None if r.get("error") else r.get("extra_s"),
+                "in_row_extra_s": None if r.get("error") else r.get("in_row_extra_s"),
                 "commit_s": None if r.get("error") else r.get("commit_s"),
                 "error": r.get("error"),
             }
@@ -162,13 +174,14 @@ def scaling_points(results: dict[str, dict], params_gb: float, ranks: int) -> li
 def format_scaling(points: Sequence[dict]) -> str:
     lines = [
         f"{'row':34} {'params GiB':>10} {'state GiB':>9} {'ranks':>5} "
-        f"{'extra wall s/save':>17} {'to commit s':>11}"
+        f"{'extra wall s/save':>17} {'extra in run s/save':>19} {'to commit s':>11}"
     ]
     for p in points:
         state = "n/a" if p["state_gib"] is None else f"{p['state_gib']:.3f}"
         lines.append(
             f"{TITLES.get(p['row'], p['row']):34} {p['params_gib']:>10g} {state:>9} "
-            f"{p['ranks']:>5} {_cell(p['extra_s'], 1.0, 3):>17} {_cell(p['commit_s'], 1.0, 2):>11}"
+            f"{p['ranks']:>5} {_cell(p['extra_s'], 1.0, 3):>17} "
+            f"{_cell(p['in_row_extra_s'], 1.0, 3):>19} {_cell(p['commit_s'], 1.0, 2):>11}"
             + (f"  ({p['error']})" if p.get("error") else "")
         )
     return "\n".join(lines)
@@ -197,7 +210,7 @@ def plot_rows(results: dict[str, dict], order: Sequence[str], path: str, title: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figures = COLUMNS[:4]
+    figures = [c for c in COLUMNS if c[0] != "peak_pss"]
     keys = [k for k in order if k not in BASELINES]
     fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 4))
     for ax, (figure, label, divisor, _) in zip(axes, figures):
@@ -232,10 +245,13 @@ def plot_scaling(points: Sequence[dict], directory: str) -> list[str]:
         ("state_gib", "ranks", "checkpoint_scaling_size.png"),
         ("ranks", "params_gib", "checkpoint_scaling_ranks.png"),
     ):
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for ax, (figure, label) in zip(
-            axes, (("extra_s", "extra wall s/save"), ("commit_s", "to commit s"))
-        ):
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        panels = (
+            ("extra_s", "extra wall s/save (against no saves)"),
+            ("in_row_extra_s", "extra in run s/save"),
+            ("commit_s", "to commit s"),
+        )
+        for ax, (figure, label) in zip(axes, panels):
             for row in SCALING_ROWS:
                 for value in sorted({p[other] for p in good if p["row"] == row}):
                     line = sorted(
@@ -333,7 +349,7 @@ def run_rows(
     put_bps: float,
 ) -> tuple[dict[str, dict], S3Config]:
     """One benchmark run of ``rows`` (after the no-saves baseline) at one size and rank count."""
-    keys = ["baseline", *rows] + ([] if args.quick else ["baseline_end"])
+    keys = ["baseline", *rows, "baseline_end"]  # twice: how far two loops differ (noise)
     work = tempfile.mkdtemp(prefix="ckpt-peers-", dir=args.work_dir)
     cfg = S3Config(
         params_gb=params_gb,
@@ -470,8 +486,10 @@ def _table(args: argparse.Namespace, remote: S3Remote, put_bps: float, vacuum: V
         f"remote: {remote.describe()}; a raw multipart put (obstore) of the same bytes "
         f"takes {put_s or 0:.2f} s ({put_bps / 1e6:.0f} MB/s)",
         "loop blocked: time inside the save calls; extra wall: how much longer the loop ran "
-        "than with no saves, per save; to commit: one save at rest until every byte is "
-        "durable; restore from S3: into the live model, checked byte for byte; peak PSS: "
+        "than with no saves, per save; extra in run: its save steps and the steps with a "
+        "save in flight against its own quiet steps, per save (immune to drift between "
+        "runs); to commit: one save at rest until every byte is durable; restore from S3: "
+        "into the live model, checked byte for byte; peak PSS: "
         "the largest rank with its helper processes (the model itself included)",
         "",
     ]

@@ -34,7 +34,9 @@ def _results() -> dict[str, dict]:
                          "restore_durable_s": 4.0},
         "s3_dcp_save_fsspec": {"error": "ClientError: boom"},
         "s3_unbroken": {**row, "loop_s": 11.0, "blocked_s": 0.1, "commit_s": 3.0,
-                        "restore_durable_s": 2.0, "restore_local_s": 1.5},
+                        "restore_durable_s": 2.0, "restore_local_s": 1.5,
+                        # saves at steps 5 and 10 take 1 s more than a quiet step (1 s)
+                        "every": 5, "step_ends_s": [1, 2, 3, 4, 6, 7, 8, 9, 10, 12]},
     }  # fmt: skip
 
 
@@ -47,9 +49,9 @@ def test_table_shows_extra_per_save_against_the_baseline_and_why_a_row_failed():
     lines = table.splitlines()
     assert all(title in lines[0] for _, title, *_ in peers.COLUMNS)
     ub = next(line for line in lines if line.startswith("unbroken "))
-    assert ub.split()[1:] == ["0.100", "0.500", "3.00", "2.00", "2.00"]
+    assert ub.split()[1:] == ["0.100", "0.500", "1.000", "3.00", "2.00", "2.00"]
     fsspec = next(line for line in lines if line.startswith("dcp.save (FsspecWriter"))
-    assert fsspec.split()[-5:] == ["n/a"] * 5
+    assert fsspec.split()[-6:] == ["n/a"] * 6
     assert "  dcp.save (FsspecWriter, s3fs): n/a: ClientError: boom" in lines
     assert "  unbroken: restore from its local tier 1.50 s" in lines
 
