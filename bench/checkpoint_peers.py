@@ -215,10 +215,8 @@ def plot_rows(results: dict[str, dict], order: Sequence[str], path: str, title: 
     fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 4))
     for ax, (figure, label, divisor, _) in zip(axes, figures):
         values = [(_get(results, k, figure) or 0.0) / divisor for k in keys]
-        ax.barh([TITLES.get(k, k) for k in keys], values, color="tab:blue")
-        for k, i in zip(keys, range(len(keys))):
-            if k == "s3_unbroken":
-                ax.get_children()[i].set_color("tab:orange")
+        colors = ["tab:orange" if k == "s3_unbroken" else "tab:blue" for k in keys]
+        ax.barh([TITLES.get(k, k) for k in keys], values, color=colors)
         ax.set_xlabel(label)
         ax.invert_yaxis()
     for ax in axes[1:]:
