@@ -151,8 +151,13 @@ def summary(results: dict[str, dict], put_s: float | None) -> dict[str, Any]:
     }
 
 
-def scaling_points(results: dict[str, dict], params_gb: float, ranks: int) -> list[dict]:
-    """One point per row of a scaling run: its size, ranks and the two plotted figures."""
+def scaling_points(
+    results: dict[str, dict], params_gb: float, ranks: int, saves: int
+) -> list[dict]:
+    """One point per row of a scaling run: its size, ranks, the plotted figures, and the
+    noise (how far its two no-saves loops differ, per save)."""
+    _, spread = baseline_loop(results)
+    noise = None if spread is None else spread / saves
     points = []
     for key in SCALING_ROWS:
         r = results.get(key) or {"error": "not run"}
@@ -165,6 +170,7 @@ def scaling_points(results: dict[str, dict], params_gb: float, ranks: int) -> li
                 "extra_s": None if r.get("error") else r.get("extra_s"),
                 "in_row_extra_s": None if r.get("error") else r.get("in_row_extra_s"),
                 "commit_s": None if r.get("error") else r.get("commit_s"),
+                "noise_s": noise,
                 "error": r.get("error"),
             }
         )
@@ -174,14 +180,16 @@ def scaling_points(results: dict[str, dict], params_gb: float, ranks: int) -> li
 def format_scaling(points: Sequence[dict]) -> str:
     lines = [
         f"{'row':34} {'params GiB':>10} {'state GiB':>9} {'ranks':>5} "
-        f"{'extra wall s/save':>17} {'extra in run s/save':>19} {'to commit s':>11}"
+        f"{'extra wall s/save':>17} {'extra in run s/save':>19} {'to commit s':>11} "
+        f"{'noise s/save':>12}"
     ]
     for p in points:
         state = "n/a" if p["state_gib"] is None else f"{p['state_gib']:.3f}"
         lines.append(
             f"{TITLES.get(p['row'], p['row']):34} {p['params_gib']:>10g} {state:>9} "
             f"{p['ranks']:>5} {_cell(p['extra_s'], 1.0, 3):>17} "
-            f"{_cell(p['in_row_extra_s'], 1.0, 3):>19} {_cell(p['commit_s'], 1.0, 2):>11}"
+            f"{_cell(p['in_row_extra_s'], 1.0, 3):>19} {_cell(p['commit_s'], 1.0, 2):>11} "
+            f"{_cell(p.get('noise_s'), 1.0, 3):>12}"
             + (f"  ({p['error']})" if p.get("error") else "")
         )
     return "\n".join(lines)
@@ -251,7 +259,9 @@ def plot_scaling(points: Sequence[dict], directory: str) -> list[str]:
         )
         for ax, (figure, label) in zip(axes, panels):
             for row in SCALING_ROWS:
-                for value in sorted({p[other] for p in good if p["row"] == row}):
+                values = sorted({p[other] for p in good if p["row"] == row})
+                shades = plt.get_cmap("Oranges" if row == "s3_unbroken" else "Blues")
+                for n, value in enumerate(values):
                     line = sorted(
                         (p[along], p[figure])
                         for p in good
@@ -262,7 +272,9 @@ def plot_scaling(points: Sequence[dict], directory: str) -> list[str]:
                     xs, ys = zip(*line)
                     style = "-o" if row == "s3_unbroken" else "--s"
                     unit = "ranks" if other == "ranks" else "GiB params"
-                    ax.plot(xs, ys, style, label=f"{TITLES[row]}, {value:g} {unit}")
+                    color = shades(0.45 + 0.5 * (n + 1) / len(values))
+                    ax.plot(xs, ys, style, color=color, label=f"{TITLES[row]}, {value:g} {unit}")
+            ax.set_xscale("log", base=2)
             ax.set_xlabel("state GiB (params + Adam)" if along == "state_gib" else "ranks")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
@@ -522,7 +534,7 @@ def _scaling(args: argparse.Namespace, remote: S3Remote, put_bps: float, vacuum:
         for ranks in args.ranks_list:
             print(f"[checkpoint peers] {params_gb:g} GiB params, {ranks} ranks", file=sys.stderr)
             results, _ = run_rows(args, remote, params_gb, ranks, SCALING_ROWS, put_bps)
-            points += scaling_points(results, params_gb, ranks)
+            points += scaling_points(results, params_gb, ranks, args.saves)
             vacuum.once()
     text = "\n".join(
         [

@@ -76,13 +76,16 @@ def test_scaling_points_table_and_plots(tmp_path):
     points = []
     for params, ranks in ((0.25, 1), (0.25, 2), (0.5, 1), (0.5, 2)):
         results = {
+            "baseline": {"loop_s": 10.0},
+            "baseline_end": {"loop_s": 10.5},
             "s3_dcp_async": {"state_bytes": 3 * params * GiB, "extra_s": params, "commit_s": 2.0},
             "s3_unbroken": {"state_bytes": 3 * params * GiB, "extra_s": params / 4, "commit_s": 1},
         }
         if ranks == 2 and params == 0.5:
             results["s3_unbroken"] = {"error": "timed out after 600 s"}
-        points += peers.scaling_points(results, params, ranks)
+        points += peers.scaling_points(results, params, ranks, saves=2)
     assert len(points) == 8 and points[0]["state_gib"] == pytest.approx(0.75)
+    assert points[0]["noise_s"] == pytest.approx(0.25)  # the two no-saves loops, per save
     text = peers.format_scaling(points)
     assert "(timed out after 600 s)" in text
     assert len(text.splitlines()) == 9
