@@ -496,8 +496,9 @@ def _table(args: argparse.Namespace, remote: S3Remote, put_bps: float, vacuum: V
         f"checkpoint peers over real S3: {cfg.ranks} ranks (gloo, FSDP2, Adam), state "
         f"{state / GiB:.3f} GiB in all (params {cfg.params_gb:g} GiB + Adam), "
         f"{cfg.saves} saves every {cfg.every} steps",
-        f"remote: {remote.describe()}; a raw multipart put (obstore) of the same bytes "
-        f"takes {put_s or 0:.2f} s ({put_bps / 1e6:.0f} MB/s)",
+        f"remote: {remote.describe()}; a raw multipart put (obstore, one process, measured "
+        f"once before the rows) of the same bytes takes {put_s or 0:.2f} s "
+        f"({put_bps / 1e6:.0f} MB/s)",
         "loop blocked: time inside the save calls; extra wall: how much longer the loop ran "
         "than with no saves, per save; extra in run: its save steps and the steps with a "
         "save in flight against its own quiet steps, per save (immune to drift between "
@@ -506,6 +507,9 @@ def _table(args: argparse.Namespace, remote: S3Remote, put_bps: float, vacuum: V
         "the largest rank with its helper processes (the model itself included)",
         "",
     ]
+    if not cfg.isolate:
+        head.insert(-1, "rows share their rank processes (--no-isolate): a row's peak PSS "
+                    "includes heap that earlier rows left behind")  # fmt: skip
     base, spread = baseline_loop(results)
     if spread is not None:
         head.insert(-1, f"the two no-saves runs differ by {spread / cfg.saves:.3f} s/save (noise)")
