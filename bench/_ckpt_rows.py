@@ -65,12 +65,18 @@ class RowContext:
 
 
 def local_tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every tensor of this rank's share of the state: parameters, then optimizer state."""
+    """Every tensor of this rank's share of the state: parameters, then optimizer state.
+
+    Each parameter's optimizer state in the order of its names: a restore may put the
+    same entries back in another order (set_optimizer_state_dict on FSDP2 does), and the
+    byte checks compare these lists by position.
+    """
     out = []
     for p in model.parameters():
         out.append(p.to_local() if hasattr(p, "to_local") else p)
     for p in model.parameters():
-        for v in optim.state.get(p, {}).values():
+        state = optim.state.get(p, {})
+        for _, v in sorted(state.items(), key=lambda kv: str(kv[0])):
             if isinstance(v, torch.Tensor):
                 out.append(v.to_local() if hasattr(v, "to_local") else v)
     return [t.detach() for t in out]
@@ -266,22 +272,28 @@ class TorchSaveRank0(Row):
     def save(self, step: int) -> None:
         msd, osd = get_state_dict(self.ctx.model, self.ctx.optim, options=self.FULL)
         if self.ctx.rank == 0:
-            fs, path = url_to_fs(self._url(step, ".pt"), **self.ctx.fs_options())
-            with fs.open(path, "wb") as f:  # a failed torch.save uploads nothing
-                torch.save({"model": msd, "optim": osd}, f)
+            self._write_full(step, {"model": msd, "optim": osd})
         del msd, osd
         dist.barrier()
         self.saved_steps.append(step)
         self._prune()
 
+    def _write_full(self, step: int, full: dict[str, Any]) -> None:
+        """Rank 0: put the gathered state where ``_read_full`` finds it."""
+        fs, path = url_to_fs(self._url(step, ".pt"), **self.ctx.fs_options())
+        with fs.open(path, "wb") as f:  # a failed torch.save uploads nothing
+            torch.save(full, f)
+
+    def _read_full(self, step: int) -> dict[str, Any]:
+        fs, path = url_to_fs(self._url(step, ".pt"), **self.ctx.fs_options())
+        with fs.open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+
     def restore_durable(self) -> bool:
         msd: dict = {}
         osd: dict = {}
         if self.ctx.rank == 0:
-            url = self._url(self.saved_steps[-1], ".pt")
-            fs, path = url_to_fs(url, **self.ctx.fs_options())
-            with fs.open(path, "rb") as f:
-                full = torch.load(f, map_location="cpu", weights_only=True)
+            full = self._read_full(self.saved_steps[-1])
             msd, osd = full["model"], full["optim"]
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         # Separate calls: set_state_dict treats an empty model dict (ranks > 0) as
