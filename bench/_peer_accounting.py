@@ -73,10 +73,11 @@ CELL = 48
 """The widest a reason may be in the table."""
 
 
-def resume_cell(result: Any) -> str:
-    """The table's text for a resume measurement: its counts, or why there is none."""
-    if isinstance(result, str):  # a reason: the JSON line keeps it whole
-        return result if len(result) <= CELL else result[: CELL - 3] + "..."
+def resume_cell(result: Any, whole: bool = False) -> str:
+    """The table's text for a resume measurement: its counts, or why there is none
+    (cut to :data:`CELL` characters unless ``whole``; the JSON line keeps it all)."""
+    if isinstance(result, str):
+        return result if whole or len(result) <= CELL else result[: CELL - 3] + "..."
     if not result:
         return "-"
     acc = Accounting(**result)

@@ -225,15 +225,26 @@ def build_streaming(spec: dict, workers: int, rank: int, world: int, tag: str) -
 
 
 def litdata_options(spec: dict) -> dict:
-    return {
-        "endpoint_url": spec["endpoint"], "aws_access_key_id": spec["key"],
-        "aws_secret_access_key": spec["secret"], "region_name": "us-east-1",
-    }  # fmt: skip
+    """Only the endpoint: LitData hands these to boto3 *and* to s3fs (the raw dataset's
+    listing), whose option names differ; the credentials go by the env both read."""
+    os.environ.update(
+        AWS_ACCESS_KEY_ID=spec["key"], AWS_SECRET_ACCESS_KEY=spec["secret"],
+        AWS_DEFAULT_REGION="us-east-1",
+    )  # fmt: skip
+    return {"endpoint_url": spec["endpoint"]}
 
 
 def litdata_env() -> None:
-    """obstore (LitData's fast path) refuses an ``http://`` endpoint unless told it may."""
-    os.environ["AWS_ALLOW_HTTP"] = "true"
+    """Let LitData's obstore path (its fast one) talk to an ``http://`` endpoint.
+
+    LitData builds its obstore ``S3Store`` with client options of its own, and explicit
+    client options replace the environment's (``AWS_ALLOW_HTTP`` is ignored then): the
+    only way ``allow_http`` reaches it is LitData's module-level options. On real S3
+    (https) nothing is changed; here the benchmark server speaks http.
+    """
+    import litdata.streaming.downloader as downloader
+
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True  # type: ignore[index]
 
 
 def build_litdata(spec: dict, workers: int, rank: int, world: int, tag: str) -> Built:
@@ -399,18 +410,22 @@ def resumed_part(
 
 
 def measure_resume(spec: dict, build: Callable[..., Built], stateful: bool) -> dict:
-    """Save mid-epoch; resume at another worker count, and (apart) at world size 2."""
+    """Save mid-epoch; resume at another worker count, and (apart) at world size 2.
+
+    The save and both resumes share one cache folder, as a job restarted on the same
+    machine does (LitData refuses a state saved with another cache path).
+    """
     source = spec["source_crcs"]
     if not stateful:
         return {"resume_workers": "no state", "resume_world": "no state"}
     try:
-        before, state = first_part(spec, build, "resume-a")
+        before, state = first_part(spec, build, "resume")
     except Exception as exc:
         return {"resume_workers": failure(exc), "resume_world": "not tried"}
     out: dict[str, Any] = {}
     try:
         workers = other_workers(spec["workers"])
-        after = resumed_part(spec, build, state, workers, 0, 1, "resume-b")
+        after = resumed_part(spec, build, state, workers, 0, 1, "resume")
         out["resume_workers"] = account(before + after, source).as_dict()
     except Exception as exc:  # a peer that cannot resume this way says so in the table
         out["resume_workers"] = failure(exc)
@@ -481,7 +496,7 @@ def run_rank(spec: dict, state_path: str, out: str) -> None:
         with open(state_path, "rb") as f:
             state = pickle.load(f)
         build = BUILDERS[spec["row"]]
-        delivered = resumed_part(spec, build, state, spec["workers"], rank, world, "resume-w")
+        delivered = resumed_part(spec, build, state, spec["workers"], rank, world, "resume")
         with open(out, "w") as f:
             json.dump(delivered, f)
     finally:

@@ -24,8 +24,9 @@ DEFAULT_VENV = os.environ.get("UNBROKEN_PEERS_VENV") or os.path.join(
 )
 """Beside the checkout (``/work/.venv-peers`` for ``/work/main``), shared by worktrees."""
 
-PEERS = ("mosaicml-streaming==0.13.0", "litdata==0.2.76", "torchdata==0.11.0")
-"""The versions measured; a newer one is a new row, not a silent change."""
+PEERS = ("mosaicml-streaming==0.13.0", "litdata==0.2.76", "torchdata==0.11.0", "s3fs")
+"""The versions measured; a newer one is a new row, not a silent change. s3fs: LitData's
+raw-files dataset lists an ``s3://`` prefix through fsspec (its README: ``pip install s3fs``)."""
 
 MATCHED = ("torch", "pillow", "boto3", "botocore")
 """Held at this interpreter's versions, so the rows differ only in the loader."""

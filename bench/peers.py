@@ -47,6 +47,14 @@ LABELS = {
     "litdata": "LitData optimize()",
     "litdata_raw": "LitData StreamingRawDataset",
 }
+PLOT_LABELS = {
+    "stock": "stock\n+ boto3",
+    "unbroken": "unbroken",
+    "stateful": "torchdata\nStatefulDataLoader",
+    "streaming": "Streaming\n(MDS)",
+    "litdata": "LitData\noptimize()",
+    "litdata_raw": "LitData\nraw files",
+}
 PREFIXES = {"files": "files", "raw": "raw-litdata"}
 """Where the source JPEGs go; LitData's raw dataset gets a copy of its own."""
 
@@ -73,7 +81,7 @@ def row_cells(result: dict[str, Any]) -> list[str]:
     """One row of the table from a row's measurements (or its error)."""
     label = LABELS.get(result["row"], result["row"])
     if "error" in result:
-        return [label, *["-"] * (len(TITLES) - 2), f"error: {result['error'][:60]}"]
+        return [label, *["-"] * (len(TITLES) - 2), f"error: {result['error']}"]
     e1, e2 = result.get("epoch1", {}), result.get("epoch2", {})
     check = result.get("epoch_check") or {}
     conversion = result.get("conversion_s")
@@ -87,19 +95,33 @@ def row_cells(result: dict[str, Any]) -> list[str]:
         f"{e1.get('cpu_ms', 0):.2f}",
         str(check.get("mismatched", "-")),
         resume_cell(check),
-        resume_cell(result.get("resume_workers")),
-        resume_cell(result.get("resume_world")),
+        resume_cell(result.get("resume_workers"), whole=True),
+        resume_cell(result.get("resume_world"), whole=True),
     ]
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """The rows side by side, columns aligned (text first column, figures right)."""
-    lines = [list(TITLES)] + [row_cells(r) for r in results]
+    """The rows side by side, columns aligned; a long reason becomes a numbered note."""
+    notes: list[str] = []
+
+    def noted(cell: str) -> str:
+        if len(cell) <= NOTE_AFTER:
+            return cell
+        notes.append(cell)
+        return f"see [{len(notes)}]"
+
+    cells = [row_cells(r) for r in results]
+    lines = [list(TITLES)] + [[label, *(noted(c) for c in rest)] for label, *rest in cells]
     widths = [max(len(line[i]) for line in lines) for i in range(len(TITLES))]
-    return "\n".join(
+    text = "\n".join(
         "  ".join([line[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(line[1:], widths[1:]))])
         for line in lines
     )
+    return "\n".join([text, *(f"[{n}] {note}" for n, note in enumerate(notes, 1))])
+
+
+NOTE_AFTER = 24
+"""A cell longer than this (an error, a refusal) is printed under the table instead."""
 
 
 def ratios(results: list[dict[str, Any]], against: str = "unbroken") -> dict[str, dict]:
@@ -242,11 +264,12 @@ def run_profiles(bench: Bench, args: argparse.Namespace) -> dict[str, list[dict]
 
     profiles = ["loopback", "far"] if args.profile == "both" else [args.profile]
     out: dict[str, list[dict]] = {}
-    for name in profiles:
+    for n, name in enumerate(profiles):
         out[name] = []
+        resume = n == 0 or args.resume_every_profile  # the byte check runs in every one
         for row in args.rows:
             print(f"[{name}] {row} ...", file=sys.stderr, flush=True)
-            out[name].append(bench.run(row, PROFILES[name], args.workers))
+            out[name].append(bench.run(row, PROFILES[name], args.workers, resume=resume))
     return out
 
 
@@ -307,8 +330,7 @@ def plot(directory: str, profiles: dict[str, list[dict]], scaling: dict | None) 
                label="epoch 1 (cold)")  # fmt: skip
         ax.bar([x + width / 2 for x in xs], [r.get("epoch2", {}).get("rate", 0) for r in ok],
                width, label="epoch 2")  # fmt: skip
-        ax.set_xticks(list(xs), [LABELS[r["row"]].replace(" + ", "\n+ ") for r in ok],
-                      fontsize=7)  # fmt: skip
+        ax.set_xticks(list(xs), [PLOT_LABELS[r["row"]] for r in ok], fontsize=8)
         ax.set_ylabel("images/s")
         ax.set_title(f"JPEG loaders over S3 ({name})")
         ax.legend()
@@ -353,12 +375,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="--setup: an extra index with the CPU torch (if pip cannot find it)",
     )
-    parser.add_argument("--quick", action="store_true", help="512 files: a few minutes")
-    parser.add_argument("--files", type=int, default=None, help="default 3200 (512 quick)")
+    parser.add_argument("--quick", action="store_true", help="256 files: a few minutes")
+    parser.add_argument("--files", type=int, default=None, help="default 3200 (256 quick)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--profile", choices=("loopback", "far", "both"), default="both")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset")
+    parser.add_argument(
+        "--resume-every-profile",
+        action="store_true",
+        help="measure the resume columns in each profile (default: the first one only)",
+    )
     parser.add_argument("--scaling", action="store_true", help="also the scaling curves")
     parser.add_argument(
         "--scaling-rows", default=None, help="default: stock, unbroken, the main run's best peer"
@@ -372,7 +399,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the generated JPEGs are kept between runs",
     )
     args = parser.parse_args(argv)
-    args.files = args.files or (512 if args.quick else 3200)
+    args.files = args.files or (256 if args.quick else 3200)
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in args.rows if r not in ROWS]
     if unknown:
@@ -408,6 +435,8 @@ def main(argv: list[str] | None = None) -> None:
         f"and at world size 2; load average {load[0]:.1f} / {load[1]:.1f} on "
         f"{os.cpu_count()} cores"
     )
+    if len(profiles) > 1 and not args.resume_every_profile:
+        print(f"resume columns measured in the {next(iter(profiles))} profile only")
     for name, results in profiles.items():
         print(f"\n== {name} ==")
         print(table(results))

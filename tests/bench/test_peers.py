@@ -111,3 +111,11 @@ def test_constraints_pin_each_package():
 def test_unknown_row_is_refused():
     with pytest.raises(SystemExit):
         peers.parse_args(["--rows", "stock,dali"])
+
+
+def test_a_long_refusal_becomes_a_note_under_the_table():
+    refusal = "error: AssertionError: assert self._num_workers == state_dict[self._NUM_WORKERS]"
+    text = peers.table([_result("stateful", 70, 80, resume_workers=refusal)])
+    row = next(line for line in text.splitlines() if line.startswith("torchdata"))
+    assert "see [1]" in row and refusal not in row
+    assert text.splitlines()[-1] == f"[1] {refusal}"
