@@ -405,6 +405,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.files = args.files or (256 if args.quick else 3200)
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    whole = 4 * args.batch_size
+    if args.files % whole:
+        parser.error(
+            f"--files {args.files}: use a multiple of 4 x batch size ({whole}), so that "
+            "each half of an epoch fills whole batches at world size 1 and 2 (else the "
+            "batches drop_last leaves out would count as missing after a resume)"
+        )
     unknown = [r for r in args.rows if r not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")

@@ -119,3 +119,10 @@ def test_a_long_refusal_becomes_a_note_under_the_table():
     row = next(line for line in text.splitlines() if line.startswith("torchdata"))
     assert "see [1]" in row and refusal not in row
     assert text.splitlines()[-1] == f"[1] {refusal}"
+
+
+def test_a_file_count_that_leaves_partial_batches_is_refused():
+    # 64 files, batch 32: the resumed half (32) cannot fill a batch at world size 2
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--files", "64"])
+    assert peers.parse_args(["--files", "128"]).files == 128

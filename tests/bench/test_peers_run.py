@@ -12,14 +12,14 @@ from .scripts import run_bench_script
 @pytest.mark.slow
 def test_quick_run_prints_table_and_json_with_measured_resume(tmp_path):
     stdout, _ = run_bench_script(
-        "peers.py", "--files", "64", "--rows", "stock,unbroken", "--profile", "loopback",
+        "peers.py", "--files", "128", "--rows", "stock,unbroken", "--profile", "loopback",
         "--bench-dir", str(tmp_path), timeout=600,
     )  # fmt: skip
     summary = json.loads(stdout.strip().splitlines()[-1])
     rows = {r["row"]: r for r in summary["profiles"]["loopback"]}
     assert "error" not in rows["stock"] and "error" not in rows["unbroken"]
     for row in rows.values():
-        assert row["epoch_check"]["delivered"] == 64 and row["epoch_check"]["mismatched"] == 0
+        assert row["epoch_check"]["delivered"] == 128 and row["epoch_check"]["mismatched"] == 0
     assert rows["stock"]["resume_workers"] == "no state"
     for column in ("resume_workers", "resume_world"):
         got = rows["unbroken"][column]
