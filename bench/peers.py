@@ -73,7 +73,7 @@ def _size(n: int | None) -> str:
 
 TITLES = (
     "loader", "e1 img/s", "e2 img/s", "first batch s", "convert s", "peak cache",
-    "CPU ms/img e1", "bad bytes", "epoch", "resume workers", "resume world 1->2",
+    "CPU ms/img e1", "e2", "bad bytes", "epoch", "resume workers", "resume world 1->2",
 )  # fmt: skip
 
 
@@ -93,6 +93,7 @@ def row_cells(result: dict[str, Any]) -> list[str]:
         f"{conversion:.1f}" if conversion is not None else "-",
         _size(result.get("peak_cache_bytes")),
         f"{e1.get('cpu_ms', 0):.2f}",
+        f"{e2['cpu_ms']:.2f}" if e2 else "-",
         str(check.get("mismatched", "-")),
         resume_cell(check),
         resume_cell(result.get("resume_workers"), whole=True),
