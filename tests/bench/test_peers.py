@@ -1,0 +1,128 @@
+"""bench/peers.py's accounting and table: pure functions, no peers venv needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _peer_accounting as acc
+import _peer_setup
+import peers
+
+SOURCE = {"a.jpg": acc.crc_of(b"a"), "b.jpg": acc.crc_of(b"b"), "c.jpg": acc.crc_of(b"c")}
+
+
+def test_a_clean_pass_is_exact():
+    delivered = [(k, crc) for k, crc in SOURCE.items()]
+    got = acc.account(delivered, SOURCE)
+    assert got.exact and got.delivered == 3
+    assert acc.resume_cell(got.as_dict()) == "exact"
+
+
+def test_resume_that_replays_and_skips_counts_duplicates_and_missing():
+    before = [("a.jpg", SOURCE["a.jpg"]), ("b.jpg", SOURCE["b.jpg"])]
+    after = [("b.jpg", SOURCE["b.jpg"]), ("b.jpg", SOURCE["b.jpg"])]  # replayed twice, c lost
+    got = acc.account(before + after, SOURCE)
+    assert (got.delivered, got.duplicates, got.missing) == (4, 2, 1)
+    assert acc.resume_cell(got.as_dict()) == "2 dup, 1 missing"
+
+
+def test_another_requests_bytes_are_a_mismatch_not_a_pass():
+    # a worker got b's bytes in answer to a's request: the key is right, the bytes are not
+    delivered = [("a.jpg", SOURCE["b.jpg"]), ("b.jpg", SOURCE["b.jpg"]), ("c.jpg", SOURCE["c.jpg"])]
+    got = acc.account(delivered, SOURCE)
+    assert got.mismatched == 1 and got.duplicates == 0 and got.missing == 0
+    assert not got.exact
+    assert "1 bad bytes" in acc.resume_cell(got.as_dict())
+
+
+def test_keys_outside_the_source_are_unknown():
+    got = acc.account([("zzz.jpg", 1), *[(k, c) for k, c in SOURCE.items()]], SOURCE)
+    assert got.unknown == 1 and got.missing == 0
+
+
+def test_collated_batch_yields_key_crc_pairs():
+    batch = (torch.zeros(2, 3, 4, 4), torch.tensor([SOURCE["a.jpg"], SOURCE["c.jpg"]]),
+             ["a.jpg", "c.jpg"])  # fmt: skip
+    assert acc.delivered_of_batch(batch) == [("a.jpg", SOURCE["a.jpg"]), ("c.jpg", SOURCE["c.jpg"])]
+
+
+def test_resume_cell_passes_reasons_through():
+    assert acc.resume_cell("no state") == "no state"
+    assert acc.resume_cell(None) == "-"
+
+
+EXACT = {"delivered": 3, "duplicates": 0, "missing": 0, "mismatched": 0, "unknown": 0}
+
+
+def _result(row: str, e1: float, e2: float, **extra) -> dict:
+    epoch = {"images": 512, "seconds": 1.0, "first_batch_s": 0.5, "cpu_ms": 4.0}
+    return {
+        "row": row,
+        "conversion_s": None,
+        "peak_cache_bytes": 0,
+        "epoch1": {**epoch, "rate": e1},
+        "epoch2": {**epoch, "rate": e2},
+        "epoch_check": acc.account([(k, c) for k, c in SOURCE.items()], SOURCE).as_dict(),
+        "resume_workers": "no state",
+        "resume_world": "no state",
+        **extra,
+    }
+
+
+def test_table_shows_every_row_its_error_and_the_resume_columns():
+    results = [
+        _result("stock", 300, 310),
+        _result("unbroken", 600, 900, peak_cache_bytes=50 << 20, resume_workers=EXACT),
+        _result("streaming", 700, 720, conversion_s=3.25),
+        {"row": "litdata", "error": "ValueError: boom"},
+    ]
+    text = peers.table(results)
+    lines = text.splitlines()
+    assert all(t in lines[0] for t in peers.TITLES)
+    unbroken = next(line for line in lines if line.startswith("unbroken"))
+    assert unbroken.split()[1:3] == ["600", "900"] and "50.0 MB" in unbroken
+    assert "exact" in unbroken and "no state" in lines[1]
+    assert "3.2" in next(line for line in lines if line.startswith("MosaicML"))
+    assert "error: ValueError: boom" in next(line for line in lines if line.startswith("LitData"))
+    assert len({len(line) for line in lines[:4]}) == 1  # aligned
+
+
+def test_ratios_say_where_unbroken_leads_and_trails():
+    got = peers.ratios([_result("stock", 300, 300), _result("unbroken", 600, 150)])
+    assert got == {"stock": {"epoch1": 2.0, "epoch2": 0.5}}
+
+
+def test_best_peer_and_curves_skip_failed_rows():
+    results = [_result("stock", 900, 1), _result("litdata_raw", 500, 1),
+               _result("streaming", 700, 1), {"row": "litdata", "error": "x"}]  # fmt: skip
+    assert peers.best_peer(results) == "streaming"
+    for r, w in zip(results, (2, 1, 4, 2)):
+        r["workers"] = w
+    curves = peers.curve_points(results, "workers")
+    assert curves == {"stock": [(2, 900)], "litdata_raw": [(1, 500)], "streaming": [(4, 700)]}
+
+
+def test_constraints_pin_each_package():
+    text = _peer_setup.constraints({"torch": "2.13.0+cpu", "pillow": "13.0.0"})
+    assert text == "pillow==13.0.0\ntorch==2.13.0+cpu\n"
+
+
+def test_unknown_row_is_refused():
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--rows", "stock,dali"])
+
+
+def test_a_long_refusal_becomes_a_note_under_the_table():
+    refusal = "error: AssertionError: assert self._num_workers == state_dict[self._NUM_WORKERS]"
+    text = peers.table([_result("stateful", 70, 80, resume_workers=refusal)])
+    row = next(line for line in text.splitlines() if line.startswith("torchdata"))
+    assert "see [1]" in row and refusal not in row
+    assert text.splitlines()[-1] == f"[1] {refusal}"
+
+
+def test_a_file_count_that_leaves_partial_batches_is_refused():
+    # 64 files, batch 32: the resumed half (32) cannot fill a batch at world size 2
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--files", "64"])
+    assert peers.parse_args(["--files", "128"]).files == 128
