@@ -314,6 +314,27 @@ def curve_points(results: list[dict], x: str) -> dict[str, list[tuple[float, flo
     return {row: sorted(points) for row, points in curves.items()}
 
 
+def scaling_table(scaling: dict[str, list[dict]]) -> str:
+    """Epoch 1 images/s of each row at each point of both curves, one line a row (pure)."""
+    lines = []
+    for key, x, unit in (("workers", "workers", " workers"), ("latency", "latency_ms", " ms")):
+        curves = curve_points(scaling.get(key, []), x)
+        if not curves:
+            continue
+        xs = sorted({point[0] for points in curves.values() for point in points})
+        head = [f"epoch 1 img/s by {key}", *(f"{v:g}{unit}" for v in xs)]
+        body = [
+            [LABELS.get(row, row), *(f"{dict(points).get(v, float('nan')):.0f}" for v in xs)]
+            for row, points in curves.items()
+        ]
+        widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
+        for line in [head, *body]:
+            cells = [line[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(line[1:], widths[1:]))]
+            lines.append("  ".join(cells))
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 # -- plots ---------------------------------------------------------------------------------
 
 
@@ -471,6 +492,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     if scaling:
         summary["scaling"] = scaling
+        print("\n== scaling (loopback; latency added by the delay line) ==")
+        print(scaling_table(scaling))
     if args.plot:
         summary["plots"] = plot(args.plot, profiles, scaling)
         print("plots: " + ", ".join(summary["plots"]))

@@ -126,3 +126,22 @@ def test_a_file_count_that_leaves_partial_batches_is_refused():
     with pytest.raises(SystemExit):
         peers.parse_args(["--files", "64"])
     assert peers.parse_args(["--files", "128"]).files == 128
+
+
+def test_scaling_table_lists_each_row_at_each_point_and_skips_failures():
+    scaling = {
+        "workers": [
+            {"row": "stock", "workers": 1, "epoch1": {"rate": 100.4}},
+            {"row": "stock", "workers": 2, "epoch1": {"rate": 180.0}},
+            {"row": "unbroken", "workers": 1, "epoch1": {"rate": 300.0}},
+            {"row": "unbroken", "workers": 2, "error": "boom"},
+        ],
+        "latency": [{"row": "unbroken", "latency_ms": 20.0, "epoch1": {"rate": 250.0}}],
+    }
+    lines = peers.scaling_table(scaling).splitlines()
+    assert "1 workers" in lines[0] and "2 workers" in lines[0]
+    stock = next(line for line in lines if line.startswith("stock"))
+    assert stock.split()[-2:] == ["100", "180"]
+    unbroken = next(line for line in lines if line.startswith("unbroken"))
+    assert unbroken.split()[-2:] == ["300", "nan"]  # the failed point is not a number
+    assert any(line.startswith("epoch 1 img/s by latency") and "20 ms" in line for line in lines)
