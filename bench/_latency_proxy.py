@@ -113,6 +113,13 @@ def main() -> None:
     asyncio.run(_serve(listen, host, int(port), args.delay_ms / 1000))
 
 
+def pid_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used so far (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class LatencyProxy:
     """The delay line as a child process in front of ``upstream`` (``http://host:port``)."""
 
@@ -132,9 +139,7 @@ class LatencyProxy:
 
     def cpu_seconds(self) -> float:
         """User + system CPU the proxy process has used so far."""
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return pid_cpu_seconds(self.proc.pid)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.s3server import CREDENTIALS, S3Server
 
-from _latency_proxy import LatencyProxy
+from _latency_proxy import LatencyProxy, pid_cpu_seconds
 
 PROFILES = {"loopback": 0.0, "far": 20.0}
 """Remote profiles by name: milliseconds added to each request."""
@@ -71,6 +71,10 @@ class S3Remote:
     def proxy_cpu_seconds(self) -> float:
         """CPU the delay line has used so far (0 on loopback): the shaping's own cost."""
         return self.proxy.cpu_seconds() if self.proxy else 0.0
+
+    def server_cpu_seconds(self) -> float:
+        """CPU the S3 server has used so far (shared by every profile on that server)."""
+        return pid_cpu_seconds(self.server.proc.pid)
 
     def close(self) -> None:
         if self.proxy:
