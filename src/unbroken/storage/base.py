@@ -13,10 +13,13 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from unbroken.storage.in_memory import FileInMemory
 from unbroken.storage.retry import RetryPolicy, RetryStats, call_with_retry
+
+Buffer = Any
+"""A read-only bytes-like object (bytes, or a backend's own buffer): ``memoryview`` takes it."""
 
 T = TypeVar("T")
 
@@ -131,6 +134,22 @@ class Store(ABC):
                 )
         return data
 
+    def read_range(self, key: str, start: int, end: int) -> Buffer:
+        """The bytes [start, end) of the object as a read-only bytes-like object, which a
+        backend may hand over without copying (obstore's own buffer): for a caller that
+        copies them into place anyway (a restore into tensors). The same checks as
+        ``read_bytes``: a range past the end of the object is a ValueError."""
+        key = check_key(key)
+        if start < 0 or end < start:
+            raise ValueError(f"read_range {key!r}: bad range [{start}, {end})")
+        data = self._run("read_bytes", key, lambda: self._read_range(key, start, end))
+        if memoryview(data).nbytes < end - start:
+            raise ValueError(
+                f"read_range {self.url_for(key)}: range [{start}, {end}) reaches past the "
+                f"end of the object ({start + memoryview(data).nbytes} bytes)"
+            )
+        return data
+
     def upload(
         self, local_path: str | os.PathLike, key: str, *, memory: FileInMemory | None = None
     ) -> None:
@@ -236,6 +255,11 @@ class Store(ABC):
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
         """The bytes in [start, end), clamped to the object (b'' past its end): the
         public method tells a short answer from the data and raises."""
+
+    def _read_range(self, key: str, start: int, end: int) -> Buffer:
+        """[start, end), clamped to the object; a backend with a buffer of its own may
+        return that instead of copying it into bytes."""
+        return self._read_bytes(key, start, end)
 
     sends_from_memory: bool = False
     """Whether ``upload`` can send a file's bytes from memory (see :meth:`upload`)."""
