@@ -151,7 +151,12 @@ class Store(ABC):
         return data
 
     def upload(
-        self, local_path: str | os.PathLike, key: str, *, memory: FileInMemory | None = None
+        self,
+        local_path: str | os.PathLike,
+        key: str,
+        *,
+        memory: FileInMemory | None = None,
+        local_ready: Callable[[], None] | None = None,
     ) -> None:
         """Copy a local file to ``key`` atomically, streaming (never all in memory).
 
@@ -160,25 +165,28 @@ class Store(ABC):
         file back. They are given back as soon as the store has read them, or when that
         first attempt ends (a store down for a while must not hold them through its
         retries: they belong to the next save); retries read the file.
+
+        ``local_ready``: the local file is still being written (from the same memory);
+        calling it blocks until the file is whole and raises if its write failed. A store
+        that ``uploads_before_file`` sends its first attempt from ``memory`` meanwhile and
+        looks at the file only for a retry; any other store waits for the file first.
         """
         key = check_key(key)
         local_path = os.fspath(local_path)
+        early = local_ready is not None and memory is not None and self.uploads_before_file
+        if local_ready is not None and not early:
+            local_ready()
         try:
-            if not os.path.isfile(local_path):
-                raise FileNotFoundError(
-                    f"upload to {self.url_for(key)}: no local file {local_path}"
-                )
-            if memory is not None:
-                size = os.path.getsize(local_path)
-                if memory.size != size:
-                    raise ValueError(
-                        f"upload of {local_path} to {self.url_for(key)}: its copy in memory "
-                        f"holds {memory.size} bytes, the file {size}"
-                    )
-                if not self.sends_from_memory:
-                    memory.give_back()
+            if not early:
+                self._check_upload_source(local_path, key, memory)
+            attempts = [0]
 
             def attempt() -> None:
+                attempts[0] += 1
+                if early and attempts[0] > 1:
+                    assert local_ready is not None
+                    local_ready()  # a retry reads the file
+                    self._check_upload_source(local_path, key, None)
                 try:
                     self._upload(local_path, key, memory)
                 finally:
@@ -188,6 +196,19 @@ class Store(ABC):
             self._run("upload", key, attempt)
         finally:
             if memory is not None:
+                memory.give_back()
+
+    def _check_upload_source(self, local_path: str, key: str, memory: FileInMemory | None) -> None:
+        if not os.path.isfile(local_path):
+            raise FileNotFoundError(f"upload to {self.url_for(key)}: no local file {local_path}")
+        if memory is not None:
+            size = os.path.getsize(local_path)
+            if memory.size != size:
+                raise ValueError(
+                    f"upload of {local_path} to {self.url_for(key)}: its copy in memory "
+                    f"holds {memory.size} bytes, the file {size}"
+                )
+            if not self.sends_from_memory:
                 memory.give_back()
 
     def download(self, key: str, local_path: str | os.PathLike, *, sync: bool = True) -> None:
@@ -263,6 +284,9 @@ class Store(ABC):
 
     sends_from_memory: bool = False
     """Whether ``upload`` can send a file's bytes from memory (see :meth:`upload`)."""
+    uploads_before_file: bool = False
+    """Whether ``upload`` with ``memory`` sends its first attempt before the local file is
+    whole (``local_ready``): that attempt reads the memory only, never the file."""
 
     @abstractmethod
     def _upload(self, local_path: str, key: str, memory: FileInMemory | None) -> None:

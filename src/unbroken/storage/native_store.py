@@ -50,6 +50,10 @@ class NativeStore(Store):
 
     sends_from_memory = True  # a forked child's fsspec store reads the file instead
 
+    @property
+    def uploads_before_file(self) -> bool:  # type: ignore[override]
+        return os.getpid() == self._pid  # not through a forked child's fsspec store
+
     def __init__(
         self,
         url: str,
