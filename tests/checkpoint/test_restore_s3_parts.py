@@ -66,3 +66,26 @@ def test_a_flip_in_any_part_is_caught(tmp_path, s3_server, monkeypatch, where):
         load_from(store, manifest, {"w": torch.zeros(100_000)})
     unchecked = load_from(store, manifest, {"w": torch.zeros(100_000)}, verify=False)["w"]
     assert int(unchecked.ne(sd["w"]).sum()) == 1  # the flip landed where it was made
+
+
+def test_a_restore_from_s3_fetches_each_small_file_once(tmp_path, s3_server):
+    """Each request to a far store costs its latency: the staging attempt that finds no
+    local copy hands what it read to the durable attempt, and DCP's second load pass
+    takes metadata.json from the reader, not from S3 again."""
+    url = f"s3://{s3_server.new_root()}/ckpt"
+    model = nn.Linear(64, 8)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optim.step()
+    options = dict(storage_options=s3_server.storage_options, goodput=False, mlflow=False)
+    with ub.CheckpointManager(url, staging_dir=tmp_path / "s", every_steps=None, **options) as m:
+        m.save(4, {"model": model, "optim": optim, "epoch": 2})
+        m.wait()
+    state = {"model": nn.Linear(64, 8), "epoch": 0}
+    state["optim"] = torch.optim.Adam(state["model"].parameters())
+    with ub.CheckpointManager(url, staging_dir=tmp_path / "e", every_steps=None, **options) as m:
+        reads = spy_reads(m.store)
+        assert m.restore(state) == 4
+    assert state["epoch"] == 2 and torch.equal(state["model"].weight, model.weight)
+    small = sorted(key.rsplit("/", 1)[-1] for key, _ in reads if not key.endswith(".distcp"))
+    assert small == ["manifest.json", "metadata.json", "rank-00000.json"]

@@ -104,6 +104,8 @@ class TierReader(StorageReader):
         self.verify = verify
         self.local = local
         self.local_files = frozenset(local_files)
+        self._whole: dict[str, bytes] = {}
+        """Whole files read and checked (metadata, RNG states: small), by name."""
         self.files_read: set[str] = set()
         """The files this reader has opened, by name (``source`` says from which store)."""
         self.prefix = step_dir(step)
@@ -223,11 +225,14 @@ class TierReader(StorageReader):
         record = self.manifest.files.get(name)
         if record is None:
             raise self._corrupt(name, "not listed in the manifest")
-        data = self._read_range(name)
+        data = self._whole.get(name)
+        if data is None:
+            data = self._read_range(name)
         if len(data) != record.size:
             raise self._corrupt(name, f"{len(data)} bytes, manifest says {record.size}")
         if self.verify and (crc := crc32c_bytes(data)) != record.crc32c:
             raise self._corrupt(name, f"crc32c {crc:#010x}, manifest says {record.crc32c:#010x}")
+        self._whole[name] = data  # DCP reads metadata.json again on every load pass
         return data
 
     def _check_locations(self, storage_data: Any) -> None:
