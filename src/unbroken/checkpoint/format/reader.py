@@ -23,7 +23,7 @@ import io
 import os
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -171,11 +171,16 @@ class TierReader(StorageReader):
                 )
             by_location.setdefault(loc, []).append(req)
         direct = self._direct_reads(by_location, planner)
-        if direct:
-            self._read_direct(direct, planner)
-        for loc, payload in self._fetch([loc for loc in by_location if loc not in direct]):
-            for req in by_location[loc]:
-                self._deliver(req, loc, payload, planner)
+
+        def fetch_the_rest() -> None:
+            for loc, payload in self._fetch([loc for loc in by_location if loc not in direct]):
+                for req in by_location[loc]:
+                    self._deliver(req, loc, payload, planner)
+
+        if direct:  # the rest's windows travel while the direct reads do
+            self._read_direct(direct, planner, meanwhile=fetch_the_rest)
+        else:
+            fetch_the_rest()
 
     @property
     def checkpoint_id(self) -> str:
@@ -344,9 +349,16 @@ class TierReader(StorageReader):
                 out[loc] = DirectRead(req, target, memory)
         return out
 
-    def _read_direct(self, direct: dict[ItemLocation, DirectRead], planner: LoadPlanner) -> None:
+    def _read_direct(
+        self,
+        direct: dict[ItemLocation, DirectRead],
+        planner: LoadPlanner,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
         """Read every payload into its target, each checked as it lands: a local file's
         IN_FLIGHT payloads at a time, a remote's PARTS_IN_FLIGHT ranged reads at a time.
+        ``meanwhile`` runs on this thread once they are all under way (the other reads:
+        on a far store, one round trip less per load).
 
         A payload that fails its check has already overwritten its target: the load fails
         as a whole, as it would after the targets of earlier payloads were written."""
@@ -388,6 +400,8 @@ class TierReader(StorageReader):
                         ]
                     reads.append((loc, futs))
                 try:
+                    if meanwhile is not None:
+                        meanwhile()
                     for loc, futs in reads:
                         got, crc = 0, 0
                         for fut in futs:
