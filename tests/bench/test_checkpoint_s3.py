@@ -44,7 +44,7 @@ def test_limits_name_who_was_busy():
     assert s3.limit(_m(100, client=0.9), 2, 0.0).startswith("client CPU")
     assert s3.limit(_m(100), 2, 20.0).startswith("latency (20 ms/request)")
     others = s3.limit(_m(100, machine=1.9), 2, 0.0)
-    assert "most to the other jobs" in others and "others 1.50" in others
+    assert "most to the rest)" in others and "rest 1.50" in others
 
 
 def test_report_prints_the_table_targets_and_a_json_line():
