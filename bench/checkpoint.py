@@ -10,6 +10,7 @@ ratios. See bench/README.md, section bench/checkpoint.py.
 
     python bench/checkpoint.py --quick   # tiny state, < 1 minute
     python bench/checkpoint.py           # the full run: 1 GiB params, 1-2 hours on 2 cores
+    python bench/checkpoint.py --s3 --quick  # commit/restore MB/s on a real S3 server vs raw
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from _ckpt_measure import (
     lasting_extra,
 )
 from _ckpt_rows import BASELINES
+from _ckpt_s3 import S3Config, main_s3
 from unbroken.storage.link import discard_link
 
 # -- the parent: launch ranks, survive a failing row, report ----------------------------
@@ -211,8 +213,21 @@ def report(cfg: Config, results: dict[str, dict], started: float) -> str:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--s3",
+        action="store_true",
+        help="commit and restore MB/s on a real S3 server (SeaweedFS) against raw clients "
+        "moving the same bytes, instead of the training-job rows",
+    )
+    p.add_argument(
+        "--profile",
+        choices=("loopback", "far", "both"),
+        default="both",
+        help="with --s3: the server as it is, behind a +20 ms/request delay line, or both",
+    )
+    p.add_argument("--reps", type=int, default=None, help="with --s3: timed repetitions (3)")
     p.add_argument("--quick", action="store_true", help="tiny state, few steps: < 1 minute")
     p.add_argument("--params-gb", type=float, default=None, help="GiB of parameters (1)")
     p.add_argument("--ranks", type=int, default=2)
@@ -251,6 +266,23 @@ def parse_args(argv: list[str] | None = None) -> Config:
         help="print every column (CPU, peak memory, the split of the time lost)",
     )
     p.add_argument("--row-timeout", type=float, default=None, help="seconds per row")
+    return p
+
+
+def s3_config(a: argparse.Namespace) -> S3Config:
+    """The ``--s3`` run: a few hundred MB of state with --quick, ~1 GiB without."""
+    profiles = ("loopback", "far") if a.profile == "both" else (a.profile,)
+    return S3Config(
+        params_gb=a.params_gb or (0.1 if a.quick else 1 / 3),
+        profiles=profiles,
+        reps=a.reps or (2 if a.quick else 3),
+        quick=a.quick,
+        work_dir=a.work_dir or "",
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    p = _parser()
     a = p.parse_args(argv)
     keys = [k.strip() for k in a.rows.split(",") if k.strip()]
     unknown = [k for k in keys if k not in ROW_CLASSES]
@@ -288,6 +320,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    if a.s3:
+        return run_s3(s3_config(a), a.keep)
     cfg = parse_args(argv)
     started = time.time()
     cfg.work_dir = cfg.work_dir or tempfile.mkdtemp(prefix="ckpt-bench-")
@@ -302,6 +337,17 @@ def main(argv: list[str] | None = None) -> int:
         discard_link(cfg.link)
         if not cfg.keep:
             shutil.rmtree(cfg.remote_dir, ignore_errors=True)
+            shutil.rmtree(cfg.work_dir, ignore_errors=True)
+    return 0
+
+
+def run_s3(cfg: S3Config, keep: bool) -> int:
+    cfg.work_dir = cfg.work_dir or tempfile.mkdtemp(prefix="ckpt-bench-s3-")
+    os.makedirs(cfg.work_dir, exist_ok=True)
+    try:
+        print(main_s3(cfg), flush=True)
+    finally:
+        if not keep:
             shutil.rmtree(cfg.work_dir, ignore_errors=True)
     return 0
 

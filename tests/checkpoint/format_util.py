@@ -58,3 +58,19 @@ def assert_same(a: Any, b: Any) -> None:
             assert_same(a[k], b[k])
     else:
         assert a == b
+
+
+def spy_reads(store) -> list[tuple[str, int]]:
+    """Every read of ``store`` (whole or ranged) as (key, bytes)."""
+    reads: list[tuple[str, int]] = []
+
+    def spy(read):
+        def reading(key, start=None, end=None):
+            data = read(key, start, end)
+            reads.append((key, memoryview(data).nbytes))
+            return data
+
+        return reading
+
+    store.read_bytes, store.read_range = spy(store.read_bytes), spy(store.read_range)
+    return reads

@@ -183,6 +183,19 @@ def test_range_up_to_the_end_is_fine(store: Store):
     assert store.read_bytes("k", 100, 100) == b""
 
 
+def test_read_range_gives_a_buffer_of_exactly_the_range(store: Store):
+    data = os.urandom(300_000)
+    store.write_bytes("r/obj", data)
+    for start, end in [(0, 300_000), (1, 2), (12_345, 250_000), (299_999, 300_000), (5, 5)]:
+        view = memoryview(store.read_range("r/obj", start, end))
+        assert view.nbytes == end - start and view.tobytes() == data[start:end]
+    for start, end in [(20, 10), (-1, 5), (0, 300_001), (300_001, 300_002)]:
+        with pytest.raises(ValueError, match=r"range|past the end"):
+            store.read_range("r/obj", start, end)
+    with pytest.raises(ObjectNotFoundError):
+        store.read_range("r/missing", 0, 10)
+
+
 @pytest.mark.parametrize("absolute", ["/etc/passwd", "/a/b"])
 def test_absolute_keys_are_refused_not_rewritten(store: Store, absolute):
     with pytest.raises(ValueError, match="absolute"):

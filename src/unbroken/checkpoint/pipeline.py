@@ -71,6 +71,64 @@ MANIFEST = MANIFEST_NAME
 _CLAIM_RETRY = RetryPolicy(max_attempts=2, base_delay=0.05, max_delay=0.05)
 
 
+_LOCAL = "local:"
+"""Prefix of the loans of the staging buffers that the deferred local writes hold."""
+
+
+class _LocalWrites:
+    """The staging tier's shard files, written on a thread of their own while the same
+    buffers upload (``TierWriter(defer_shards=True)``): a save's commit then waits for
+    the longer of the two, not their sum."""
+
+    def __init__(
+        self,
+        writes: dict[str, Callable[[], None]],
+        loans: dict[str, FileInMemory],
+        config: PipelineConfig,
+    ) -> None:
+        self.writes, self.loans, self.lower = writes, loans, config.lower_priority
+        self.done = {n: threading.Event() for n in writes}
+        self.failures: dict[str, BaseException] = {}
+        self.thread: threading.Thread | None = None
+        if writes:
+            self.thread = threading.Thread(target=self._run, name="unbroken-local", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        name_native_thread()
+        if self.lower:
+            lower_thread_priority()
+        for name, write in self.writes.items():
+            try:
+                self.loans[name].take()
+                write()
+            except BaseException as e:  # reported by join() and by ready(name)
+                self.failures[name] = e
+            finally:
+                self.loans[name].give_back(read_all=True)
+                self.done[name].set()
+
+    def ready(self, name: str) -> Callable[[], None] | None:
+        """For ``Store.upload``: blocks until file ``name`` is whole (None: it already is)."""
+        if name not in self.writes:
+            return None
+
+        def wait() -> None:
+            self.done[name].wait()
+            if name in self.failures:
+                raise self.failures[name]
+
+        return wait
+
+    def join(self) -> BaseException | None:
+        """Wait for every write (their loans are given back); the first failure, if any."""
+        if self.thread is not None:
+            self.thread.join()
+        for loan in self.loans.values():
+            loan.give_back()
+        return next(iter(self.failures.values()), None)
+
+
 class _PhaseFailed(Exception):
     """A phase failed on some rank; ``args[0]`` says where and why."""
 
@@ -248,11 +306,15 @@ class SavePipeline:
         job.seconds["staging"] = t1 - t0
         job.seconds["blocking"] = float(job.staged.stats.get("blocking_seconds", 0.0))
 
-        # sync=False: the durable tier is what must survive.
+        # sync=False: the durable tier is what must survive. Where the durable store can
+        # send a shard from memory before its local file is whole, the shard is laid out
+        # only, and written to the staging tier while it uploads (_LocalWrites).
+        from_memory = self.durable.sends_from_memory
         writer = TierWriter(
             local_dir,
             sync=False,
-            keep_parts=self.durable.sends_from_memory,
+            keep_parts=from_memory,
+            defer_shards=from_memory and self.durable.uploads_before_file,
             known_checksums=job.staged.checksums,
         )
         try:
@@ -272,25 +334,40 @@ class SavePipeline:
                 job.staged.release()  # the host buffers are free for the next save
         t2 = time.monotonic()
         job.seconds["local"] = t2 - t1
-        job.direct_bytes = writer.direct_bytes
         job.checksummed_in_copy_bytes = writer.reused_checksum_bytes
-        self._note_page_cache_writes(writer)
 
         problem, exc, records, etags = None, None, [], {}
-        memory = lend_until_read(writer.parts, job.staged.release)
+        # The deferred local writes read the buffers too: each holds a loan of its own.
+        lent = lend_until_read(
+            {**writer.parts, **{_LOCAL + n: writer.parts[n] for n in writer.deferred}},
+            job.staged.release,
+        )
+        local = _LocalWrites(
+            writer.deferred, {n: lent.pop(_LOCAL + n) for n in writer.deferred}, self.config
+        )
+        memory = lent
         writer.parts = {}
         try:
             records = [*writer.records, self._write_rng(local_dir, job.rng)]
             if not claimed:  # the durable tier was down at staging: claim now, retrying
-                for lent in memory.values():
-                    lent.give_back()  # not held through retries: the next save needs them
+                for loan in memory.values():
+                    loan.give_back()  # not held through retries: the next save needs them
                 claim_step(self.durable, name, step)
-            etags = self._upload(local_dir, name, records, memory)
+            etags = self._upload(local_dir, name, records, memory, local)
         except Exception as e:
             problem, exc = f"uploading to {self.durable.url_for(name)}: {describe(e)}", e
         finally:
             for copy in memory.values():
                 copy.give_back()  # unsent (a failure before its upload): free the buffers
+            local_failure = local.join()
+        if local_failure is not None and problem is None:
+            problem = (
+                f"writing step {step} to the local staging tier {local_dir} failed: "
+                f"{describe(local_failure)}"
+            )
+            exc = local_failure
+        job.direct_bytes = writer.direct_bytes
+        self._note_page_cache_writes(writer)
         job.memory_bytes = sum(c.size for c in memory.values() if c.sent_from_memory)
         gathered = g.all_gather((records, problem, etags))
         t3 = time.monotonic()
@@ -349,6 +426,7 @@ class SavePipeline:
         name: str,
         records: list[FileRecord],
         memory: dict[str, FileInMemory],
+        local: _LocalWrites,
     ) -> dict[str, str | None]:
         """Upload every file; returns each one's etag as it stood right after the upload
         (the commit checks that no other writer's upload replaced it since)."""
@@ -356,7 +434,12 @@ class SavePipeline:
 
         def one(rec: FileRecord) -> None:
             key = f"{name}/{rec.name}"
-            self.durable.upload(os.path.join(local_dir, rec.name), key, memory=memory.get(rec.name))
+            self.durable.upload(
+                os.path.join(local_dir, rec.name),
+                key,
+                memory=memory.get(rec.name),
+                local_ready=local.ready(rec.name),
+            )
             etags[rec.name] = self.durable.info(key).etag
 
         streams = max(1, min(self.config.upload_streams, len(records)))

@@ -136,17 +136,22 @@ def restore(
         return None
     problems: list[str] = []
     for s in steps:
+        reuse: _Prepared | None = None
         for tier, store in (("staging", staging), ("durable", durable)):
-            loaded = _try(state, flat, s, tier, store, durable, group, strict, problems, listed[s])
+            loaded = _try(
+                state, flat, s, tier, store, durable, group, strict, problems, listed[s], reuse
+            )
+            if isinstance(loaded, _NoLocalCopy):
+                reuse = loaded.prepared  # it read everything from the durable tier already
+                continue
             if isinstance(loaded, _Failed):
                 if loaded.durable_corrupt:
                     break
                 continue
-            if loaded is not None:
-                manifest, reader = loaded
-                sources = _sources(reader)
-                where = (durable if sources == "durable" else staging).url_for(step_dir(s))
-                return Restored(s, sources, where, time.monotonic() - began, manifest)
+            manifest, reader = loaded
+            sources = _sources(reader)
+            where = (durable if sources == "durable" else staging).url_for(step_dir(s))
+            return Restored(s, sources, where, time.monotonic() - began, manifest)
         if s != steps[-1]:
             warnings.warn(
                 f"checkpoint step {s} at {durable.url} could not be loaded; falling back to "
@@ -193,13 +198,16 @@ def _try(
     strict: bool,
     problems: list[str],
     durable_files: dict[str, int],
-) -> tuple[Manifest, TierReader] | _Failed | None:
-    """Load ``step`` from ``tier`` on every rank; None when the staging tier has nothing to
-    offer (no rank holds a local file), ``_Failed`` when a copy was read and did not load."""
+    reuse: _Prepared | None = None,
+) -> tuple[Manifest, TierReader] | _Failed | _NoLocalCopy:
+    """Load ``step`` from ``tier`` on every rank; ``_NoLocalCopy`` when the staging tier
+    has nothing to offer (no rank holds a local file), ``_Failed`` when a copy was read and
+    did not load. ``reuse``: that staging attempt's preparation, which read only the
+    durable tier (its manifest, metadata and RNG state are not fetched again)."""
     prepared: _Prepared | None = None
     refused: NewerFormatError | None = None
     try:
-        prepared = _prepare(flat, step, tier, store, durable, group, strict, durable_files)
+        prepared = reuse or _prepare(flat, step, tier, store, durable, group, strict, durable_files)
         mine = _Attempt("ok", local_files=len(prepared.reader.local_files))
     except CheckpointMismatchError as e:
         mine = _Attempt("mismatch", str(e))
@@ -217,7 +225,8 @@ def _try(
     if "mismatch" in verdicts:
         raise CheckpointMismatchError(messages)
     if tier == "staging" and verdicts == {"ok"} and not any(a.local_files for a in attempts):
-        return None  # no rank has a local file: the durable attempt reads the same
+        assert prepared is not None
+        return _NoLocalCopy(prepared)  # the durable attempt reads the same
     if verdicts != {"ok"}:
         in_durable = any(a.durable_corrupt for a in attempts)
         _fail(tier, step, store, durable, in_durable, messages, problems, "error" in verdicts)
@@ -283,6 +292,14 @@ def _fail(
     if hard and tier == "durable":
         raise CheckpointError(f"reading checkpoint {where} failed: {message}")
     warnings.warn(f"checkpoint {where} is not usable: {message}", RuntimeWarning, stacklevel=4)
+
+
+@dataclass(frozen=True)
+class _NoLocalCopy:
+    """No rank's staging tier holds a file of the step: its preparation, which read the
+    durable tier only, serves the durable attempt."""
+
+    prepared: _Prepared
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,13 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from unbroken.storage.in_memory import FileInMemory
 from unbroken.storage.retry import RetryPolicy, RetryStats, call_with_retry
+
+Buffer = Any
+"""A read-only bytes-like object (bytes, or a backend's own buffer): ``memoryview`` takes it."""
 
 T = TypeVar("T")
 
@@ -131,8 +134,29 @@ class Store(ABC):
                 )
         return data
 
+    def read_range(self, key: str, start: int, end: int) -> Buffer:
+        """The bytes [start, end) of the object as a read-only bytes-like object, which a
+        backend may hand over without copying (obstore's own buffer): for a caller that
+        copies them into place anyway (a restore into tensors). The same checks as
+        ``read_bytes``: a range past the end of the object is a ValueError."""
+        key = check_key(key)
+        if start < 0 or end < start:
+            raise ValueError(f"read_range {key!r}: bad range [{start}, {end})")
+        data = self._run("read_bytes", key, lambda: self._read_range(key, start, end))
+        if memoryview(data).nbytes < end - start:
+            raise ValueError(
+                f"read_range {self.url_for(key)}: range [{start}, {end}) reaches past the "
+                f"end of the object ({start + memoryview(data).nbytes} bytes)"
+            )
+        return data
+
     def upload(
-        self, local_path: str | os.PathLike, key: str, *, memory: FileInMemory | None = None
+        self,
+        local_path: str | os.PathLike,
+        key: str,
+        *,
+        memory: FileInMemory | None = None,
+        local_ready: Callable[[], None] | None = None,
     ) -> None:
         """Copy a local file to ``key`` atomically, streaming (never all in memory).
 
@@ -141,25 +165,28 @@ class Store(ABC):
         file back. They are given back as soon as the store has read them, or when that
         first attempt ends (a store down for a while must not hold them through its
         retries: they belong to the next save); retries read the file.
+
+        ``local_ready``: the local file is still being written (from the same memory);
+        calling it blocks until the file is whole and raises if its write failed. A store
+        that ``uploads_before_file`` sends its first attempt from ``memory`` meanwhile and
+        looks at the file only for a retry; any other store waits for the file first.
         """
         key = check_key(key)
         local_path = os.fspath(local_path)
+        early = local_ready is not None and memory is not None and self.uploads_before_file
+        if local_ready is not None and not early:
+            local_ready()
         try:
-            if not os.path.isfile(local_path):
-                raise FileNotFoundError(
-                    f"upload to {self.url_for(key)}: no local file {local_path}"
-                )
-            if memory is not None:
-                size = os.path.getsize(local_path)
-                if memory.size != size:
-                    raise ValueError(
-                        f"upload of {local_path} to {self.url_for(key)}: its copy in memory "
-                        f"holds {memory.size} bytes, the file {size}"
-                    )
-                if not self.sends_from_memory:
-                    memory.give_back()
+            if not early:
+                self._check_upload_source(local_path, key, memory)
+            attempts = [0]
 
             def attempt() -> None:
+                attempts[0] += 1
+                if early and attempts[0] > 1:
+                    assert local_ready is not None
+                    local_ready()  # a retry reads the file
+                    self._check_upload_source(local_path, key, None)
                 try:
                     self._upload(local_path, key, memory)
                 finally:
@@ -169,6 +196,19 @@ class Store(ABC):
             self._run("upload", key, attempt)
         finally:
             if memory is not None:
+                memory.give_back()
+
+    def _check_upload_source(self, local_path: str, key: str, memory: FileInMemory | None) -> None:
+        if not os.path.isfile(local_path):
+            raise FileNotFoundError(f"upload to {self.url_for(key)}: no local file {local_path}")
+        if memory is not None:
+            size = os.path.getsize(local_path)
+            if memory.size != size:
+                raise ValueError(
+                    f"upload of {local_path} to {self.url_for(key)}: its copy in memory "
+                    f"holds {memory.size} bytes, the file {size}"
+                )
+            if not self.sends_from_memory:
                 memory.give_back()
 
     def download(self, key: str, local_path: str | os.PathLike, *, sync: bool = True) -> None:
@@ -237,8 +277,16 @@ class Store(ABC):
         """The bytes in [start, end), clamped to the object (b'' past its end): the
         public method tells a short answer from the data and raises."""
 
+    def _read_range(self, key: str, start: int, end: int) -> Buffer:
+        """[start, end), clamped to the object; a backend with a buffer of its own may
+        return that instead of copying it into bytes."""
+        return self._read_bytes(key, start, end)
+
     sends_from_memory: bool = False
     """Whether ``upload`` can send a file's bytes from memory (see :meth:`upload`)."""
+    uploads_before_file: bool = False
+    """Whether ``upload`` with ``memory`` sends its first attempt before the local file is
+    whole (``local_ready``): that attempt reads the memory only, never the file."""
 
     @abstractmethod
     def _upload(self, local_path: str, key: str, memory: FileInMemory | None) -> None:

@@ -50,6 +50,11 @@ class NativeStore(Store):
 
     sends_from_memory = True  # a forked child's fsspec store reads the file instead
 
+    @property
+    def uploads_before_file(self) -> bool:  # type: ignore[override]
+        # not in a forked child: the relay and the fsspec fallback read the file
+        return not fork_relay.in_forked_child()
+
     def __init__(
         self,
         url: str,
@@ -108,23 +113,36 @@ class NativeStore(Store):
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
         if (forked := self._in_fork()) is not None:
             return forked._read_bytes(key, start, end)
+        if end is not None:
+            return bytes(self._read_range(key, start or 0, end))
         with _native_errors(key):
-            if start is None and end is None:
+            if not start:
                 return bytes(obstore.get(self._store, key).bytes())
-            first = start or 0
             try:
-                if end is None:
-                    got = obstore.get(self._store, key, options={"range": {"offset": first}})
-                    return bytes(got.bytes())
-                if end <= first:
-                    obstore.head(self._store, key)  # still raise for a missing key
-                    return b""
-                return bytes(obstore.get_range(self._store, key, start=first, end=end))
+                got = obstore.get(self._store, key, options={"range": {"offset": start}})
+                return bytes(got.bytes())
             except BaseError as exc:
-                if not _RANGE_NOT_SATISFIABLE.search(str(exc)):
-                    raise
-                obstore.head(self._store, key)  # the range starts past the end
+                return self._nothing_past_end(key, exc)
+
+    def _read_range(self, key: str, start: int, end: int) -> Any:
+        """obstore's own buffer of the range (no copy into bytes)."""
+        if (forked := self._in_fork()) is not None:
+            return forked._read_range(key, start, end)
+        with _native_errors(key):
+            if end <= start:
+                obstore.head(self._store, key)  # still raise for a missing key
                 return b""
+            try:
+                return obstore.get_range(self._store, key, start=start, end=end)
+            except BaseError as exc:
+                return self._nothing_past_end(key, exc)
+
+    def _nothing_past_end(self, key: str, exc: BaseError) -> bytes:
+        """b'' for a range that starts past the end of an object that exists."""
+        if not _RANGE_NOT_SATISFIABLE.search(str(exc)):
+            raise exc
+        obstore.head(self._store, key)
+        return b""
 
     def _upload(self, local_path: str, key: str, memory: FileInMemory | None) -> None:
         if (forked := self._in_fork()) is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoint.format_util import load_from, publish, save_step
+from tests.checkpoint.format_util import load_from, publish, save_step, spy_reads
 from unbroken import open_store
 from unbroken.checkpoint.errors import CheckpointCorruptError
 from unbroken.checkpoint.format.direct_read import read_into, writable_bytes
@@ -56,19 +56,6 @@ def test_read_into_fills_the_buffer_and_checksums_it(tmp_path, monkeypatch):
         assert bytes(out.numpy()) == data[100:5100]
         short, _ = read_into(f.fileno(), len(data) - 10, writable_bytes(out))
     assert short == 10
-
-
-def spy_reads(store) -> list[tuple[str, int]]:
-    reads: list[tuple[str, int]] = []
-    original = store.read_bytes
-
-    def spy(key, start=None, end=None):
-        data = original(key, start, end)
-        reads.append((key, len(data)))
-        return data
-
-    store.read_bytes = spy
-    return reads
 
 
 def test_local_tensors_are_read_into_their_targets_not_through_the_store(tmp_path):

@@ -13,6 +13,7 @@ import os
 import re
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,6 +39,8 @@ FORMAT_VERSION = 1
 STEP_DIGITS = 12
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 8 << 20
+VERIFY_STREAMS = 16
+"""Files of a step looked at in parallel right after its commit."""
 
 
 SELF_CHECKSUM = "manifest_crc32c"
@@ -307,19 +310,25 @@ def verify_committed_files(
     """The files of a just-committed step whose durable object changed since this job
     uploaded it (another writer's upload landed over it); [] when all are this job's.
 
-    ``etags``: file name -> the etag each rank read right after its upload."""
+    ``etags``: file name -> the etag each rank read right after its upload. The files
+    are looked at in parallel: on a far store each look is a round trip, and a step of N
+    ranks has 2N + 2 files."""
     prefix = step_dir(manifest.step)
-    changed = []
-    for name, rec in sorted(manifest.files.items()):
+
+    def changed(item: tuple[str, FileRecord]) -> str | None:
+        name, rec = item
         try:
             entry = store.info(f"{prefix}/{name}")
         except ObjectNotFoundError:
-            changed.append(f"{name} (gone)")
-            continue
+            return f"{name} (gone)"
         mine = etags.get(name)
         if entry.size != rec.size or (mine is not None and entry.etag != mine):
-            changed.append(name)
-    return changed
+            return name
+        return None
+
+    items = sorted(manifest.files.items())
+    with ThreadPoolExecutor(max(1, min(VERIFY_STREAMS, len(items)))) as pool:
+        return [c for c in pool.map(changed, items) if c is not None]
 
 
 def read_manifest(store: Store, step: int) -> Manifest:

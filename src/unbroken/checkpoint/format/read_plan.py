@@ -18,6 +18,20 @@ IN_FLIGHT = 4
 """Windows fetched concurrently. Memory: about (IN_FLIGHT + 1) * WINDOW_BYTES of windows,
 plus the one large payload being assembled."""
 
+PART_BYTES = 16 << 20
+"""A payload read from a remote store straight into its target tensor comes in ranged
+reads of this size: large enough that a request's own cost is small beside its bytes,
+small enough to spread one large tensor over ``PARTS_IN_FLIGHT`` connections."""
+PARTS_IN_FLIGHT = 8
+"""Ranged reads into targets running at once (memory: this many parts in flight)."""
+
+
+def plan_parts(offset: int, length: int, part_bytes: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) byte ranges of at most ``part_bytes`` covering [offset, offset+length)."""
+    part_bytes = PART_BYTES if part_bytes is None else part_bytes
+    end = offset + length
+    return [(a, min(end, a + part_bytes)) for a in range(offset, end, part_bytes)]
+
 
 @dataclass(frozen=True)
 class Window:

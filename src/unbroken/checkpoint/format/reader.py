@@ -5,9 +5,11 @@ crc32c. Then, for each shard file this rank needs, it fetches only the byte wind
 hold the requested payloads (nearby payloads merged into one ranged read, a few windows
 in flight), checks each payload's crc32c (recorded in the verified ``metadata.json``)
 before DCP sees a byte, and serves any sub-range DCP's planner asks for, which is how a
-checkpoint saved on N ranks loads on M. From a local directory (the staging tier), a
-tensor payload that fills its target whole is read straight into the target's memory and
-checksummed there (:mod:`unbroken.checkpoint.format.direct_read`): one pass, no extra buffer.
+checkpoint saved on N ranks loads on M. A tensor payload that fills its target whole
+goes straight into the target's memory: from a local directory (the staging tier) read
+into it and checksummed there (:mod:`unbroken.checkpoint.format.direct_read`), from a
+remote store as parallel ranged reads, each checksummed and copied into its place by the
+thread that fetched it (the store's own buffer, no bytes copy; the parts' crc32c folded).
 One reader can take some files from the staging tier and the rest from the durable one
 (a node's staging tier holds only its own ranks' files).
 Non-tensor values are loaded with ``torch.load(weights_only=True)`` and handed to the
@@ -21,12 +23,13 @@ import io
 import os
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -38,6 +41,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from unbroken._util.crc32c_combine import crc32c_combine
 from unbroken._util.thread_names import name_native_thread
 from unbroken.checkpoint.errors import (
     CheckpointCorruptError,
@@ -47,7 +51,13 @@ from unbroken.checkpoint.errors import (
 from unbroken.checkpoint.format.dcp_json import ItemLocation, dtype_from_name, metadata_from_json
 from unbroken.checkpoint.format.direct_read import read_into, writable_bytes
 from unbroken.checkpoint.format.manifest import METADATA_JSON, Manifest, crc32c_bytes, step_dir
-from unbroken.checkpoint.format.read_plan import IN_FLIGHT, Window, plan_windows
+from unbroken.checkpoint.format.read_plan import (
+    IN_FLIGHT,
+    PARTS_IN_FLIGHT,
+    Window,
+    plan_parts,
+    plan_windows,
+)
 from unbroken.checkpoint.format.tensor_record import tensor_from_raw
 from unbroken.checkpoint.format.values import UnsafeValueError, load_weights_only
 from unbroken.storage import LocalStore, ObjectNotFoundError, Store
@@ -94,6 +104,8 @@ class TierReader(StorageReader):
         self.verify = verify
         self.local = local
         self.local_files = frozenset(local_files)
+        self._whole: dict[str, bytes] = {}
+        """Whole files read and checked (metadata, RNG states: small), by name."""
         self.files_read: set[str] = set()
         """The files this reader has opened, by name (``source`` says from which store)."""
         self.prefix = step_dir(step)
@@ -159,11 +171,16 @@ class TierReader(StorageReader):
                 )
             by_location.setdefault(loc, []).append(req)
         direct = self._direct_reads(by_location, planner)
-        if direct:
-            self._read_direct(direct, planner)
-        for loc, payload in self._fetch([loc for loc in by_location if loc not in direct]):
-            for req in by_location[loc]:
-                self._deliver(req, loc, payload, planner)
+
+        def fetch_the_rest() -> None:
+            for loc, payload in self._fetch([loc for loc in by_location if loc not in direct]):
+                for req in by_location[loc]:
+                    self._deliver(req, loc, payload, planner)
+
+        if direct:  # the rest's windows travel while the direct reads do
+            self._read_direct(direct, planner, meanwhile=fetch_the_rest)
+        else:
+            fetch_the_rest()
 
     @property
     def checkpoint_id(self) -> str:
@@ -194,10 +211,15 @@ class TierReader(StorageReader):
             url=url,
         )
 
-    def _read_range(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+    def _read_range(self, name: str, start: int | None = None, end: int | None = None) -> Any:
+        """File ``name`` whole (bytes), or [start, end) as a read-only buffer (the store's
+        own where it has one)."""
         self.files_read.add(name)
+        key = f"{self.prefix}/{name}"
         try:
-            return self.source(name).read_bytes(f"{self.prefix}/{name}", start, end)
+            if start is not None and end is not None:
+                return self.source(name).read_range(key, start, end)
+            return self.source(name).read_bytes(key, start, end)
         except ObjectNotFoundError as exc:
             raise self._corrupt(name, "file is missing") from exc
         except ValueError as exc:  # the range reaches past the end: a truncated file
@@ -208,11 +230,14 @@ class TierReader(StorageReader):
         record = self.manifest.files.get(name)
         if record is None:
             raise self._corrupt(name, "not listed in the manifest")
-        data = self._read_range(name)
+        data = self._whole.get(name)
+        if data is None:
+            data = self._read_range(name)
         if len(data) != record.size:
             raise self._corrupt(name, f"{len(data)} bytes, manifest says {record.size}")
         if self.verify and (crc := crc32c_bytes(data)) != record.crc32c:
             raise self._corrupt(name, f"crc32c {crc:#010x}, manifest says {record.crc32c:#010x}")
+        self._whole[name] = data  # DCP reads metadata.json again on every load pass
         return data
 
     def _check_locations(self, storage_data: Any) -> None:
@@ -261,7 +286,7 @@ class TierReader(StorageReader):
         with ThreadPoolExecutor(
             IN_FLIGHT, thread_name_prefix="unbroken-read", initializer=name_native_thread
         ) as pool:
-            pending: deque[tuple[Window, PoolFuture[bytes]]] = deque()
+            pending: deque[tuple[Window, PoolFuture[Any]]] = deque()
             for window in windows:
                 pending.append(
                     (window, pool.submit(self._read_range, window.file, window.start, window.end))
@@ -271,7 +296,7 @@ class TierReader(StorageReader):
             while pending:
                 yield self._checked(*pending.popleft())
 
-    def _checked(self, window: Window, fut: PoolFuture[bytes]) -> tuple[Window, memoryview]:
+    def _checked(self, window: Window, fut: PoolFuture[Any]) -> tuple[Window, memoryview]:
         data = memoryview(fut.result())
         if len(data) != window.end - window.start:
             raise self._corrupt(
@@ -293,18 +318,16 @@ class TierReader(StorageReader):
                 f"{crc:#010x}, expected {loc.crc32c:#010x}",
             )
 
-    # -- reading straight into the targets (local files) ----------------------------
+    # -- reading straight into the targets ---------------------------------------
 
     def _direct_reads(
         self, by_location: dict[ItemLocation, list[ReadItem]], planner: LoadPlanner
     ) -> dict[ItemLocation, DirectRead]:
-        """The payloads that can be read into their target in place: a local file, one
-        request for the whole saved tensor, a contiguous CPU target of its dtype and shape.
-        Everything else (sub-ranges when resharding, values, other stores) is fetched."""
+        """The payloads that can be read into their target in place: one request for the
+        whole saved tensor, a contiguous CPU target of its dtype and shape. Everything else
+        (sub-ranges when resharding, values) is fetched in windows."""
         out: dict[ItemLocation, DirectRead] = {}
         for loc, reqs in by_location.items():
-            if not isinstance(self.source(loc.relative_path), LocalStore):
-                continue
             if len(reqs) != 1 or loc.dtype is None or loc.shape is None:
                 continue
             req = reqs[0]
@@ -326,15 +349,28 @@ class TierReader(StorageReader):
                 out[loc] = DirectRead(req, target, memory)
         return out
 
-    def _read_direct(self, direct: dict[ItemLocation, DirectRead], planner: LoadPlanner) -> None:
-        """Read every payload into its target, IN_FLIGHT at a time, each checked as it lands.
+    def _read_direct(
+        self,
+        direct: dict[ItemLocation, DirectRead],
+        planner: LoadPlanner,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
+        """Read every payload into its target, each checked as it lands: a local file's
+        IN_FLIGHT payloads at a time, a remote's PARTS_IN_FLIGHT ranged reads at a time.
+        ``meanwhile`` runs on this thread once they are all under way (the other reads:
+        on a far store, one round trip less per load).
 
         A payload that fails its check has already overwritten its target: the load fails
         as a whole, as it would after the targets of earlier payloads were written."""
         fds: dict[str, int] = {}
+        remote = False
         try:
             for name in sorted({loc.relative_path for loc in direct}):
-                path = self.source(name).path_for(f"{self.prefix}/{name}")  # type: ignore[attr-defined]
+                source = self.source(name)
+                if not isinstance(source, LocalStore):
+                    remote = True
+                    continue
+                path = source.path_for(f"{self.prefix}/{name}")
                 self.files_read.add(name)
                 try:
                     fds[name] = os.open(path, os.O_RDONLY)
@@ -342,24 +378,35 @@ class TierReader(StorageReader):
                     raise self._corrupt(name, "file is missing") from exc
             order = sorted(direct, key=lambda x: (x.relative_path, x.payload_offset))
             with ThreadPoolExecutor(
-                IN_FLIGHT, thread_name_prefix="unbroken-read", initializer=name_native_thread
+                PARTS_IN_FLIGHT if remote else IN_FLIGHT,
+                thread_name_prefix="unbroken-read",
+                initializer=name_native_thread,
             ) as pool:
-                reads = [
-                    (
-                        loc,
-                        pool.submit(
-                            read_into,
-                            fds[loc.relative_path],
-                            loc.payload_offset,
-                            direct[loc].memory,
-                            checksum=self.verify,
-                        ),
-                    )
-                    for loc in order
-                ]
+                reads: list[tuple[ItemLocation, list[PoolFuture[tuple[int, int]]]]] = []
+                for loc in order:
+                    memory = direct[loc].memory
+                    if loc.relative_path in fds:
+                        fd = fds[loc.relative_path]
+                        futs = [
+                            pool.submit(
+                                read_into, fd, loc.payload_offset, memory, checksum=self.verify
+                            )
+                        ]
+                    else:
+                        into = np.asarray(memory)
+                        futs = [
+                            pool.submit(self._read_part_into, loc, into, a, b)
+                            for a, b in plan_parts(loc.payload_offset, loc.payload_length)
+                        ]
+                    reads.append((loc, futs))
                 try:
-                    for loc, fut in reads:
-                        got, crc = fut.result()
+                    if meanwhile is not None:
+                        meanwhile()
+                    for loc, futs in reads:
+                        got, crc = 0, 0
+                        for fut in futs:
+                            n, part_crc = fut.result()
+                            got, crc = got + n, crc32c_combine(crc, part_crc, n)
                         if got != loc.payload_length:
                             end = loc.payload_offset + loc.payload_length
                             raise self._corrupt(
@@ -377,6 +424,22 @@ class TierReader(StorageReader):
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+    def _read_part_into(
+        self, loc: ItemLocation, into: np.ndarray, start: int, end: int
+    ) -> tuple[int, int]:
+        """Fetch [start, end) of the payload's file into its place in ``into`` (the target's
+        bytes); (bytes, their crc32c). Runs on a reader thread: the fetch, the checksum and
+        the copy all release the GIL."""
+        data = memoryview(self._read_range(loc.relative_path, start, end)).cast("B")
+        if data.nbytes != end - start:
+            raise self._corrupt(
+                loc.relative_path, f"short file: bytes [{start}, {end}) gave {data.nbytes}"
+            )
+        crc = crc32c_bytes(data) if self.verify else 0
+        at = start - loc.payload_offset
+        into[at : at + data.nbytes] = np.frombuffer(data, dtype=np.uint8)
+        return data.nbytes, crc
 
     # -- handing data to DCP -------------------------------------------------------
 

@@ -75,11 +75,15 @@ class TierWriter(StorageWriter):
         *,
         sync: bool = True,
         keep_parts: bool = False,
+        defer_shards: bool = False,
         known_checksums: Mapping[tuple[int, int], int] | None = None,
     ) -> None:
         """``sync=False`` skips fsync: for the staging tier, whose copy is used only when
         its manifest matches the durable one and every byte read is checksummed.
         ``keep_parts``: remember each file as the buffers it was written from (``parts``).
+        ``defer_shards`` (with ``keep_parts``): the save lays each shard out (its record,
+        its parts) without writing it; ``deferred[name]()`` writes it later, so that the
+        upload can send the parts from memory while the shard goes to disk.
         ``known_checksums``: crc32c of tensor memory already taken, by ``buffer_key``
         (``StagedState.checksums``); such a payload is written without reading it again.
         """
@@ -87,6 +91,10 @@ class TierWriter(StorageWriter):
         self.directory = os.fspath(directory)
         self.sync = sync
         self.keep_parts = keep_parts
+        self.defer_shards = defer_shards and keep_parts
+        self.deferred: dict[str, Callable[[], None]] = {}
+        """With ``defer_shards``: per shard laid out, the call that writes it to disk (from
+        its parts: they must stay unchanged until it returns)."""
         self.known_checksums: Mapping[tuple[int, int], int] = known_checksums or {}
         self.reused_checksum_bytes = 0
         """Payload bytes written with a checksum from ``known_checksums``."""
@@ -112,6 +120,7 @@ class TierWriter(StorageWriter):
             self.directory = os.fspath(checkpoint_id)
         self.records = []
         self.parts = {}
+        self.deferred = {}
         self.direct_bytes = 0
         self.page_cache_used = False
         self.reused_checksum_bytes = 0
@@ -271,28 +280,57 @@ class TierWriter(StorageWriter):
         system allows."""
         written: list[tuple[int, int]] = []
         parts: list[Any] | None = [] if self.keep_parts else None
+        path = os.path.join(self.directory, name)
 
         def fill_path(_key: str, tmp: str) -> None:
             with new_file_writer(tmp, direct=direct) as sink:
                 out = _ChecksummedOutput(sink, parts)
                 fill(out)
                 written.append((sink.close(), out.crc))
-            if direct:
-                self.direct_bytes += sink.direct_bytes
-                self.page_cache_used |= not sink.direct
+            self._count_direct(sink, direct)
 
-        atomic_local_write(os.path.join(self.directory, name), fill_path, name, sync=self.sync)
+        if self.defer_shards and direct and parts is not None:
+            out = _ChecksummedOutput(_NoSink(), parts)
+            fill(out)
+            written.append((out.pos, out.crc))
+            self.deferred[name] = lambda: self._write_parts(path, name, parts)
+        else:
+            atomic_local_write(path, fill_path, name, sync=self.sync)
         size, crc = written[0]
         self.records = [r for r in self.records if r.name != name]
         self.records.append(FileRecord(name, size, crc))
         if parts is not None:
             self.parts[name] = parts
 
+    def _write_parts(self, path: str, name: str, parts: list[Any]) -> None:
+        """A deferred shard to disk, from the parts its layout recorded."""
+
+        def fill_path(_key: str, tmp: str) -> None:
+            with new_file_writer(tmp, direct=True) as sink:
+                for part in parts:
+                    sink.write(part)
+                sink.close()
+            self._count_direct(sink, True)
+
+        atomic_local_write(path, fill_path, name, sync=self.sync)
+
+    def _count_direct(self, sink: DirectFileWriter, direct: bool) -> None:
+        if direct:
+            self.direct_bytes += sink.direct_bytes
+            self.page_cache_used |= not sink.direct
+
+
+class _NoSink:
+    """Where a deferred shard's bytes go while its layout is taken: nowhere."""
+
+    def write(self, data: Any) -> None:
+        pass
+
 
 class _ChecksummedOutput:
     """Writes buffers in bounded chunks, keeping the file's crc32c and its position."""
 
-    def __init__(self, sink: DirectFileWriter, parts: list[Any] | None = None) -> None:
+    def __init__(self, sink: DirectFileWriter | _NoSink, parts: list[Any] | None = None) -> None:
         self.sink = sink
         self.pos = 0
         self.crc = 0
