@@ -71,15 +71,25 @@ def machine() -> str:
     return f"{platform.machine()}, {cores} cores{memory}, {system}"
 
 
-def run(command: str) -> str:
+def run(command: str) -> str | None:
+    """The table ``command`` printed, or None (said on stderr) if it failed."""
     argv = shlex.split(command)
     if argv and argv[0].endswith(".py"):
         argv = [sys.executable, *argv]
     print(f"running: {command}", file=sys.stderr, flush=True)
     done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"`{command}` failed (exit {done.returncode}); the doc is unchanged")
+        print(f"`{command}` failed (exit {done.returncode}): its block is unchanged",
+              file=sys.stderr)  # fmt: skip
+        return None
     return keep_table(done.stdout)
+
+
+def write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def main() -> None:
@@ -96,17 +106,23 @@ def main() -> None:
         return
     if not commands:
         raise SystemExit(f"{args.doc}: no <!-- bench: ... --> block matches {args.only}")
-    outputs = {command: run(command) for command in commands}
-    stamp = (
-        f"<!-- measured -->Last regenerated {datetime.date.today().isoformat()} on "
-        f"{machine()}.<!-- /measured -->"
-    )
-    text = WHEN.sub(lambda _: stamp, fill(text, outputs))
-    tmp = args.doc + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, args.doc)
-    print(f"{args.doc}: {len(outputs)} block(s) regenerated", file=sys.stderr)
+    failed = []
+    for command in commands:  # each block lands as soon as it is made: a later failure
+        output = run(command)  # (or a Ctrl-C) loses none of the runs before it
+        if output is None:
+            failed.append(command)
+            continue
+        stamp = (
+            f"<!-- measured -->Last regenerated {datetime.date.today().isoformat()} on "
+            f"{machine()}.<!-- /measured -->"
+        )
+        with open(args.doc) as f:  # read again: the doc may have been edited meanwhile
+            text = f.read()
+        write(args.doc, WHEN.sub(lambda _, s=stamp: s, fill(text, {command: output})))
+    done = len(commands) - len(failed)
+    print(f"{args.doc}: {done} of {len(commands)} block(s) regenerated", file=sys.stderr)
+    if failed:
+        raise SystemExit(f"failed, blocks unchanged: {'; '.join(failed)}")
 
 
 if __name__ == "__main__":

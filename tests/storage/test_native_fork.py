@@ -65,6 +65,7 @@ def test_a_forked_child_gets_the_errors_and_large_objects_the_parent_would(s3_se
                     same_error
                     and store.read_bytes("big") == blob
                     and store.read_bytes("big", 5, 1 << 20) == blob[5 : 1 << 20]
+                    and bytes(store.read_range("big", 7, 9 << 10)) == blob[7 : 9 << 10]
                     and [e.key for e in store.list()] == ["big"]
                 )
                 code = 0 if ok else 4

@@ -127,7 +127,7 @@ class NativeStore(Store):
     def _read_range(self, key: str, start: int, end: int) -> Any:
         """obstore's own buffer of the range (no copy into bytes)."""
         if (forked := self._in_fork()) is not None:
-            return forked._read_range(key, start, end)
+            return forked._read_bytes(key, start, end)  # the relay sends bytes
         with _native_errors(key):
             if end <= start:
                 obstore.head(self._store, key)  # still raise for a missing key
