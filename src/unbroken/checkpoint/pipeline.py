@@ -48,6 +48,7 @@ from unbroken.checkpoint.format.manifest import (
 from unbroken.checkpoint.format.planners import PinnedSavePlanner
 from unbroken.checkpoint.format.writer import TierWriter
 from unbroken.checkpoint.format.writers import claim_step, writer_identity
+from unbroken.checkpoint.local_writes import LOCAL_LOAN, LocalWrites
 from unbroken.checkpoint.retention import plan_deletions
 from unbroken.checkpoint.save_job import (
     SaveJob,
@@ -69,64 +70,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 MANIFEST = MANIFEST_NAME
 _CLAIM_RETRY = RetryPolicy(max_attempts=2, base_delay=0.05, max_delay=0.05)
-
-
-_LOCAL = "local:"
-"""Prefix of the loans of the staging buffers that the deferred local writes hold."""
-
-
-class _LocalWrites:
-    """The staging tier's shard files, written on a thread of their own while the same
-    buffers upload (``TierWriter(defer_shards=True)``): a save's commit then waits for
-    the longer of the two, not their sum."""
-
-    def __init__(
-        self,
-        writes: dict[str, Callable[[], None]],
-        loans: dict[str, FileInMemory],
-        config: PipelineConfig,
-    ) -> None:
-        self.writes, self.loans, self.lower = writes, loans, config.lower_priority
-        self.done = {n: threading.Event() for n in writes}
-        self.failures: dict[str, BaseException] = {}
-        self.thread: threading.Thread | None = None
-        if writes:
-            self.thread = threading.Thread(target=self._run, name="unbroken-local", daemon=True)
-            self.thread.start()
-
-    def _run(self) -> None:
-        name_native_thread()
-        if self.lower:
-            lower_thread_priority()
-        for name, write in self.writes.items():
-            try:
-                self.loans[name].take()
-                write()
-            except BaseException as e:  # reported by join() and by ready(name)
-                self.failures[name] = e
-            finally:
-                self.loans[name].give_back(read_all=True)
-                self.done[name].set()
-
-    def ready(self, name: str) -> Callable[[], None] | None:
-        """For ``Store.upload``: blocks until file ``name`` is whole (None: it already is)."""
-        if name not in self.writes:
-            return None
-
-        def wait() -> None:
-            self.done[name].wait()
-            if name in self.failures:
-                raise self.failures[name]
-
-        return wait
-
-    def join(self) -> BaseException | None:
-        """Wait for every write (their loans are given back); the first failure, if any."""
-        if self.thread is not None:
-            self.thread.join()
-        for loan in self.loans.values():
-            loan.give_back()
-        return next(iter(self.failures.values()), None)
 
 
 class _PhaseFailed(Exception):
@@ -308,7 +251,7 @@ class SavePipeline:
 
         # sync=False: the durable tier is what must survive. Where the durable store can
         # send a shard from memory before its local file is whole, the shard is laid out
-        # only, and written to the staging tier while it uploads (_LocalWrites).
+        # only, and written to the staging tier while it uploads (LocalWrites).
         from_memory = self.durable.sends_from_memory
         writer = TierWriter(
             local_dir,
@@ -339,11 +282,11 @@ class SavePipeline:
         problem, exc, records, etags = None, None, [], {}
         # The deferred local writes read the buffers too: each holds a loan of its own.
         lent = lend_until_read(
-            {**writer.parts, **{_LOCAL + n: writer.parts[n] for n in writer.deferred}},
+            {**writer.parts, **{LOCAL_LOAN + n: writer.parts[n] for n in writer.deferred}},
             job.staged.release,
         )
-        local = _LocalWrites(
-            writer.deferred, {n: lent.pop(_LOCAL + n) for n in writer.deferred}, self.config
+        local = LocalWrites(
+            writer.deferred, {n: lent.pop(LOCAL_LOAN + n) for n in writer.deferred}, self.config
         )
         memory = lent
         writer.parts = {}
@@ -426,7 +369,7 @@ class SavePipeline:
         name: str,
         records: list[FileRecord],
         memory: dict[str, FileInMemory],
-        local: _LocalWrites,
+        local: LocalWrites,
     ) -> dict[str, str | None]:
         """Upload every file; returns each one's etag as it stood right after the upload
         (the commit checks that no other writer's upload replaced it since)."""
