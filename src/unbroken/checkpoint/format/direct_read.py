@@ -7,14 +7,20 @@ tier slower than reading its files. Here the destination tensor's own bytes are 
 buffer: ``preadv`` fills them in bounded chunks and each chunk is checksummed right
 after it lands, while it is still in cache. Both calls release the GIL, so several
 payloads can be read in parallel threads.
+
+:func:`direct_reads` picks the requests that qualify: the whole saved tensor into a
+contiguous target of its dtype and shape (from a remote store too, as ranged parts).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from unbroken.checkpoint.format.dcp_json import ItemLocation, dtype_from_name
 from unbroken.checkpoint.format.manifest import crc32c_bytes
 
 READ_CHUNK = 8 << 20
@@ -64,3 +70,43 @@ def read_into(fd: int, offset: int, out: memoryview, *, checksum: bool = True) -
             crc = crc32c_bytes(chunk[:got], crc)
         done += got
     return done, crc
+
+
+@dataclass(frozen=True)
+class DirectRead:
+    """A request whose whole payload lands in its target tensor's memory, in place."""
+
+    request: ReadItem
+    target: torch.Tensor
+    memory: memoryview
+    """The target's bytes (``writable_bytes``): the read buffer."""
+
+
+def direct_reads(
+    by_location: dict[ItemLocation, list[ReadItem]], planner: LoadPlanner
+) -> dict[ItemLocation, DirectRead]:
+    """The payloads that can be read into their target in place: one request for the
+    whole saved tensor, a contiguous CPU target of its dtype and shape. Everything else
+    (sub-ranges when resharding, values) is fetched in windows."""
+    out: dict[ItemLocation, DirectRead] = {}
+    for loc, reqs in by_location.items():
+        if len(reqs) != 1 or loc.dtype is None or loc.shape is None:
+            continue
+        req = reqs[0]
+        if (
+            req.type != LoadItemType.TENSOR
+            or any(req.storage_offsets)
+            or tuple(req.lengths) != tuple(loc.shape)
+        ):
+            continue
+        try:
+            dtype = dtype_from_name(loc.dtype)
+        except ValueError:  # the fetch path reports it
+            continue
+        target = planner.resolve_tensor(req).detach()
+        if target.dtype != dtype or tuple(target.shape) != tuple(loc.shape):
+            continue
+        memory = writable_bytes(target)
+        if memory is not None and memory.nbytes == loc.payload_length:
+            out[loc] = DirectRead(req, target, memory)
+    return out

@@ -26,7 +26,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,7 +48,7 @@ from unbroken.checkpoint.errors import (
     CheckpointMismatchError,
 )
 from unbroken.checkpoint.format.dcp_json import ItemLocation, dtype_from_name, metadata_from_json
-from unbroken.checkpoint.format.direct_read import read_into, writable_bytes
+from unbroken.checkpoint.format.direct_read import DirectRead, direct_reads, read_into
 from unbroken.checkpoint.format.manifest import METADATA_JSON, Manifest, crc32c_bytes, step_dir
 from unbroken.checkpoint.format.read_plan import (
     IN_FLIGHT,
@@ -61,16 +60,6 @@ from unbroken.checkpoint.format.read_plan import (
 from unbroken.checkpoint.format.tensor_record import tensor_from_raw
 from unbroken.checkpoint.format.values import UnsafeValueError, load_weights_only
 from unbroken.storage import LocalStore, ObjectNotFoundError, Store
-
-
-@dataclass(frozen=True)
-class DirectRead:
-    """A request whose whole payload lands in its target tensor's memory, in place."""
-
-    request: ReadItem
-    target: torch.Tensor
-    memory: memoryview
-    """The target's bytes (``writable_bytes``): the read buffer."""
 
 
 class TierReader(StorageReader):
@@ -170,7 +159,7 @@ class TierReader(StorageReader):
                     f"step {self.step}: {self.checkpoint_id} has no item {req.storage_index}"
                 )
             by_location.setdefault(loc, []).append(req)
-        direct = self._direct_reads(by_location, planner)
+        direct = direct_reads(by_location, planner)
 
         def fetch_the_rest() -> None:
             for loc, payload in self._fetch([loc for loc in by_location if loc not in direct]):
@@ -319,35 +308,6 @@ class TierReader(StorageReader):
             )
 
     # -- reading straight into the targets ---------------------------------------
-
-    def _direct_reads(
-        self, by_location: dict[ItemLocation, list[ReadItem]], planner: LoadPlanner
-    ) -> dict[ItemLocation, DirectRead]:
-        """The payloads that can be read into their target in place: one request for the
-        whole saved tensor, a contiguous CPU target of its dtype and shape. Everything else
-        (sub-ranges when resharding, values) is fetched in windows."""
-        out: dict[ItemLocation, DirectRead] = {}
-        for loc, reqs in by_location.items():
-            if len(reqs) != 1 or loc.dtype is None or loc.shape is None:
-                continue
-            req = reqs[0]
-            if (
-                req.type != LoadItemType.TENSOR
-                or any(req.storage_offsets)
-                or tuple(req.lengths) != tuple(loc.shape)
-            ):
-                continue
-            try:
-                dtype = dtype_from_name(loc.dtype)
-            except ValueError:  # the fetch path reports it
-                continue
-            target = planner.resolve_tensor(req).detach()
-            if target.dtype != dtype or tuple(target.shape) != tuple(loc.shape):
-                continue
-            memory = writable_bytes(target)
-            if memory is not None and memory.nbytes == loc.payload_length:
-                out[loc] = DirectRead(req, target, memory)
-        return out
 
     def _read_direct(
         self,
