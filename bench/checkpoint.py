@@ -281,6 +281,16 @@ def s3_config(a: argparse.Namespace) -> S3Config:
     )
 
 
+def check_loop_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The loop's sizes must be positive, and ``--every`` leave room for the warm-up."""
+    for name in ("params_gb", "saves", "every", "row_timeout"):
+        value = getattr(a, name)
+        if value is not None and value <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if a.every is not None and a.every < 2:
+        p.error(f"--every must be at least 2 (the warm-up saves steps 0 and 1), got {a.every}")
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     p = _parser()
     a = p.parse_args(argv)
@@ -291,12 +301,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     keys = ["baseline"] + [k for k in keys if k not in BASELINES]
     if a.baseline_twice or (a.baseline_twice is None and not a.quick):
         keys.append("baseline_end")
-    for name in ("params_gb", "saves", "every", "row_timeout"):
-        value = getattr(a, name)
-        if value is not None and value <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if a.every is not None and a.every < 2:
-        p.error(f"--every must be at least 2 (the warm-up saves steps 0 and 1), got {a.every}")
+    check_loop_args(p, a)
     cfg = Config(
         params_gb=a.params_gb or (0.004 if a.quick else 1.0),
         ranks=a.ranks,

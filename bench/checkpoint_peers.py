@@ -35,7 +35,7 @@ from _ckpt_measure import GiB, in_row_extra
 from _ckpt_rows import BASELINES
 from _ckpt_s3rows import S3_ROWS, S3Config, aws_env
 from _s3remote import PROFILES, S3Remote
-from checkpoint import baseline_loop, run_all
+from checkpoint import baseline_loop, check_loop_args, run_all
 
 PEER_ROWS = tuple(cls.key for cls in S3_ROWS)
 TITLES = {cls.key: cls.title for cls in S3_ROWS} | {
@@ -429,12 +429,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quick_sizes = (1 / 32, 1 / 16)
     a.sizes = numbers(a.sizes, quick_sizes if a.quick else SIZES_GIB, float)
     a.ranks_list = numbers(a.ranks_list, (1, 2) if a.quick else RANKS, int)
-    for name in ("params_gb", "saves", "every", "row_timeout"):
-        value = getattr(a, name)
-        if value is not None and value <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if a.every is not None and a.every < 2:
-        p.error(f"--every must be at least 2 (the warm-up saves steps 0 and 1), got {a.every}")
+    check_loop_args(p, a)
     if a.ranks < 1:
         p.error(f"--ranks must be >= 1, got {a.ranks}")
     a.params_gb = a.params_gb or (1 / 16 if a.quick else 1.0)
