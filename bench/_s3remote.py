@@ -27,18 +27,21 @@ PROFILES = {"loopback": 0.0, "far": 20.0}
 class S3Remote:
     """A running server, optionally behind the delay line; ``close()`` stops both."""
 
-    def __init__(self, latency_ms: float = 0.0, server: S3Server | None = None) -> None:
+    def __init__(
+        self, latency_ms: float = 0.0, server: S3Server | None = None, volume_max: int = 300
+    ) -> None:
+        """``volume_max``: room of a server started here (``S3Server``'s, in 64 MB volumes)."""
         self._owns_server = server is None
-        self.server = server or S3Server()
+        self.server = server or S3Server(volume_max=volume_max)
         self.latency_ms = latency_ms
         self.proxy = LatencyProxy(self.server.endpoint_url, latency_ms) if latency_ms else None
         self.endpoint_url = self.proxy.endpoint_url if self.proxy else self.server.endpoint_url
 
     @classmethod
-    def profile(cls, name: str, server: S3Server | None = None) -> S3Remote:
+    def profile(cls, name: str, server: S3Server | None = None, volume_max: int = 300) -> S3Remote:
         if name not in PROFILES:
             raise ValueError(f"unknown remote profile {name!r}: one of {sorted(PROFILES)}")
-        return cls(PROFILES[name], server)
+        return cls(PROFILES[name], server, volume_max)
 
     def describe(self) -> str:
         where = f"SeaweedFS S3 on loopback ({self.server.endpoint_url})"

@@ -23,6 +23,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
@@ -72,7 +73,8 @@ def _launch(cfg: Config, keys: list[str]) -> str | None:
                 p.join()
 
 
-def run_all(cfg: Config) -> dict[str, dict]:
+def run_all(cfg: Config, between_rows: Callable[[], None] | None = None) -> dict[str, dict]:
+    """Every row of ``cfg``; ``between_rows()`` runs after each launch, while no rank runs."""
     results_dir = os.path.join(cfg.work_dir, "results")
     os.makedirs(results_dir, exist_ok=True)
     results: dict[str, dict] = {}
@@ -94,6 +96,8 @@ def run_all(cfg: Config) -> dict[str, dict]:
             with open(path) as f:
                 results[key] = json.load(f)
         bar.update(left - len(pending))
+        if between_rows is not None:
+            between_rows()
         base = results.get("baseline", {})
         if cfg.every is None and base.get("every"):
             cfg.every = base["every"]

@@ -23,7 +23,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _ckpt_measure import GiB, in_row_extra
 from _ckpt_rows import BASELINES
-from _ckpt_s3rows import S3_ROWS, S3Config, aws_env
+from _ckpt_s3rows import S3_ROWS, S3Config, aws_env, delete_prefix
 from _s3remote import PROFILES, S3Remote
 from checkpoint import baseline_loop, check_loop_args, run_all
 
@@ -46,7 +45,11 @@ BEST_PEER = "s3_dcp_async"
 """The peer of the scaling curves: DCP's asynchronous save with the faster S3 writer."""
 SCALING_ROWS = (BEST_PEER, "s3_unbroken")
 SIZES_GIB = (0.25, 0.5, 1.0, 2.0)
+"""State sizes of the scaling curves (GiB of parameters + Adam's two moments: 3x the params)."""
+ADAM_STATE_FACTOR = 3
 RANKS = (1, 2, 4)
+VOLUME_MAX = 600
+"""The server's room in 64 MB volumes (~38 GB): a row of the largest point fits."""
 
 COLUMNS = [  # (result key, title, divisor, digits)
     ("blocked_s", "loop blocked s/save", 1.0, 3),
@@ -152,7 +155,7 @@ def summary(results: dict[str, dict], put_s: float | None) -> dict[str, Any]:
 
 
 def scaling_points(
-    results: dict[str, dict], params_gb: float, ranks: int, saves: int
+    results: dict[str, dict], size_gb: float, params_gb: float, ranks: int, saves: int
 ) -> list[dict]:
     """One point per row of a scaling run: its size, ranks, the plotted figures, and the
     noise (how far its two no-saves loops differ, per save)."""
@@ -164,6 +167,7 @@ def scaling_points(
         points.append(
             {
                 "row": key,
+                "size_gib": size_gb,
                 "params_gib": params_gb,
                 "state_gib": (r.get("state_bytes") or 0) / GiB or None,
                 "ranks": ranks,
@@ -186,7 +190,7 @@ def format_scaling(points: Sequence[dict]) -> str:
     for p in points:
         state = "n/a" if p["state_gib"] is None else f"{p['state_gib']:.3f}"
         lines.append(
-            f"{TITLES.get(p['row'], p['row']):34} {p['params_gib']:>10g} {state:>9} "
+            f"{TITLES.get(p['row'], p['row']):34} {p['params_gib']:>10.3g} {state:>9} "
             f"{p['ranks']:>5} {_cell(p['extra_s'], 1.0, 3):>17} "
             f"{_cell(p['in_row_extra_s'], 1.0, 3):>19} {_cell(p['commit_s'], 1.0, 2):>11} "
             f"{_cell(p.get('noise_s'), 1.0, 3):>12}"
@@ -249,7 +253,7 @@ def plot_scaling(points: Sequence[dict], directory: str) -> list[str]:
     good = [p for p in points if not p.get("error") and p["state_gib"]]
     for along, other, name in (
         ("state_gib", "ranks", "checkpoint_scaling_size.png"),
-        ("ranks", "params_gib", "checkpoint_scaling_ranks.png"),
+        ("ranks", "size_gib", "checkpoint_scaling_ranks.png"),
     ):
         fig, axes = plt.subplots(1, 3, figsize=(15, 4))
         panels = (
@@ -271,7 +275,7 @@ def plot_scaling(points: Sequence[dict], directory: str) -> list[str]:
                         continue
                     xs, ys = zip(*line)
                     style = "-o" if row == "s3_unbroken" else "--s"
-                    unit = "ranks" if other == "ranks" else "GiB params"
+                    unit = "ranks" if other == "ranks" else "GiB state"
                     color = shades(0.45 + 0.5 * (n + 1) / len(values))
                     ax.plot(xs, ys, style, color=color, label=f"{TITLES[row]}, {value:g} {unit}")
             ax.set_xscale("log", base=2)
@@ -294,20 +298,19 @@ def plot_scaling(points: Sequence[dict], directory: str) -> list[str]:
 
 
 class Vacuum:
-    """Asks SeaweedFS's master to compact deleted objects now and then, while rows run.
+    """Asks SeaweedFS's master to compact deleted objects, between rows only.
 
-    Pruned checkpoints are only marked deleted; the server's volumes (300 of 64 MB) fill
-    after ~19 GB written unless compacted, and a full run writes far more than that.
+    Deleted objects keep their room in the server's volumes until compacted, and a full
+    run writes far more than the volumes hold. A run that compacted every 30 s while
+    rows uploaded once saw a part upload answered 500 on all 10 retries; a volume is
+    read-only while it is compacted, so now it never runs while ranks run.
     """
 
-    def __init__(self, remote: S3Remote, every_s: float) -> None:
+    def __init__(self, remote: S3Remote) -> None:
         args = remote.server.proc.args
         port = next(a.split("=", 1)[1] for a in args if a.startswith("-master.port="))
         self.url = f"http://127.0.0.1:{port}/vol/vacuum?garbageThreshold=0.2"
-        self.every_s = every_s
         self.count = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="vacuum", daemon=True)
 
     def once(self) -> None:
         try:
@@ -315,18 +318,6 @@ class Vacuum:
             self.count += 1
         except OSError as e:
             print(f"[checkpoint peers] vacuum failed: {e}", file=sys.stderr)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.once()
-
-    def __enter__(self) -> Vacuum:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def raw_put_bandwidth(remote: S3Remote, nbytes: int) -> float:
@@ -360,8 +351,12 @@ def run_rows(
     ranks: int,
     rows: Sequence[str],
     put_bps: float,
+    vacuum: Vacuum,
 ) -> tuple[dict[str, dict], S3Config]:
-    """One benchmark run of ``rows`` (after the no-saves baseline) at one size and rank count."""
+    """One benchmark run of ``rows`` (after the no-saves baseline) at one size and rank count.
+
+    After each row its objects are deleted and the server compacted, so the next row
+    starts on an empty, compacted server whatever the run's size."""
     keys = ["baseline", *rows, "baseline_end"]  # twice: how far two loops differ (noise)
     work = tempfile.mkdtemp(prefix="ckpt-peers-", dir=args.work_dir)
     cfg = S3Config(
@@ -386,7 +381,12 @@ def run_rows(
     )
     os.makedirs(cfg.remote_dir, exist_ok=True)
     try:
-        results = run_all(cfg)
+
+        def between_rows() -> None:
+            delete_prefix(f"s3://{cfg.s3_root}")
+            vacuum.once()
+
+        results = run_all(cfg, between_rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     add_extra_per_save(results, cfg.saves)
@@ -404,7 +404,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rows", default=",".join(PEER_ROWS), help="comma-separated subset")
     p.add_argument("--scaling", action="store_true", help="the curves instead of the table")
-    p.add_argument("--sizes", default=None, help="GiB of params for --scaling (0.25,0.5,1,2)")
+    p.add_argument("--sizes", default=None, help="GiB of state (params + Adam), --scaling")
     p.add_argument("--ranks-list", default=None, help="ranks for --scaling (1,2,4)")
     p.add_argument("--plot", metavar="DIR", default=None, help="write PNG plots into DIR")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
@@ -426,7 +426,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"values must be positive, got {text!r}")
         return values
 
-    quick_sizes = (1 / 32, 1 / 16)
+    quick_sizes = (0.1, 0.2)
     a.sizes = numbers(a.sizes, quick_sizes if a.quick else SIZES_GIB, float)
     a.ranks_list = numbers(a.ranks_list, (1, 2) if a.quick else RANKS, int)
     check_loop_args(p, a)
@@ -446,17 +446,16 @@ def _load() -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started, load_before = time.time(), _load()
-    remote = S3Remote.profile(args.profile)
+    remote = S3Remote.profile(args.profile, volume_max=VOLUME_MAX)
     opts = remote.server.storage_options
     os.environ.update(aws_env(remote.endpoint_url, opts["key"], opts["secret"]))
     try:
-        largest = max(args.sizes) if args.scaling else args.params_gb
         put_bps = raw_put_bandwidth(remote, (64 << 20) if args.quick else (256 << 20))
-        with Vacuum(remote, every_s=30.0 if largest >= 0.5 else 120.0) as vacuum:
-            if args.scaling:
-                payload, text = _scaling(args, remote, put_bps, vacuum)
-            else:
-                payload, text = _table(args, remote, put_bps, vacuum)
+        vacuum = Vacuum(remote)
+        if args.scaling:
+            payload, text = _scaling(args, remote, put_bps, vacuum)
+        else:
+            payload, text = _table(args, remote, put_bps, vacuum)
         payload.update(
             profile=args.profile,
             remote=remote.describe(),
@@ -481,8 +480,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(args: argparse.Namespace, remote: S3Remote, put_bps: float, vacuum: Vacuum):
-    results, cfg = run_rows(args, remote, args.params_gb, args.ranks, args.rows, put_bps)
-    vacuum.once()
+    results, cfg = run_rows(args, remote, args.params_gb, args.ranks, args.rows, put_bps, vacuum)
     any_row = next((r for r in results.values() if r.get("state_bytes")), {})
     state = any_row.get("state_bytes", 0)
     put_s = state / put_bps if state else None
@@ -532,12 +530,12 @@ def _table(args: argparse.Namespace, remote: S3Remote, put_bps: float, vacuum: V
 
 def _scaling(args: argparse.Namespace, remote: S3Remote, put_bps: float, vacuum: Vacuum):
     points: list[dict] = []
-    for params_gb in args.sizes:
+    for state_gb in args.sizes:
+        params_gb = state_gb / ADAM_STATE_FACTOR
         for ranks in args.ranks_list:
-            print(f"[checkpoint peers] {params_gb:g} GiB params, {ranks} ranks", file=sys.stderr)
-            results, _ = run_rows(args, remote, params_gb, ranks, SCALING_ROWS, put_bps)
-            points += scaling_points(results, params_gb, ranks, args.saves)
-            vacuum.once()
+            print(f"[checkpoint peers] {state_gb:g} GiB state, {ranks} ranks", file=sys.stderr)
+            results, _ = run_rows(args, remote, params_gb, ranks, SCALING_ROWS, put_bps, vacuum)
+            points += scaling_points(results, state_gb, params_gb, ranks, args.saves)
     text = "\n".join(
         [
             f"checkpoint scaling over real S3 ({remote.describe()}): "

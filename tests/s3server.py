@@ -131,7 +131,10 @@ class _Server:
 class SeaweedS3Server(_Server):
     """``weed server -s3`` on 127.0.0.1 in a temp dir; killed (SIGKILL) on ``close()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, volume_max: int = 300) -> None:
+        """``volume_max``: how many 64 MB volumes it may make; deleted objects hold their
+        room until compacted (``/vol/vacuum``), so a benchmark that writes tens of GB
+        asks for more than the tests' 300 (~19 GB)."""
         self.dir = tempfile.mkdtemp(prefix="unbroken-seaweed-")
         ports = _free_ports(10)
         self.port = ports[6]
@@ -148,7 +151,7 @@ class SeaweedS3Server(_Server):
                 weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-dir={os.path.join(self.dir, 'data')}", "-s3", *args,
                 "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
-                "-volume.max=300", "-master.volumeSizeLimitMB=64",
+                f"-volume.max={volume_max}", "-master.volumeSizeLimitMB=64",
             ],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C to pytest must not reach it first

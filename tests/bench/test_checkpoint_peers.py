@@ -16,7 +16,8 @@ pytest.importorskip("matplotlib")
 import checkpoint_peers as peers
 import gpu_checkpoint
 from _ckpt_rows import RowContext
-from _ckpt_s3rows import S3Config, S3RowContext, S3TorchSave, aws_env
+from _ckpt_s3rows import S3Config, S3RowContext, S3TorchSave, aws_env, delete_prefix
+from _s3remote import S3Remote
 from tests.bench.scripts import ROOT
 
 GiB = float(1 << 30)
@@ -83,8 +84,9 @@ def test_scaling_points_table_and_plots(tmp_path):
         }
         if ranks == 2 and params == 0.5:
             results["s3_unbroken"] = {"error": "timed out after 600 s"}
-        points += peers.scaling_points(results, params, ranks, saves=2)
+        points += peers.scaling_points(results, 3 * params, params, ranks, saves=2)
     assert len(points) == 8 and points[0]["state_gib"] == pytest.approx(0.75)
+    assert points[0]["size_gib"] == pytest.approx(0.75)
     assert points[0]["noise_s"] == pytest.approx(0.25)  # the two no-saves loops, per save
     text = peers.format_scaling(points)
     assert "(timed out after 600 s)" in text
@@ -141,6 +143,27 @@ def test_s3_rows_write_under_their_own_prefix_and_prune_old_steps(s3_server, tmp
     ]
     back = row._read_full(6)
     assert torch.equal(back["model"]["weight"], model.weight.detach())
+
+
+def test_between_rows_the_server_is_emptied_and_compacted(s3_server, monkeypatch):
+    """What runs between two rows against the real SeaweedFS: the run's objects go and
+    its master compacts (answers the vacuum call); a dead master is reported, not raised."""
+    opts = s3_server.storage_options
+    for k, v in aws_env(s3_server.endpoint_url, opts["key"], opts["secret"]).items():
+        monkeypatch.setenv(k, v)
+    root = s3_server.new_root()
+    bucket, prefix = root.split("/", 1)
+    client = s3_server.client()
+    for n in range(3):
+        client.put_object(Bucket=bucket, Key=f"{prefix}/row/step-{n}", Body=b"x" * 1000)
+    assert delete_prefix(f"s3://{root}") == 3
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix=prefix)
+    vacuum = peers.Vacuum(S3Remote(server=s3_server))
+    vacuum.once()
+    assert vacuum.count == 1
+    vacuum.url = "http://127.0.0.1:9/vol/vacuum"  # nothing listens on the discard port
+    vacuum.once()
+    assert vacuum.count == 1
 
 
 def test_gpu_script_without_cuda_says_so_and_exits_without_a_traceback():
