@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
 
-.PHONY: install demo test lint slow bench
+.PHONY: install demo test lint slow bench bench-deps
 
 # torch is named in the same resolve as the package, so nothing can swap in another build.
 $(VENV)/.installed: pyproject.toml
@@ -40,3 +40,9 @@ bench: install
 	$(PY) bench/store.py --s3 --quick
 	$(PY) bench/data.py --s3 --quick
 	$(PY) bench/checkpoint.py --s3 --quick
+
+# What the full runs behind docs/benchmarks.md need beyond `install`: the checkpoint peers
+# (s3torchconnector, torch still pinned) and the data peers' own virtualenv.
+bench-deps: install
+	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" -e ".[test,s3,mlflow,plot,bench]"
+	$(PY) bench/peers.py --setup

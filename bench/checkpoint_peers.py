@@ -17,6 +17,7 @@ unbroken.CheckpointManager("s3://..."). The loop and its figures are bench/check
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -430,6 +431,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.sizes = numbers(a.sizes, quick_sizes if a.quick else SIZES_GIB, float)
     a.ranks_list = numbers(a.ranks_list, (1, 2) if a.quick else RANKS, int)
     check_loop_args(p, a)
+    needs_connector = {"s3_dcp_save", "s3_dcp_async"} & set(SCALING_ROWS if a.scaling else a.rows)
+    if needs_connector and importlib.util.find_spec("s3torchconnector") is None:
+        p.error(
+            f"rows {sorted(needs_connector)} need s3torchconnector: "
+            'pip install "torch==2.13.0" -e ".[bench]" (or make bench-deps)'
+        )
     if a.ranks < 1:
         p.error(f"--ranks must be >= 1, got {a.ranks}")
     a.params_gb = a.params_gb or (1 / 16 if a.quick else 1.0)

@@ -9,14 +9,15 @@ Rows (same JPEGs, same decode + augmentation, batch size and worker count, one r
   litdata_raw   LitData's StreamingRawDataset over the files as they are (own copy: it
                 writes an index file into the dataset's prefix)
 
-Columns: epoch 1 and 2 images/s, time to the first batch, conversion seconds, peak
+Columns: epoch 1 and 2 images/s (after the first batch), epoch 1's seconds from start to
+end (the first batch's wait included), time to the first batch, conversion seconds, peak
 local disk of the loader's cache, CPU ms per image, and measured correctness: every
 sample's bytes checked against the source, duplicates and missing samples in an epoch,
 and after a mid-epoch save resumed at another worker count and at world size 2.
 
 The peers' pins fight ours, so every row runs in a subprocess of their own virtualenv:
 
-    python bench/peers.py --setup                 # once: /work/.venv-peers (or --venv)
+    python bench/peers.py --setup                 # once: <checkout>/../.venv-peers (or --venv)
     python bench/peers.py --quick                 # a few minutes, loopback and far
     python bench/peers.py --profile both --scaling --plot docs/img
 """
@@ -72,7 +73,7 @@ def _size(n: int | None) -> str:
 
 
 TITLES = (
-    "loader", "e1 img/s", "e2 img/s", "first batch s", "convert s", "peak cache",
+    "loader", "e1 img/s", "e2 img/s", "e1 s", "first batch s", "convert s", "peak cache",
     "CPU ms/img e1", "e2", "bad bytes", "epoch", "resume workers", "resume world 1->2",
 )  # fmt: skip
 
@@ -89,6 +90,7 @@ def row_cells(result: dict[str, Any]) -> list[str]:
         label,
         f"{e1.get('rate', 0):.0f}",
         f"{e2['rate']:.0f}" if e2 else "-",
+        f"{e1.get('seconds', 0):.1f}",
         f"{e1.get('first_batch_s', 0):.2f}",
         f"{conversion:.1f}" if conversion is not None else "-",
         _size(result.get("peak_cache_bytes")),

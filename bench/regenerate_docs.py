@@ -10,8 +10,9 @@ A doc names each benchmark it quotes beside the output, in a block of this shape
 
 so a reader sees the command that made every table, and this script makes them again:
 it runs each block's command with this interpreter, from the repository root, and writes
-its output into the block, with a line saying when and on what machine. Plots come from
-the commands themselves (``--plot``).
+its output into the block, under a first line saying when, on what machine and how long
+it took: each block its own, since ``--only`` reruns some and leaves the others as they
+were. Plots come from the commands themselves (``--plot``).
 
     python bench/regenerate_docs.py [docs/benchmarks.md] [--only peers.py] [--list]
 """
@@ -32,7 +33,6 @@ BLOCK = re.compile(
     r"(?P<open><!-- bench: (?P<command>.+?) -->\n)(?P<body>.*?)(?P<close><!-- /bench -->)",
     re.DOTALL,
 )
-WHEN = re.compile(r"<!-- measured -->.*?<!-- /measured -->", re.DOTALL)
 
 
 def blocks(text: str) -> list[str]:
@@ -71,18 +71,25 @@ def machine() -> str:
     return f"{platform.machine()}, {cores} cores{memory}, {system}"
 
 
+def stamp(started: datetime.datetime, seconds: float) -> str:
+    """The block's first line: when it was measured, on what, and how long it took."""
+    return f"measured {started:%Y-%m-%d %H:%M} UTC on {machine()}; {seconds / 60:.0f} min"
+
+
 def run(command: str) -> str | None:
-    """The table ``command`` printed, or None (said on stderr) if it failed."""
+    """The table ``command`` printed under its stamp, or None (said on stderr) if it failed."""
     argv = shlex.split(command)
     if argv and argv[0].endswith(".py"):
         argv = [sys.executable, *argv]
     print(f"running: {command}", file=sys.stderr, flush=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
     done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
         print(f"`{command}` failed (exit {done.returncode}): its block is unchanged",
               file=sys.stderr)  # fmt: skip
         return None
-    return keep_table(done.stdout)
+    seconds = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
+    return f"{stamp(started, seconds)}\n{keep_table(done.stdout)}"
 
 
 def write(path: str, text: str) -> None:
@@ -112,13 +119,9 @@ def main() -> None:
         if output is None:
             failed.append(command)
             continue
-        stamp = (
-            f"<!-- measured -->Last regenerated {datetime.date.today().isoformat()} on "
-            f"{machine()}.<!-- /measured -->"
-        )
         with open(args.doc) as f:  # read again: the doc may have been edited meanwhile
             text = f.read()
-        write(args.doc, WHEN.sub(lambda _, s=stamp: s, fill(text, {command: output})))
+        write(args.doc, fill(text, {command: output}))
     done = len(commands) - len(failed)
     print(f"{args.doc}: {done} of {len(commands)} block(s) regenerated", file=sys.stderr)
     if failed:

@@ -115,6 +115,25 @@ def test_arguments_quick_and_full_defaults_and_bad_input():
             peers.parse_args(bad)
 
 
+def test_without_s3torchconnector_its_rows_are_refused_up_front(monkeypatch, capsys):
+    """Not n/a in every DCP cell after an hour of runs: the missing extra is named first."""
+    real = peers.importlib.util.find_spec
+    monkeypatch.setattr(
+        peers.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "s3torchconnector" else real(name, *a),
+    )
+    for argv in ([], ["--scaling"], ["--rows", "s3_dcp_async"]):
+        with pytest.raises(SystemExit):
+            peers.parse_args(argv)
+        err = capsys.readouterr().err
+        assert "need s3torchconnector" in err and ".[bench]" in err
+    assert peers.parse_args(["--rows", "s3_unbroken,s3_torch_save"]).rows == [
+        "s3_unbroken",
+        "s3_torch_save",
+    ]
+
+
 def test_s3_rows_write_under_their_own_prefix_and_prune_old_steps(s3_server, tmp_path, monkeypatch):
     """The torch.save row's files go to s3://<root>/<row>/step-*.pt; pruning deletes the
     old ones on the server (a full run writes far more than SeaweedFS's volumes hold)."""

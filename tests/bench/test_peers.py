@@ -81,7 +81,7 @@ def test_table_shows_every_row_its_error_and_the_resume_columns():
     lines = text.splitlines()
     assert all(t in lines[0] for t in peers.TITLES)
     unbroken = next(line for line in lines if line.startswith("unbroken"))
-    assert unbroken.split()[1:3] == ["600", "900"] and "50.0 MB" in unbroken
+    assert unbroken.split()[1:5] == ["600", "900", "1.0", "0.50"] and "50.0 MB" in unbroken
     assert "exact" in unbroken and "no state" in lines[1]
     assert "3.2" in next(line for line in lines if line.startswith("MosaicML"))
     assert "error: ValueError: boom" in next(line for line in lines if line.startswith("LitData"))

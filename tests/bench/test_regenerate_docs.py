@@ -13,7 +13,7 @@ SCRIPT = os.path.join(os.path.dirname(regenerate_docs.__file__), "regenerate_doc
 
 def _doc(tmp_path, table_script: str, failing_script: str) -> str:
     return (
-        "# Results\n\n<!-- measured -->never<!-- /measured -->\n\n"
+        "# Results\n\n"
         f"<!-- bench: {table_script} --rows 2 -->\n```text\nold table\n```\n<!-- /bench -->\n\n"
         f"<!-- bench: {failing_script} -->\n```text\nkept\n```\n<!-- /bench -->\n"
     )
@@ -40,8 +40,9 @@ def test_only_the_named_block_is_rerun_and_json_is_left_out(tmp_path):
     text = doc.read_text()
     assert "row 0  0\nrow 1  10\n```" in text
     assert "old table" not in text and '{"rows"' not in text
-    assert "```text\nkept\n```" in text  # the other block is untouched
-    assert "never" not in text and "Last regenerated" in text
+    assert "```text\nkept\n```" in text  # the other block is untouched, stamp and all
+    fresh = text.split("```text\n")[1].splitlines()[0]  # the rerun block's own stamp
+    assert fresh.startswith("measured ") and " UTC on " in fresh and "cores" in fresh
 
 
 def test_a_failing_benchmark_keeps_its_block_and_the_others_still_land(tmp_path):
