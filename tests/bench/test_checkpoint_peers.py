@@ -103,7 +103,20 @@ def test_scaling_points_table_and_plots(tmp_path):
     assert os.path.getsize(bars) > 1000
 
 
-def test_arguments_quick_and_full_defaults_and_bad_input():
+def _connector_installed(monkeypatch, installed: bool) -> None:
+    """Whether ``parse_args`` finds s3torchconnector (the bench extra, absent in CI)."""
+    real = peers.importlib.util.find_spec
+    monkeypatch.setattr(
+        peers.importlib.util,
+        "find_spec",
+        lambda name, *a: (
+            (object() if installed else None) if name == "s3torchconnector" else real(name, *a)
+        ),
+    )
+
+
+def test_arguments_quick_and_full_defaults_and_bad_input(monkeypatch):
+    _connector_installed(monkeypatch, True)
     quick = peers.parse_args(["--quick"])
     assert quick.params_gb == 1 / 16 and quick.saves == 2 and not quick.isolate
     full = peers.parse_args([])
@@ -117,12 +130,7 @@ def test_arguments_quick_and_full_defaults_and_bad_input():
 
 def test_without_s3torchconnector_its_rows_are_refused_up_front(monkeypatch, capsys):
     """Not n/a in every DCP cell after an hour of runs: the missing extra is named first."""
-    real = peers.importlib.util.find_spec
-    monkeypatch.setattr(
-        peers.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "s3torchconnector" else real(name, *a),
-    )
+    _connector_installed(monkeypatch, False)
     for argv in ([], ["--scaling"], ["--rows", "s3_dcp_async"]):
         with pytest.raises(SystemExit):
             peers.parse_args(argv)
