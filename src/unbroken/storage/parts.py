@@ -16,6 +16,12 @@ PART_STREAMS = 8
 """Parallel streams for one large download or multipart upload (memory: streams x part)."""
 
 
+def part_ranges(offset: int, length: int, part_bytes: int = PART_SIZE) -> list[tuple[int, int]]:
+    """[start, end) byte ranges of at most ``part_bytes`` covering [offset, offset+length)."""
+    end = offset + length
+    return [(a, min(end, a + part_bytes)) for a in range(offset, end, part_bytes)]
+
+
 def download_in_parts(size: int, fetch: Callable[[int, int], Any], local_path: str) -> None:
     """Fill ``local_path`` with ``size`` bytes, ``fetch(start, end)`` giving each part.
 
@@ -25,8 +31,8 @@ def download_in_parts(size: int, fetch: Callable[[int, int], Any], local_path: s
         f.truncate(size)
         fd = f.fileno()
 
-        def one(offset: int) -> None:
-            end = min(size, offset + PART_SIZE)
+        def one(part: tuple[int, int]) -> None:
+            offset, end = part
             data = memoryview(fetch(offset, end))
             if data.nbytes != end - offset:
                 raise ConnectionError(f"part [{offset}, {end}) came back with {data.nbytes} bytes")
@@ -35,4 +41,4 @@ def download_in_parts(size: int, fetch: Callable[[int, int], Any], local_path: s
                 written += os.pwrite(fd, data[written:], offset + written)
 
         with ThreadPoolExecutor(PART_STREAMS, thread_name_prefix="unbroken-get") as pool:
-            list(pool.map(one, range(0, size, PART_SIZE)))
+            list(pool.map(one, part_ranges(0, size)))

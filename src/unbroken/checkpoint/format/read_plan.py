@@ -26,13 +26,6 @@ PARTS_IN_FLIGHT = 8
 """Ranged reads into targets running at once (memory: this many parts in flight)."""
 
 
-def plan_parts(offset: int, length: int, part_bytes: int | None = None) -> list[tuple[int, int]]:
-    """[start, end) byte ranges of at most ``part_bytes`` covering [offset, offset+length)."""
-    part_bytes = PART_BYTES if part_bytes is None else part_bytes
-    end = offset + length
-    return [(a, min(end, a + part_bytes)) for a in range(offset, end, part_bytes)]
-
-
 @dataclass(frozen=True)
 class Window:
     """One ranged read [start, end) of a shard file and the payloads it (partly) holds."""

@@ -47,6 +47,7 @@ from unbroken.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
 )
+from unbroken.checkpoint.format import read_plan
 from unbroken.checkpoint.format.dcp_json import ItemLocation, dtype_from_name, metadata_from_json
 from unbroken.checkpoint.format.direct_read import DirectRead, direct_reads, read_into
 from unbroken.checkpoint.format.manifest import METADATA_JSON, Manifest, crc32c_bytes, step_dir
@@ -54,12 +55,12 @@ from unbroken.checkpoint.format.read_plan import (
     IN_FLIGHT,
     PARTS_IN_FLIGHT,
     Window,
-    plan_parts,
     plan_windows,
 )
 from unbroken.checkpoint.format.tensor_record import tensor_from_raw
 from unbroken.checkpoint.format.values import UnsafeValueError, load_weights_only
 from unbroken.storage import LocalStore, ObjectNotFoundError, Store
+from unbroken.storage.parts import part_ranges
 
 
 class TierReader(StorageReader):
@@ -356,7 +357,9 @@ class TierReader(StorageReader):
                         into = np.asarray(memory)
                         futs = [
                             pool.submit(self._read_part_into, loc, into, a, b)
-                            for a, b in plan_parts(loc.payload_offset, loc.payload_length)
+                            for a, b in part_ranges(
+                                loc.payload_offset, loc.payload_length, read_plan.PART_BYTES
+                            )
                         ]
                     reads.append((loc, futs))
                 try:
