@@ -13,21 +13,12 @@ import json
 import os
 from collections.abc import Callable
 
-from unbroken._util.procs import pid_alive
+from unbroken._util.procs import process_alive, process_start_ticks
 from unbroken.checkpoint.errors import CheckpointError
 
 
 class StagingDirInUseError(CheckpointError):
     """Another live process claimed this staging directory for the same rank."""
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), to tell a reused pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def _holder(path: str) -> dict | None:
@@ -41,10 +32,9 @@ def _holder(path: str) -> dict | None:
 
 def _alive(doc: dict) -> bool:
     pid = doc.get("pid")
-    if not isinstance(pid, int) or pid == os.getpid() or not pid_alive(pid):
+    if not isinstance(pid, int) or pid == os.getpid():
         return False
-    started = doc.get("started")
-    return started is None or _start_time(pid) in (None, started)
+    return process_alive(pid, doc.get("started"))
 
 
 def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[], None]:
@@ -55,7 +45,7 @@ def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[],
     folder = os.path.join(parent, f".{base}.owners")  # beside it: its listing stays the steps
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank-{rank:05d}")
-    mine = {"pid": os.getpid(), "started": _start_time(os.getpid()), "purpose": purpose}
+    mine = {"pid": os.getpid(), "started": process_start_ticks(os.getpid()), "purpose": purpose}
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(mine, f)
