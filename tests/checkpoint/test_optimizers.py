@@ -336,6 +336,33 @@ def test_generator_in_the_state(tmp_path):
     check_resumes_bitwise(tmp_path, build)
 
 
+def test_a_generator_an_older_version_kept_in_dcp_is_restored_from_there(tmp_path):
+    """Before generators moved into each rank's RNG record, one copy of their state was a
+    DCP tensor under the entry's name; such a checkpoint still restores them."""
+    saved = torch.Generator().manual_seed(7)
+    torch.rand(5, generator=saved)
+    old = ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", every_steps=None)
+    old.save(3, {"model": Net(), "gen": saved.get_state()})  # what the older save wrote
+    old.close()
+    gen = torch.Generator().manual_seed(0)
+    new = ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s2", every_steps=None)
+    assert new.restore({"model": Net(), "gen": gen}) == 3
+    new.close()
+    assert torch.equal(torch.rand(4, generator=gen), torch.rand(4, generator=saved))
+
+
+def test_a_generator_the_checkpoint_lacks_is_named(tmp_path):
+    mgr = ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", every_steps=None)
+    mgr.save(1, {"model": Net()})
+    with pytest.raises(ub.CheckpointMismatchError, match=r"'gen' is a torch.Generator"):
+        mgr.restore({"model": Net(), "gen": torch.Generator()})
+    gen = torch.Generator().manual_seed(5)
+    assert mgr.restore({"model": Net(), "gen": gen}, strict=False) == 1
+    fresh = torch.Generator().manual_seed(5)
+    assert torch.equal(torch.rand(3, generator=gen), torch.rand(3, generator=fresh))
+    mgr.close()
+
+
 class Progress:
     """A user's own object with state_dict/load_state_dict; its state has an empty mapping
     and a list, which must come back as they were."""

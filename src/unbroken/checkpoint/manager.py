@@ -248,7 +248,7 @@ class CheckpointManager:
             step=step,
             staged=staged,
             values=json_values.encode(flat.values),
-            rng=capture_rng_state(),
+            rng=capture_rng_state(flat.generators),
             pinned=frozenset(flat.first),
         )
         self._pipeline.submit(job)

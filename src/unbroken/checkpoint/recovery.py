@@ -18,12 +18,13 @@ back like any corruption (naming the file) before anything of that step reaches 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import time
 import warnings
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,7 @@ from unbroken.checkpoint.state_dicts import (
     FlatState,
     collect,
     fit_to_saved,
+    load_generator_through_dcp,
     restore_into,
 )
 from unbroken.state.rng import RngState, apply_rng_state, decode_rng_state
@@ -257,10 +259,16 @@ def _try(
         return _Failed(in_durable)
     if rng is not None:
         apply_rng_state(rng)
+        for name, generator in prepared.flat.generators.items():
+            if name in rng.generators and name not in prepared.flat.nested:
+                generator.set_state(rng.generators[name])
     elif group.rank >= manifest.world_size:
+        own = sorted(n for n in prepared.flat.generators if n not in prepared.flat.nested)
         warnings.warn(
             f"rank {group.rank}: checkpoint step {step} was saved on {manifest.world_size} "
-            "ranks and has no RNG state for this rank; its RNG streams are left as they are",
+            "ranks and has no RNG state for this rank; its RNG streams"
+            + (f" and generators {own}" if own else "")
+            + " are left as they are",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -344,6 +352,10 @@ def _prepare(
     else:
         reader = TierReader(durable, step, manifest)
     metadata = reader.read_metadata()
+    rng = None
+    if group.global_rank < manifest.world_size:
+        rng = _read_rng(reader, manifest, group.global_rank, durable)
+    flat = _generators_of_older_checkpoints(flat, metadata.state_dict_metadata)
     flat = fit_to_saved(flat, metadata.state_dict_metadata)  # the optimizers' state as saved
     check_compatible(
         flat,
@@ -352,10 +364,48 @@ def _prepare(
         strict=strict,
         where=reader.source(METADATA_JSON).url_for(name),
     )
-    rng = None
-    if group.global_rank < manifest.world_size:
-        rng = _read_rng(reader, manifest, group.global_rank, durable)
+    rng_url = durable.url_for(f"{name}/{rng_file(group.global_rank)}")
+    _check_generators(flat, rng, strict, where=rng_url)
     return _Prepared(manifest, reader, rng, values, flat)
+
+
+def _generators_of_older_checkpoints(flat: FlatState, saved: Mapping[str, Any]) -> FlatState:
+    """Generators that the checkpoint holds in DCP (an older unbroken's, one copy for
+    every rank) are loaded from there; the others come from each rank's RNG record."""
+    legacy = [n for n in flat.generators if n in saved and n not in flat.nested]
+    if not legacy:
+        return flat
+    flat = dataclasses.replace(
+        flat, tensors=dict(flat.tensors), paths=dict(flat.paths), nested=dict(flat.nested)
+    )
+    for name in legacy:
+        load_generator_through_dcp(flat, name)
+    return flat
+
+
+def _check_generators(flat: FlatState, rng: RngState | None, strict: bool, where: str) -> None:
+    """Each generator of the state finds a state of its own size in this rank's record
+    (a rank the checkpoint had no record for keeps its own, as its RNG streams do)."""
+    if rng is None:
+        return
+    for name, generator in flat.generators.items():
+        if name in flat.nested:
+            continue  # loaded through DCP (an older checkpoint)
+        saved = rng.generators.get(name)
+        if saved is None:
+            if strict:
+                raise CheckpointMismatchError(
+                    f"state entry {name!r} is a torch.Generator, but {where} holds no state "
+                    f"for it (saved entries: {sorted(rng.generators) or 'none'}); pass "
+                    "strict=False to keep its current state"
+                )
+            continue
+        size = generator.get_state().numel()
+        if saved.numel() != size:
+            raise CheckpointMismatchError(
+                f"state entry {name!r}: {where} holds a {saved.numel()}-byte generator state, "
+                f"but this {generator.device} generator's state has {size} bytes"
+            )
 
 
 def _saved_values(manifest: Manifest, durable: Store) -> dict[str, Any]:

@@ -11,7 +11,9 @@ Entry kinds, in the order they are recognised:
 - ``torch.optim.Optimizer``: paired with the module in ``state`` that owns its parameters,
   through ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``.
 - ``torch.Tensor``: loaded in place.
-- ``torch.Generator``: its ``get_state()`` bytes, put back with ``set_state``.
+- ``torch.Generator``: per rank, like the global RNGs: its ``get_state()`` bytes go into
+  the rank's RNG record (``rng/rank-<r>.json``), not through DCP, so each rank gets its
+  own back (``generators``; a checkpoint of an older unbroken kept one copy in DCP).
 - anything with ``state_dict`` and ``load_state_dict`` (LR schedulers, GradScaler, loaders).
 - JSON-able values.
 
@@ -67,8 +69,10 @@ class FlatState:
     paths: dict[str, Path] = field(default_factory=dict)
     """Flat key -> path inside the nested state dict (``(entry, k1, k2, ...)``)."""
     first: set[str] = field(default_factory=set)
-    """Flat keys of module buffers (forward may change them, so they are staged first) and
-    of generators: saved from the lowest rank that holds them, like buffers."""
+    """Flat keys of module buffers (forward may change them, so they are staged first):
+    saved from the lowest rank that holds them."""
+    generators: dict[str, torch.Generator] = field(default_factory=dict)
+    """Generator entries: per-rank state, saved in the rank's RNG record."""
     nested: dict[str, Any] = field(default_factory=dict)
     """Each entry's nested state dict as collected: the structure a restore rebuilds."""
     owners: dict[str, nn.Module] = field(default_factory=dict)
@@ -198,14 +202,23 @@ def collect(state: Mapping[str, Any]) -> FlatState:
         if kind == KIND_VALUE:
             flat.values[name] = value
             continue
+        if kind == KIND_GENERATOR:
+            flat.generators[name] = value
+            continue
         nested = _nested_state(flat, name, value, kind, state)
         flat.nested[name] = nested
         _flatten_into(flat, (name,), nested)
         if kind == KIND_MODULE:
             flat.first.update(_buffer_keys(flat, name, value))
-        elif kind == KIND_GENERATOR:
-            flat.first.add(name)
     return flat
+
+
+def load_generator_through_dcp(flat: FlatState, name: str) -> None:
+    """A checkpoint of an older unbroken holds generator ``name`` as one DCP tensor (the
+    lowest rank's): load it from there, as that version did."""
+    nested = flat.generators[name].get_state()
+    flat.nested[name] = nested
+    _flatten_into(flat, (name,), nested)
 
 
 def _buffer_keys(flat: FlatState, name: str, module: nn.Module) -> set[str]:
@@ -301,11 +314,12 @@ def fit_to_saved(flat: FlatState, saved: Mapping[str, Any]) -> FlatState:
         values=flat.values,
         kinds=flat.kinds,
         first=flat.first,
+        generators=flat.generators,
         owners=flat.owners,
         params=flat.params,
     )
     for name, kind in flat.kinds.items():
-        if kind == KIND_VALUE:
+        if kind == KIND_VALUE or name not in flat.nested:
             continue
         nested = flat.nested[name]
         if kind == KIND_OPTIMIZER:
@@ -368,7 +382,11 @@ def restore_into(
     model in memory); the plain values of ``state`` are replaced last.
     """
     in_place = (KIND_MODULE, KIND_TENSOR)
-    early = [n for n, k in flat.kinds.items() if k not in (*in_place, KIND_VALUE)]
+    early = [
+        n
+        for n, k in flat.kinds.items()
+        if k not in (*in_place, KIND_VALUE) and n in flat.nested  # generators: the RNG record
+    ]
     late = [n for n, k in flat.kinds.items() if k in in_place]
     _load_entries(flat, early, load)
     prepared = {n: unflatten(flat, n) for n in early}

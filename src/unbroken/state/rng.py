@@ -2,7 +2,9 @@
 
 Exact resume needs the same dropout masks, augmentations and shuffles after a restart, so
 the calling process's python ``random``, numpy's global generator, torch's CPU generator
-and (when CUDA is in use) every CUDA device's generator go into the checkpoint. Byte
+and (when CUDA is in use) every CUDA device's generator go into the checkpoint, with the
+``torch.Generator`` objects of the user's state: like the global streams, each rank's own
+(seeded ``100 + rank``, say) is per rank, so it travels in the rank's record. Byte
 states are base64 text so the record is plain JSON: loading it never unpickles anything.
 
 ``restore_rng_state`` checks the whole record before touching any generator: a malformed
@@ -19,7 +21,7 @@ import binascii
 import random
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,10 +56,14 @@ class RngState:
     numpy: tuple
     cpu: torch.Tensor
     cuda: list[torch.Tensor]
+    generators: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The state's own ``torch.Generator`` entries, by entry name (applied by the restore,
+    which holds the objects)."""
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """The calling process's RNG states: python, numpy, torch CPU, and CUDA when in use.
+def capture_rng_state(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
+    """The calling process's RNG states: python, numpy, torch CPU, and CUDA when in use,
+    and each of ``generators`` (the state's own) by name.
 
     CUDA states are captured only once CUDA is initialized: before that every device is at
     its default seed, and capturing would create a context on every GPU.
@@ -79,6 +85,8 @@ def capture_rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [_b64(t.numpy().tobytes()) for t in torch.cuda.get_rng_state_all()]
+    if generators:
+        state["generators"] = {name: generator_state(g) for name, g in generators.items()}
     return state
 
 
@@ -196,7 +204,13 @@ def decode_rng_state(state: Mapping[str, Any]) -> RngState:
                 f"rng state 'cuda.{i}': {device_state.numel()} bytes, a CUDA generator's "
                 f"state has {' or '.join(map(str, _CUDA_STATE_BYTES))}"
             )
-    return RngState((version, tuple(internal), gauss_next), numpy_state, cpu, cuda)
+    saved = state.get("generators", {})
+    if not isinstance(saved, Mapping):
+        raise RngStateError("rng state key 'generators' must be a dict")
+    generators = {
+        str(name): _bytes_tensor(text, f"generators.{name}") for name, text in saved.items()
+    }
+    return RngState((version, tuple(internal), gauss_next), numpy_state, cpu, cuda, generators)
 
 
 def _field(record: Mapping[str, Any], name: str, kind: type | tuple, prefix: str = "") -> Any:
