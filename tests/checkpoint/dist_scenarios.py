@@ -260,13 +260,13 @@ def scenario_fsdp_load(a: argparse.Namespace) -> None:
 
 
 def scenario_generators_save(a: argparse.Namespace) -> None:
-    """Each rank's own torch.Generator (seeded 100 + rank) in the state: the draws each
-    rank would make next are kept for the load."""
+    """Each rank's own torch.Generator (seeded 100 + rank) and plain value in the state:
+    the draws each rank would make next are kept for the load."""
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(100 + rank)
     torch.rand(3, generator=g)
     mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=None)
-    mgr.save(1, {"model": nn.Linear(2, 2), "g": g})
+    mgr.save(1, {"model": nn.Linear(2, 2), "g": g, "who": [rank], "same": 5})
     mgr.close()
     Path(f"{a.expected}.rank{rank}").write_text(json.dumps(torch.rand(4, generator=g).tolist()))
     log("generators save ok")
@@ -281,18 +281,41 @@ def scenario_generators_load(a: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(999)
     own = torch.rand(4, generator=torch.Generator().manual_seed(999)).tolist()
     mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=None)
+    state = {"model": nn.Linear(2, 2), "g": g, "who": [], "same": 0}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert mgr.restore({"model": nn.Linear(2, 2), "g": g}) == 1
+        assert mgr.restore(state) == 1
     mgr.close()
     draws = torch.rand(4, generator=g).tolist()
     saved = Path(f"{a.expected}.rank{rank}")
+    assert state["same"] == 5
     if saved.exists():
         assert draws == json.loads(saved.read_text()), f"rank {rank}: not its own generator"
+        assert state["who"] == [rank], state
     else:
         assert draws == own, f"rank {rank}: a generator of another rank"
         assert any("generators ['g']" in str(w.message) for w in caught), caught
+        assert state["who"] == [0], state
+        assert any("values of ['who'] differed" in str(w.message) for w in caught), caught
     log(f"generators load on {dist.get_world_size()} ok")
+
+
+def scenario_peer_dies_mid_save(a: argparse.Namespace) -> None:
+    """Rank 1 dies while both ranks' save is in flight: rank 0's save fails, reported
+    once as a failed save (no worker traceback), and nothing is committed."""
+    rank = dist.get_rank()
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=None, preemption="flag")
+    big = {"model": nn.Linear(2, 2), "w": torch.randn(4 * 1024 * 1024)}
+    mgr.save(1, big)
+    if rank == 1:
+        os._exit(3)  # mid-save: its upload and the commit's gather never come
+    try:
+        mgr.wait()
+    except SaveFailedError as e:
+        assert "a peer is gone" in str(e), e
+        log("peer gone ok")
+    assert not [c for c in mgr.checkpoints() if c.committed]
+    os._exit(0)
 
 
 def scenario_collectives(a: argparse.Namespace) -> None:
@@ -430,6 +453,7 @@ SCENARIOS = {
     "collectives": scenario_collectives,
     "retention": scenario_retention,
     "generators_save": scenario_generators_save,
+    "peer_dies_mid_save": scenario_peer_dies_mid_save,
     "generators_load": scenario_generators_load,
     "train": scenario_train,
     "churn": scenario_churn,

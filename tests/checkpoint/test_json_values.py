@@ -90,3 +90,12 @@ def test_a_tag_like_mapping_from_an_old_manifest_is_left_alone():
     assert json_values.decode({"a": {FLOAT_TAG: "inf", "b": 1}}) == {
         "a": {FLOAT_TAG: "inf", "b": 1}
     }
+
+
+def test_rank_values_names_only_what_differs_from_rank_0():
+    from unbroken.checkpoint.json_values import rank_values
+
+    values = {"epoch": 3, "seen": [0]}
+    per_rank = [values, {"epoch": 3, "seen": [1]}, {"epoch": 3, "seen": [0]}]
+    assert rank_values(values, per_rank) == {"1": {"seen": [1]}}
+    assert rank_values(values, [values, values]) == {}

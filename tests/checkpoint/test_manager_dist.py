@@ -40,14 +40,24 @@ def test_fsdp2_reshards_two_to_one_and_three(tmp_path):
     assert out3.count("fsdp load on 3 ok") == 3
 
 
-def test_each_rank_restores_its_own_generator_on_any_world_size(tmp_path):
-    """Issue 29.4: a generator seeded 100 + rank came back as rank 0's on every rank."""
+def test_each_rank_restores_its_own_generator_and_values_on_any_world_size(tmp_path):
+    """Issue 29.4: a generator seeded 100 + rank came back as rank 0's on every rank (so
+    did a plain value kept per rank)."""
     common = ["--url", str(tmp_path / "d"), "--expected", str(tmp_path / "draws")]
     check(torchrun(2, "generators_save", *common, "--staging", str(tmp_path / "s2")))
     out2 = check(torchrun(2, "generators_load", *common, "--staging", str(tmp_path / "l2")))
     assert out2.count("generators load on 2 ok") == 2
     out3 = check(torchrun(3, "generators_load", *common, "--staging", str(tmp_path / "l3")))
     assert out3.count("generators load on 3 ok") == 3
+
+
+def test_a_peer_dying_mid_save_fails_the_save_without_a_worker_traceback(tmp_path):
+    """Issue 29.18: the survivor's checkpoint worker logged "unexpected error" with a
+    traceback when a peer died during a save; it is a failed save like any other."""
+    out = torchrun(2, "peer_dies_mid_save", "--url", str(tmp_path / "d"), "--staging",
+                   str(tmp_path / "s{rank}")).stdout  # fmt: skip
+    assert "peer gone ok" in out, out
+    assert "unexpected error" not in out, out
 
 
 def test_user_collectives_during_async_saves_do_not_deadlock(tmp_path):

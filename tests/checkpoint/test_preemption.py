@@ -17,11 +17,13 @@ import torch
 from torch import nn
 
 import unbroken as ub
+from unbroken.checkpoint.catalog import list_checkpoints
 from unbroken.checkpoint.preemption import EXIT_CODE
 
 from .distributed import ROOT, free_port, kill_tree, rank_env
 
 WORKER = Path(__file__).with_name("_preempt_worker.py")
+LOADER_WORKER = Path(__file__).with_name("_preempt_loader_worker.py")
 
 
 def _loop(mgr, state, model, optim, steps, signal_at):
@@ -80,18 +82,24 @@ def test_off_installs_no_handler(tmp_path):
         ub.CheckpointManager(tmp_path / "ck", preemption="later")
 
 
-def _launch(out: Path, steps: int, max_restarts: int) -> subprocess.Popen:
+def _launch(
+    out: Path, steps: int, max_restarts: int, *, volume: Path | None = None, env=None
+) -> subprocess.Popen:
+    """torchrun on 2 ranks; with ``volume``, the job reads it through the default
+    ub.DataLoader (worker processes), as users' jobs do."""
     out.mkdir(exist_ok=True)
-    for old in out.glob("pid-*"):
+    for old in [*out.glob("pid-*"), *out.glob("pids-*")]:
         old.unlink()
+    worker = WORKER if volume is None else LOADER_WORKER
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-        "--max-restarts", str(max_restarts), "--monitor-interval", "0.5", str(WORKER),
+        "--max-restarts", str(max_restarts), "--monitor-interval", "0.5", str(worker),
         str(out / "ckpt"), str(out / "stage"), str(out), str(steps),
+        *([str(volume)] if volume is not None else []),
     ]  # fmt: skip
     return subprocess.Popen(
-        cmd, cwd=ROOT, env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cmd, cwd=ROOT, env=rank_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
     )  # fmt: skip
 
@@ -242,3 +250,140 @@ def test_a_signal_a_manager_saved_for_does_not_end_the_process_through_another(t
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert proc.returncode == 0 and "STILL ALIVE" in proc.stdout, proc.stdout + proc.stderr
+
+
+# -- as schedulers deliver it: the default ub.DataLoader (workers), signals to many processes
+
+
+def _volume(tmp_path: Path) -> Path:
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    for i in range(64):
+        (volume / f"{i:03d}.bin").write_bytes(bytes([i]) * 16)
+    return volume
+
+
+def _pids(out: Path, rank: int, attempt: int = 0) -> list[int]:
+    """The rank's pid and its DataLoader workers', once it has taken its first step."""
+    path = out / f"pids-{rank}-{attempt}"
+    deadline = time.monotonic() + 120
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [int(p) for p in path.read_text().split()]
+
+
+def _signal_the_loader_job(out: Path, agent: int, whom: str) -> None:
+    pids = {rank: _pids(out, rank) for rank in (0, 1)}
+    time.sleep(random.uniform(0.3, 1.0))  # some steps of 0.02 s plus a few ms
+    targets = {
+        "agent": [agent],  # torchrun forwards it with killpg: the workers get it too
+        "every process": [agent, *pids[0], *pids[1]],  # Slurm: then torchrun's copy
+        "one rank": [pids[1][0]],
+    }[whom]
+    for pid in targets:
+        os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("whom", ["agent", "every process"])
+def test_sigterm_with_loader_workers_commits_the_step_reached_and_resumes_there(
+    tmp_path, whom
+):
+    """Issue 29.1 and 29.2: with DataLoader workers, torchrun's killpg killed them and
+    torch's SIGCHLD handler raised before any save; with Slurm's delivery, torchrun's
+    copy of the signal ended the save half-way. Either way nothing was committed."""
+    volume, steps = _volume(tmp_path), 80
+    reference = _finish(_launch(tmp_path / "reference", steps, 0, volume=volume))
+    proc = _launch(tmp_path / "job", steps, 1, volume=volume)
+    _signal_the_loader_job(tmp_path / "job", proc.pid, whom)
+    first = _finish(proc, ok=False)
+    reached = _last(first, "STEP", 0, 0)
+    assert 0 < reached < steps and reached == _last(first, "STEP", 1, 0), first
+    assert "is killed by signal" not in first, first
+    for stage in (tmp_path / "job" / "stage").iterdir():  # a fresh node: empty local disk
+        shutil.rmtree(stage)
+    second = _finish(_launch(tmp_path / "job", steps, 0, volume=volume))
+    assert _last(second, "RESTORED", 0, 0) == reached == _last(second, "RESTORED", 1, 0)
+    assert len(_digests(reference)) == 2 and _digests(second) == _digests(reference), second
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_one_rank_with_loader_workers_loses_no_step(tmp_path):
+    volume, steps = _volume(tmp_path), 80
+    reference = _finish(_launch(tmp_path / "reference", steps, 0, volume=volume))
+    proc = _launch(tmp_path / "job", steps, 1, volume=volume)
+    _signal_the_loader_job(tmp_path / "job", proc.pid, "one rank")
+    out = _finish(proc)
+    restored = _last(out, "RESTORED", 0, 1)
+    assert 0 < restored < steps, out
+    for rank in (0, 1):
+        assert _last(out, "STEP", rank, 0) == restored, out
+    assert _digests(out) == _digests(reference), out
+
+
+@pytest.mark.multiprocess
+def test_after_a_peers_sigkill_the_survivor_ends_at_once(tmp_path):
+    """Issue 29.3: torchrun SIGTERMs the survivors of a crash; they took it for a
+    preemption, blocked in a collective with the dead rank (whose orphaned DataLoader
+    workers held its sockets open) and ended only by the 10 s watchdog. Now the dead
+    rank's workers die with it, the collective fails, and the survivor ends by the
+    signal without the interpreter's teardown; the restarted job ends as a clean one.
+    (How soon: bench/restart_after_kill.py; the parts: test_worker_signals.py and the
+    tests below.)"""
+    volume, steps = _volume(tmp_path), 80
+    reference = _finish(_launch(tmp_path / "reference", steps, 0, volume=volume))
+    proc = _launch(tmp_path / "job", steps, 1, volume=volume)
+    victim = _pids(tmp_path / "job", 1)
+    _pids(tmp_path / "job", 0)
+    time.sleep(random.uniform(0.3, 1.0))
+    os.kill(victim[0], signal.SIGKILL)
+    out = _finish(proc)
+    assert "no maybe_save acted on it" not in out, out  # the 10 s watchdog
+    assert _last(out, "RESTORED", 0, 1) == 0 and _digests(out) == _digests(reference), out
+
+
+_ENDINGS = """
+import os, signal, sys, time, torch, unbroken as ub
+d, case = sys.argv[1], sys.argv[2]
+st = {"model": torch.nn.Linear(4, 4)}
+m = ub.CheckpointManager(f"{d}/ck", staging_dir=f"{d}/st", every_steps=None)
+if case == "repeat":  # Slurm's signal, then torchrun's copy of it, then the save
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+    m.maybe_save(1, st)
+elif case == "repeat_long_after":
+    import unbroken.checkpoint.preemption as p
+    p.REPEAT_SECONDS = 0.2
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+elif case == "exception_after_the_signal":  # a collective failed: a peer is gone
+    os.kill(os.getpid(), signal.SIGTERM)
+    raise RuntimeError("Connection closed by peer")
+print("STILL ALIVE")
+"""
+
+
+@pytest.mark.parametrize(
+    "case, returncode",
+    [
+        ("repeat", EXIT_CODE),  # saved, committed, then ended as preempted
+        ("repeat_long_after", -signal.SIGTERM),  # a second signal: it means it
+        ("exception_after_the_signal", -signal.SIGTERM),  # as if no manager were there
+    ],
+)
+def test_how_a_process_with_a_signal_ends(tmp_path, case, returncode):
+    """Issue 29.2: torchrun's copy of Slurm's SIGTERM, milliseconds later, ended the save
+    half-way. Issue 29.3: a survivor whose loop fails after the signal (a peer is gone)
+    ends by the signal at once, not through seconds of interpreter teardown."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _ENDINGS, str(tmp_path), case],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == returncode, proc.stdout + proc.stderr
+    assert "STILL ALIVE" not in proc.stdout
+    listed = list_checkpoints(ub.open_store(str(tmp_path / "ck")))
+    committed = [c.step for c in listed if c.committed]
+    assert committed == ([1] if case == "repeat" else []), committed

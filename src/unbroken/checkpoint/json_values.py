@@ -80,3 +80,18 @@ def decode(doc: Any) -> Any:
             return _NON_FINITE[doc[FLOAT_TAG]]
         return {k: decode(v) for k, v in doc.items()}
     return doc
+
+
+def rank_values(values: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """{rank: {name: value}} for each rank whose encoded plain values differ from
+    ``values`` (rank 0's, the manifest's), naming only the entries that differ: a value
+    kept per rank (a rank's own counter) comes back to that rank."""
+    out: dict[str, Any] = {}
+    for rank, theirs in enumerate(per_rank):
+        differ = {k: v for k, v in theirs.items() if values.get(k, _MISSING) != v}
+        if differ:
+            out[str(rank)] = differ
+    return out
+
+
+_MISSING = object()

@@ -115,7 +115,9 @@ class CheckpointManager:
             max_bytes=config.staging_max_bytes, shared_memory=config.staging_shared_memory
         )
         self._preemption = (
-            PreemptionWatch(Group.create(config.timeout)) if config.preemption != "off" else None
+            PreemptionWatch(Group.create(config.timeout), on_give_up=self._abandon_goodput)
+            if config.preemption != "off"
+            else None
         )
         self.preempted = False
         """True once a preemption signal's save has committed (see ``preemption``)."""
@@ -140,6 +142,12 @@ class CheckpointManager:
             ),
             on_done=self._on_done,
         )
+
+    def _abandon_goodput(self) -> None:
+        """The process ends now, without close(): flush what the event log holds."""
+        abandon = getattr(self._goodput, "abandon", None)
+        if abandon is not None:
+            abandon()
 
     def _check_tiers(self) -> None:
         if isinstance(self.store, LocalStore):

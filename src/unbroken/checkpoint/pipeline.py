@@ -48,6 +48,7 @@ from unbroken.checkpoint.format.manifest import (
 from unbroken.checkpoint.format.planners import PinnedSavePlanner
 from unbroken.checkpoint.format.writer import TierWriter
 from unbroken.checkpoint.format.writers import claim_step, writer_identity
+from unbroken.checkpoint.json_values import rank_values
 from unbroken.checkpoint.local_writes import LOCAL_LOAN, LocalWrites
 from unbroken.checkpoint.retention import plan_deletions
 from unbroken.checkpoint.save_job import (
@@ -70,6 +71,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 MANIFEST = MANIFEST_NAME
 _CLAIM_RETRY = RetryPolicy(max_attempts=2, base_delay=0.05, max_delay=0.05)
+
+
+def _rank_values_entry(values: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict:
+    """``rank_values`` for the manifest where a rank's plain values differ from rank 0's."""
+    own = rank_values(values, per_rank)
+    return {"rank_values": own} if own else {}
 
 
 class _PhaseFailed(Exception):
@@ -210,10 +217,21 @@ class SavePipeline:
 
     def _agree(self, problem: str | None, what: str, exc: BaseException | None) -> None:
         """Raise on every rank if ``problem`` is set on any rank (``exc``: this rank's)."""
-        problems = self.group.all_gather(problem)
+        problems = self._together(what, self.group.all_gather, problem)
         bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
         if bad:
             raise _PhaseFailed(f"{what} failed: " + "; ".join(bad)) from exc
+
+    @staticmethod
+    def _together(what: str, collective: Callable[[Any], Any], obj: Any) -> Any:
+        """One collective of a save. Its failure (a peer crashed, was killed, or is stuck
+        past the timeout) fails the save like any phase, reported once, no traceback."""
+        try:
+            return collective(obj)
+        except Exception as e:
+            raise _PhaseFailed(
+                f"{what}: the ranks could not agree, a peer is gone or stuck ({describe(e)})"
+            ) from e
 
     def _save(self, job: SaveJob) -> Manifest:
         step, g = job.step, self.group
@@ -312,14 +330,16 @@ class SavePipeline:
         job.direct_bytes = writer.direct_bytes
         self._note_page_cache_writes(writer)
         job.memory_bytes = sum(c.size for c in memory.values() if c.sent_from_memory)
-        gathered = g.all_gather((records, problem, etags))
+        gathered = self._together(
+            f"uploading step {step}", g.all_gather, (records, problem, etags, job.values)
+        )
         t3 = time.monotonic()
         job.seconds["upload"] = t3 - t2
 
         outcome: tuple[str, Any] | None = None
         if g.is_coordinator:
             outcome = self._commit(job, gathered)
-        outcome = g.broadcast(outcome)
+        outcome = self._together(f"committing step {step}", g.broadcast, outcome)
         job.seconds["commit"] = time.monotonic() - t3
         if outcome[0] != "ok":
             raise _PhaseFailed(outcome[1]) from exc
@@ -395,12 +415,12 @@ class SavePipeline:
 
     def _commit(self, job: SaveJob, gathered: list[Any]) -> tuple[str, Any]:
         """Coordinator: write the manifest if every rank's files are durable."""
-        bad = [f"rank {r}: {p}" for r, (_, p, _) in enumerate(gathered) if p]
+        bad = [f"rank {r}: {p}" for r, (_, p, _, _) in enumerate(gathered) if p]
         if bad:
             return ("error", f"step {job.step} not committed: " + "; ".join(bad))
         files: dict[str, FileRecord] = {}
         etags: dict[str, str | None] = {}
-        for rank, (records, _, rank_etags) in enumerate(gathered):
+        for rank, (records, _, rank_etags, _) in enumerate(gathered):
             etags.update(rank_etags)
             for rec in records:
                 if rec.name in files:
@@ -417,6 +437,7 @@ class SavePipeline:
                 "values": job.values,
                 "rng_files": "rng/rank-{rank:05d}.json",
                 "writer": writer_identity(),
+                **_rank_values_entry(job.values, [values for *_, values in gathered]),
             },
         )
         try:

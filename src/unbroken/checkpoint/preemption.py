@@ -18,20 +18,25 @@ default: the process ends, as SIGTERM meant).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from unbroken._util import worker_sigterm
 from unbroken.checkpoint.collectives import Group
 
 log = logging.getLogger(__name__)
+_watches: weakref.WeakSet[PreemptionWatch] = weakref.WeakSet()
 
 AGREE_EVERY_SECONDS = 0.25
 """Loop time between two agreements on the flag (at most ``MAX_CALLS_BETWEEN`` calls)."""
@@ -42,6 +47,12 @@ MAX_CALLS_BETWEEN = 16
 HANDLE_WITHIN_SECONDS = 10.0
 """A signal no maybe_save acted on after this long is passed on (see the module doc)."""
 
+REPEAT_SECONDS = 5.0
+"""A repeat of the first signal within this long, before its save is done, is the same
+preemption, not a second one: Slurm signals every process of the step and torchrun
+forwards its own copy milliseconds later. A repeat after this long or after the save,
+or another signal, goes on as usual."""
+
 EXIT_CODE = 128 + signal.SIGTERM
 """What a preempted process exits with after its save committed (as if SIGTERM had
 ended it): torchrun restarts such workers where it still runs, a scheduler sees the
@@ -51,10 +62,18 @@ usual code of a terminated job."""
 class PreemptionWatch:
     """Turns ``signals`` into a flag the ranks agree on, chaining earlier handlers."""
 
-    def __init__(self, group: Group, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+    def __init__(
+        self,
+        group: Group,
+        signals: tuple[int, ...] = (signal.SIGTERM,),
+        on_give_up: Callable[[], None] | None = None,
+    ) -> None:
         self.group = group
+        self.on_give_up = on_give_up
+        """Called before a signal that cannot be agreed on ends the process (a flush)."""
         self.received: int | None = None
         """The signal this process received, if any."""
+        self._received_at = 0.0
         self.handled = False
         """The preemption save was made: later signals go on to the earlier handler."""
         self.acting = False
@@ -67,6 +86,7 @@ class PreemptionWatch:
         self._calls = 0
         self._every = 1  # calls between agreements, agreed by every rank; 1: synchronous
         self._agreed_at = (0, time.monotonic())
+        self._deferring_workers = False
         if threading.current_thread() is not threading.main_thread():
             log.warning(
                 "CheckpointManager built outside the main thread: Python delivers signals "
@@ -75,6 +95,10 @@ class PreemptionWatch:
             return
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        if signal.SIGTERM in signals:
+            worker_sigterm.watch_started()
+            self._deferring_workers = True
+        _watches.add(self)
 
     def _on_signal(self, signum: int, frame: FrameType | None, *, chained: bool = False) -> None:
         if chained:  # reached through a newer manager's handler, which took the signal up
@@ -83,18 +107,34 @@ class PreemptionWatch:
                 self._noted_only = True  # the newer manager watches and passes it on
             self._chain(signum, frame)
             return
+        if self._is_repeat(signum):
+            log.info("%s again within %.0f s of the first: the same preemption (a launcher "
+                     "forwarding it), not a second one", signal.Signals(signum).name,
+                     REPEAT_SECONDS)  # fmt: skip
+            return
         if self._closed or self._forward or self.handled or self.received is not None:
             self._pass_on(signum, frame)  # closed, timed out, already saved, or a 2nd signal
             return
         self.received = signum
+        self._received_at = time.monotonic()
         log.warning(
             "%s received: the next maybe_save saves the step reached and waits for its "
-            "commit (a second one ends the process at once)", signal.Signals(signum).name
+            "commit (the same signal again after %.0f s ends the process at once)",
+            signal.Signals(signum).name,
+            REPEAT_SECONDS,
         )
         threading.Thread(
             target=self._watchdog, args=(signum,), name="unbroken-preempt", daemon=True
         ).start()
         self._chain(signum, frame)
+
+    def _is_repeat(self, signum: int) -> bool:
+        """The first signal again, soon, while the save it asked for is still to come."""
+        return (
+            signum == self.received
+            and not (self._forward or self.handled)
+            and time.monotonic() - self._received_at < REPEAT_SECONDS
+        )
 
     def _chain(self, signum: int, frame: FrameType | None) -> None:
         """Tell the handlers installed before ours: other managers note the signal, the
@@ -134,11 +174,33 @@ class PreemptionWatch:
         os.kill(os.getpid(), signum)  # the main thread's handler passes it on
 
     def poll(self) -> bool:
-        """Once per ``maybe_save`` on every rank: True when every rank must save now."""
+        """Once per ``maybe_save`` on every rank: True when every rank must save now.
+
+        When a signal came and the ranks cannot agree (a peer is gone: torchrun stops the
+        survivors of a crash with SIGTERM), no save could commit: the signal goes on at
+        once, as if no manager were there."""
         if self.handled or self.acting:
             return False
-        self.acting = self._agree()
+        try:
+            self.acting = self._agree()
+        except Exception as e:
+            self._pending = None
+            if self.received is None:
+                raise  # a peer is gone, and nobody asked this process to end: the loop's
+            self._give_up(e)
+            raise
         return self.acting
+
+    def _give_up(self, error: BaseException) -> None:
+        assert self.received is not None
+        log.warning(
+            "%s: the ranks cannot agree on a save (%s): a peer is gone, so no save could "
+            "commit; ending now", signal.Signals(self.received).name, _first_line(error)
+        )
+        if self.on_give_up is not None:
+            self.on_give_up()
+        self._forward = True
+        self._pass_on(self.received, None)  # ends the process unless a user handler runs
 
     def _agree(self) -> bool:
         if self.group.pg is None:
@@ -176,17 +238,56 @@ class PreemptionWatch:
 
     def close(self) -> None:
         """Put the earlier handlers back; finish the agreement in flight (every rank has
-        issued it, so it completes). A signal received and never acted on goes on now."""
+        issued it, so it completes unless a peer is gone). A signal received and never
+        acted on goes on now."""
         if self._pending is not None:
-            self._pending[0].wait()
+            try:
+                self._pending[0].wait()
+            except Exception as e:  # a peer is gone: nothing left to agree with
+                log.debug("preemption agreement in flight failed at close: %s", e)
             self._pending = None
         self._closed = True
+        if self._deferring_workers:
+            worker_sigterm.watch_stopped()
+            self._deferring_workers = False
         unhandled = self.received if not (self.handled or self._noted_only) else None
         if threading.current_thread() is threading.main_thread():
-            for sig, previous in self._previous.items():
-                if signal.getsignal(sig) == self._on_signal:
-                    signal.signal(sig, previous)
+            self._put_back_handlers()
             if unhandled is not None:
                 log.warning("closing with a %s no maybe_save acted on: passing it on",
                             signal.Signals(unhandled).name)  # fmt: skip
                 self._pass_on(unhandled, None)
+
+    def _put_back_handlers(self) -> None:
+        """Main thread: the handlers installed before ours are the signals' again."""
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, previous)
+
+
+@atexit.register
+def _end_by_the_signal_at_exit() -> None:
+    """The interpreter is ending (an exception out of the loop: a peer's crash made a
+    collective fail) with a signal no save took up: end by it now, as the process would
+    have when it came, rather than through the interpreter's teardown (seconds with torch
+    loaded, each one added to torchrun's restart)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for watch in list(_watches):
+        if watch.handled or watch._closed or watch._noted_only:
+            continue
+        if watch.received is None:  # one that comes during the teardown acts at once
+            watch._put_back_handlers()
+            continue
+        log.warning("%s received and the process is ending before a save took it up: "
+                    "ending by the signal", signal.Signals(watch.received).name)  # fmt: skip
+        if watch.on_give_up is not None:
+            watch.on_give_up()
+        watch._forward = True
+        watch._pass_on(watch.received, None)
+        return
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"

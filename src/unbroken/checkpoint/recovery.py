@@ -344,7 +344,7 @@ def _prepare(
             step=step,
             url=durable.url_for(name),
         )
-    values = _saved_values(manifest, durable)
+    values = _saved_values(manifest, durable, group.global_rank)
     if tier == "staging":
         reader = TierReader(
             durable, step, manifest, local=store, local_files=_local_files(store, name, manifest)
@@ -408,20 +408,39 @@ def _check_generators(flat: FlatState, rng: RngState | None, strict: bool, where
             )
 
 
-def _saved_values(manifest: Manifest, durable: Store) -> dict[str, Any]:
-    """The manifest's plain values, decoded. Not a mapping: the manifest is at fault (read
-    as names, a string would make its letters the keys, "another model?")."""
+def _saved_values(manifest: Manifest, durable: Store, rank: int) -> dict[str, Any]:
+    """This rank's plain values, decoded: rank 0's, with those this rank saved as its own
+    where they differed. Not a mapping: the manifest is at fault (read as names, a string
+    would make its letters the keys, "another model?")."""
+    url = durable.url_for(f"{step_dir(manifest.step)}/{MANIFEST_NAME}")
     values = manifest.extra.get("values", {})
-    if not isinstance(values, dict):
-        url = durable.url_for(f"{step_dir(manifest.step)}/{MANIFEST_NAME}")
+    per_rank = manifest.extra.get("rank_values", {})
+    for what, doc in (("values", values), ("rank_values", per_rank)):
+        if not isinstance(doc, dict):
+            raise CheckpointCorruptError(
+                f"{url}: extra.{what} is a {type(doc).__name__}, not a mapping of entry "
+                "names to plain values",
+                step=manifest.step,
+                file=MANIFEST_NAME,
+                url=url,
+            )
+    own = per_rank.get(str(rank), {})
+    if not isinstance(own, dict):
         raise CheckpointCorruptError(
-            f"{url}: extra.values is a {type(values).__name__}, not a mapping of entry names "
-            "to plain values",
+            f"{url}: extra.rank_values.{rank} is a {type(own).__name__}, not a mapping",
             step=manifest.step,
             file=MANIFEST_NAME,
             url=url,
         )
-    return json_values.decode(values)
+    differed = sorted({k for v in per_rank.values() if isinstance(v, dict) for k in v})
+    if rank >= manifest.world_size and differed:
+        warnings.warn(
+            f"rank {rank}: checkpoint step {manifest.step} was saved on {manifest.world_size} "
+            f"ranks, whose values of {differed} differed; this rank gets rank 0's",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+    return json_values.decode({**values, **own})
 
 
 def _local_files(store: Store, name: str, manifest: Manifest) -> frozenset[str]:

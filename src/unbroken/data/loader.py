@@ -21,6 +21,7 @@ import torch.utils.data
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
+from unbroken._util.worker_sigterm import defer_sigterm_in_this_worker
 from unbroken.data.dataset import VolumeDataset
 from unbroken.data.delivery import Delivery
 from unbroken.data.metrics import LoaderMetrics
@@ -300,6 +301,8 @@ class _PlannedStream(IterableDataset):
     def __iter__(self) -> Iterator[Delivery]:
         generation, epoch, start = (int(v) for v in self.plan.tolist())
         info = get_worker_info()
+        if info is not None:  # outlive a SIGTERM meant for the rank (see worker_sigterm)
+            defer_sigterm_in_this_worker()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         return self.dataset.iter_batches(
             epoch,

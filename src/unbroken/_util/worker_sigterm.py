@@ -1,0 +1,129 @@
+"""DataLoader workers outlive a SIGTERM meant for their rank, and end with the rank.
+
+Schedulers do not signal one process. torchrun stops a rank with ``os.killpg`` (the rank's
+whole process group: its DataLoader workers too), Slurm signals every process of the
+step, and Kubernetes' SIGTERM to torchrun reaches the workers through torchrun. torch's
+worker handler then re-raises SIGTERM and the worker dies; the training process's
+SIGCHLD handler raises ``DataLoader worker (pid N) is killed by signal: Terminated``
+from wherever it happens to be, before the preemption save can start, and the save
+would need the workers' next batches anyway.
+
+So a worker blocks SIGTERM and takes it on a thread of its own with ``sigwaitinfo``,
+which names the sender: from its parent (torch's ``terminate()`` of a stuck worker, or
+multiprocessing's at exit) it ends at once, as torch's handler would; from anyone else
+it waits for its parent to end (the parent is saving), then ends.
+
+A worker forked from the main thread also dies with its parent at once (Linux's
+parent-death signal): it holds copies of every socket its parent had, the gloo
+connections to the other ranks among them, so a rank SIGKILLed with live workers looks
+alive to its peers, whose collectives block until torch's watchdog ends the orphans (5 s)
+instead of failing at once. Only from the main thread: that signal follows the thread
+that forked, not the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.util
+import os
+import signal
+import threading
+
+log = logging.getLogger(__name__)
+
+PARENT_POLL_SECONDS = 0.1
+"""How often a worker holding a deferred SIGTERM looks whether its parent has ended."""
+
+_PR_SET_PDEATHSIG = 1
+
+_guarded_pid: int | None = None
+_watches = 0
+_hook_registered = False
+_lock = threading.Lock()
+_forked_from_main_thread = False
+"""In a child: whether its parent forked it from the parent's main thread."""
+
+
+def defer_sigterm_in_this_worker() -> None:
+    """Called in a DataLoader worker, before it starts threads of its own: SIGTERM from
+    anyone but the parent waits for the parent's end. Idempotent."""
+    global _guarded_pid
+    if _guarded_pid == os.getpid() or not hasattr(signal, "sigwaitinfo"):
+        return
+    _guarded_pid = os.getpid()
+    parent = os.getppid()
+    if _forked_from_main_thread:
+        _die_with_parent(parent)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(
+        target=_take_sigterm, args=(parent,), name="unbroken-sigterm", daemon=True
+    ).start()
+
+
+def _take_sigterm(parent: int) -> None:
+    deferred = False
+    while True:
+        if deferred:  # look at the parent now and then, and still take its own signal
+            info = signal.sigtimedwait({signal.SIGTERM}, PARENT_POLL_SECONDS)
+        else:
+            info = signal.sigwaitinfo({signal.SIGTERM})
+        if os.getppid() != parent or (info is not None and info.si_pid == parent):
+            os._exit(0)  # the parent asked (or is gone): what torch's own handler does
+        if info is not None and not deferred:
+            deferred = True
+            log.debug("DataLoader worker %d: SIGTERM from pid %d deferred until its "
+                      "parent ends", os.getpid(), info.si_pid)  # fmt: skip
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process as soon as its parent ends (Linux; elsewhere nothing)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it ended before the call
+        os._exit(0)
+
+
+def watch_started() -> None:
+    """A preemption watch is in place in this process: from now on every DataLoader
+    worker it forks (torch's own DataLoader too, not only ours) defers SIGTERM."""
+    global _watches, _hook_registered
+    with _lock:
+        _watches += 1
+        if not _hook_registered:
+            multiprocessing.util.register_after_fork(_HOOK_OWNER, _after_fork_in_child)
+            _hook_registered = True
+
+
+def watch_stopped() -> None:
+    global _watches
+    with _lock:
+        _watches = max(0, _watches - 1)
+
+
+def _after_fork_in_child(_owner: object) -> None:
+    """multiprocessing's after-fork hook, in every child it forks (before its target)."""
+    if _watches <= 0:
+        return
+    target = getattr(multiprocessing.current_process(), "_target", None)
+    if getattr(target, "__module__", None) == "torch.utils.data._utils.worker":
+        defer_sigterm_in_this_worker()
+
+
+def _note_forking_thread() -> None:
+    global _forked_from_main_thread
+    _forked_from_main_thread = threading.current_thread() is threading.main_thread()
+
+
+class _HookOwner:
+    """What register_after_fork holds (weakly) for the hook: alive as long as this module."""
+
+
+_HOOK_OWNER = _HookOwner()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_note_forking_thread)

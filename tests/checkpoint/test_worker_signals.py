@@ -1,0 +1,109 @@
+"""DataLoader workers and the signals schedulers send (unbroken._util.worker_sigterm).
+
+Real processes: a training process with worker processes (ub.DataLoader, or torch's own
+with a CheckpointManager in the process), signalled from outside as torchrun and Slurm do.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from .distributed import ROOT
+
+SCRIPT = Path(__file__).with_name("_loader_children.py")
+pytestmark = pytest.mark.multiprocess
+
+
+def _volume(tmp_path: Path) -> Path:
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    for i in range(32):
+        (volume / f"{i:03d}.bin").write_bytes(bytes([i]) * 4)
+    return volume
+
+
+def _start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, list[int]]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(_volume(tmp_path)), mode],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+    )  # fmt: skip
+    line = proc.stdout.readline()
+    assert line.startswith("WORKERS"), line + proc.stderr.read()
+    return proc, [int(p) for p in line.split()[1:]]
+
+
+def _more_batches(proc: subprocess.Popen) -> str:
+    proc.stdin.write("next\n")
+    proc.stdin.flush()
+    return proc.stdout.readline()
+
+
+@pytest.mark.parametrize("mode", ["ub", "torch"])
+def test_workers_outlive_a_sigterm_from_outside_and_end_with_their_parent(tmp_path, mode):
+    """torchrun's killpg and Slurm's signal reach the workers too: they used to die, and
+    torch's SIGCHLD handler raised in the training process before it could save."""
+    proc, workers = _start(tmp_path, mode)
+    try:
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+        assert _more_batches(proc).strip() == "OK", proc.stderr.read()
+        assert all(psutil.pid_exists(pid) for pid in workers)
+        proc.stdin.write("exit\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        gone = psutil.wait_procs([psutil.Process(p) for p in workers if psutil.pid_exists(p)],
+                                 timeout=30)[1]  # fmt: skip
+        assert not gone, "workers outlived their parent"
+    finally:
+        proc.kill()
+
+
+def test_without_a_manager_torchs_workers_keep_torchs_behaviour(tmp_path):
+    """Only a process with a preemption watch changes torch's own workers."""
+    proc, workers = _start(tmp_path, "torch-alone")
+    try:
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+        assert psutil.wait_procs([psutil.Process(p) for p in workers], timeout=30)[1] == []
+        assert "OK" not in _more_batches(proc)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_REAPER = """
+import ctypes, os, signal, subprocess, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come to us
+proc = subprocess.Popen([sys.executable, *sys.argv[1:]], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, text=True)
+workers = [int(p) for p in proc.stdout.readline().split()[1:]]
+os.kill(proc.pid, signal.SIGKILL)
+ends = {}
+while len(ends) < len(workers) + 1:
+    pid, status = os.waitpid(-1, 0)
+    ends[pid] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status)
+print(*(ends.get(w) for w in workers))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's parent-death signal")
+def test_a_killed_ranks_workers_die_with_it(tmp_path):
+    """Issue 29.3: a SIGKILLed rank's workers, orphaned, kept its gloo sockets open for
+    up to 5 s (until torch's watchdog ended them): its peers' collectives blocked instead
+    of failing, and every crash cost that much more. They now die with their parent."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    out = subprocess.run(
+        [sys.executable, "-c", _REAPER, str(SCRIPT), str(_volume(tmp_path)), "ub"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(int(signal.SIGKILL))] * 2, out.stdout
