@@ -48,11 +48,15 @@ class CheckpointInfo:
     overwritten; ``problem`` says which version wrote it."""
 
 
-def list_checkpoints(store: Store) -> list[CheckpointInfo]:
-    """Every ``step-*`` directory under the store root, sorted by step."""
+def list_checkpoints(
+    store: Store, by_step: dict[int, dict[str, int]] | None = None
+) -> list[CheckpointInfo]:
+    """Every ``step-*`` directory under the store root, sorted by step (``by_step``: the
+    listing, if the caller has made it)."""
     # Temp files too: a step whose writer was killed mid-upload may hold nothing else,
     # and retention must still see (and remove) it.
-    by_step = step_files(store, include_temp=True)
+    if by_step is None:
+        by_step = step_files(store, include_temp=True)
     return [_describe(store, step, sizes) for step, sizes in sorted(by_step.items())]
 
 

@@ -24,7 +24,7 @@ from unbroken.checkpoint.errors import (
     CheckpointCorruptError,
     NewerFormatError,
     NoCheckpointError,
-    OtherWriterError,
+    OtherJobError,
 )
 from unbroken.checkpoint.format.writers import describe_writer, writer_identity
 from unbroken.storage import ObjectExistsError, ObjectNotFoundError, Store
@@ -297,23 +297,31 @@ def committed_by(store: Store, step: int) -> str:
 def write_manifest(store: Store, manifest: Manifest) -> None:
     """Commit a checkpoint: one atomic, create-only write of its manifest, after all its
     files landed. Of two jobs committing the same step to one URL, one wins; the other
-    gets OtherWriterError naming the winner, and nothing is overwritten."""
+    gets OtherJobError naming both, and nothing is overwritten."""
     key = manifest_key(manifest.step)
+    data = manifest.to_json()
     try:
-        store.write_bytes(key, manifest.to_json(), create_only=True)
+        store.write_bytes(key, data, create_only=True)
     except ObjectExistsError as exc:
         try:
-            other = Manifest.from_json(store.read_bytes(key), where=store.url_for(key))
+            there = store.read_bytes(key)
+            if there == data:
+                return  # this very record: a retried write whose first try landed
+            other = Manifest.from_json(there, where=store.url_for(key))
             who = describe_writer(other.extra.get("writer"))
         except Exception as read_exc:  # still refuse: the record is there
             who = f"another writer (its manifest cannot be read: {read_exc})"
-        raise OtherWriterError(
-            f"step {manifest.step} was committed at {store.url_for(key)} by {who}, not by "
-            f"this job ({describe_writer(manifest.extra.get('writer'))}): two jobs are saving "
-            "to one URL; this job's save of the step is not committed. Give each job its own "
-            "URL.",
+        me = describe_writer(manifest.extra.get("writer"))
+        # The coordinator knew the step uncommitted when it claimed it: the winner
+        # committed since, so it runs now, and the next steps will meet it again.
+        raise OtherJobError(
+            f"two jobs are saving to one URL: step {manifest.step} was committed at "
+            f"{store.url_for(key)} by {who}, not by this job ({me}), while this job saved "
+            "it; this job's save of the step is not committed. Give each job its own URL.",
             step=manifest.step,
             url=store.url_for(key),
+            this_job=me,
+            other_job=who,
         ) from exc
 
 
