@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             bar.set_description(f"step {info.step}")
             if not info.committed and not _damaged_record(store, info):
                 partial.add(info.step)
-                report[info.step] = [f"not committed: {info.problem}"]
+                report[info.step] = [info.problem or "not committed"]
                 continue
             # "FILE: why" each, naming the file at fault (a shard cut short, not its record)
             report[info.step] = verify_checkpoint(store, info.step, deep=True, on_bytes=bar.update)
