@@ -113,6 +113,26 @@ def test_a_checkpoint_from_a_newer_unbroken_is_refused_and_never_deleted_or_over
     assert step_bytes(durable4) == before
 
 
+@pytest.mark.parametrize("flipped", ["3", "5", "9"])
+def test_a_flipped_bit_in_the_format_field_falls_back_as_corrupt_not_newer(tmp_path, flipped):
+    """One bit of ``"format": 1`` flipped (1 -> 3, 5 or 9) makes the record fail its own
+    checksum: it is corrupt, not a checkpoint of a newer unbroken, so restore falls back to
+    the previous step with a warning instead of refusing every restore."""
+    saved = saved_run(tmp_path, (2, 4))
+    path = tmp_path / "durable" / step_dir(4) / "manifest.json"
+    data = path.read_bytes()
+    assert data.count(b'"format": 1') == 1
+    path.write_bytes(data.replace(b'"format": 1', f'"format": {flipped}'.encode()))
+    fresh = make_state(5)
+    with manager(tmp_path) as mgr, pytest.warns(RuntimeWarning) as record:
+        assert mgr.restore(fresh) == 2
+        listed = {c.step: c for c in mgr.checkpoints()}
+    assert_same(snapshot(fresh), saved[2][0])
+    messages = [str(w.message) for w in record]
+    assert any(str(path) in m and "checksum" in m for m in messages), messages
+    assert not listed[4].committed and not listed[4].newer_format
+
+
 # -- what is not tensor bytes is checked before the state is touched ------------------
 
 

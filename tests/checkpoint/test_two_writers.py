@@ -58,16 +58,27 @@ JOB = textwrap.dedent(
 
 def run_two_jobs(tmp_path, url, options, stagings) -> list[dict[int, str]]:
     go = tmp_path / "go"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    told = run_together(
+        go,
+        [[JOB, url, staging, str(i + 1), json.dumps(options), str(go)]
+         for i, staging in enumerate(stagings)],
+    )  # fmt: skip
+    return [{int(k): v for k, v in t.items()} for t in told]
+
+
+def run_together(go, argvs: list[list[str]], envs: list[dict] | None = None) -> list[dict]:
+    """Run ``python -c *argv`` for each argv, job k (from 1) making ``{go}.ready-k`` when
+    set up and starting once ``go`` exists; each one's last line of output, as JSON."""
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", JOB, url, staging, str(i + 1), json.dumps(options), str(go)],
+            [sys.executable, "-c", *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
+            env=base | (envs[i] if envs else {}),
         )
-        for i, staging in enumerate(stagings)
+        for i, argv in enumerate(argvs)
     ]
     # Both managers exist (or were refused) before either job saves: a job that started
     # slowly must not find the other one already finished.
@@ -82,7 +93,7 @@ def run_two_jobs(tmp_path, url, options, stagings) -> list[dict[int, str]]:
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    return [{int(k): v for k, v in json.loads(out.splitlines()[-1]).items()} for out, _ in outs]
+    return [json.loads(out.splitlines()[-1]) for out, _ in outs]
 
 
 @pytest.mark.multiprocess
@@ -140,3 +151,72 @@ def test_a_live_claim_on_a_staging_dir_is_refused_by_pid(tmp_path):
         other.wait()
     release = claim_staging_dir(str(tmp_path / "staging"), 0, "job B")  # owner gone
     release()
+
+
+ASYNC_JOB = textwrap.dedent(
+    """
+    import json, os, sys, time, warnings, torch
+    import unbroken as ub
+    url, staging, me, other, go = sys.argv[1:6]
+    model = torch.nn.Linear(64, 64)
+    state = {"model": model}
+    mgr = ub.CheckpointManager(url, staging_dir=staging, every_steps=1, keep_last=None)
+    mark = lambda what: open(f"{go}.{what}-{me}", "w").close()
+    seen = lambda what: os.path.exists(f"{go}.{what}-{other}")
+    mark("ready")
+    while not os.path.exists(go):  # start together
+        time.sleep(0.01)
+    raised, warned = None, []
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(1, 9):
+            mark(f"at-{step}")  # both jobs reach each step before either saves it
+            while not (seen(f"at-{step}") or seen("done")):
+                time.sleep(0.01)
+            try:
+                mgr.maybe_save(step, state)  # async: a failure is learnt at a later call
+            except Exception as e:
+                raised = {"step": step, "type": type(e).__name__, "message": str(e),
+                          "this": getattr(e, "this_job", ""), "other": getattr(e, "other_job", "")}
+                break
+            s = mgr.stats
+            while s.committed + s.failed < s.started:  # this save settled (not raised here)
+                time.sleep(0.01)
+        warned = [str(w.message) for w in record]
+    mark("done")
+    while not seen("done"):  # alive while the other job saves: it must find this one live
+        time.sleep(0.01)
+    try:
+        mgr.close()
+    except Exception:
+        pass
+    print(json.dumps({"pid": os.getpid(), "raised": raised, "warned": warned}))
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_a_second_job_on_one_url_is_raised_from_maybe_save_naming_both(tmp_path):
+    """Two live jobs with their own job ids on one URL never heal: the job that learns
+    of the other raises OtherJobError from maybe_save (raise_on_failure is off), naming
+    both, instead of training on with every save failing and warned about."""
+    go, url = tmp_path / "go", str(tmp_path / "durable")
+    told = run_together(
+        go,
+        [[ASYNC_JOB, url, str(tmp_path / f"st-{i}"), str(i), str(3 - i), str(go)] for i in (1, 2)],
+        [{"UNBROKEN_JOB_ID": f"job-{i}"} for i in (1, 2)],
+    )
+    told = dict(zip((1, 2), told))
+    raised = [(i, t["raised"]) for i, t in told.items() if t["raised"]]
+    assert raised, told
+    for i, r in raised:
+        assert r["type"] == "OtherJobError", r
+        mine, theirs = told[i]["pid"], told[3 - i]["pid"]
+        assert f"'job-{i}'" in r["this"] and f"pid {mine}" in r["this"], r
+        assert f"'job-{3 - i}'" in r["other"] and f"pid {theirs}" in r["other"], r
+        assert r["this"] in r["message"] and r["other"] in r["message"], r
+        assert not [w for w in told[i]["warned"] if "OtherJobError" in w or "alive" in w], r
+    store = ub.open_store(url)
+    for step in range(1, 9):
+        if store.exists(f"step-{step:012d}/manifest.json"):
+            assert verify_checkpoint(store, step, deep=True) == [], (step, told)

@@ -116,8 +116,72 @@ def test_verify_names_a_damaged_manifest(capsys, checkpoints, tmp_path, damage):
 def test_verify_of_a_partial_or_absent_step_fails(capsys, checkpoints):
     code, out, _ = run(capsys, "verify", str(checkpoints), "--step", "6")
     assert code == 1 and "not committed" in out
+    where = checkpoints / step_dir(6)
+    assert out.startswith(f"CORRUPT {where}: ") and f"{where}/" not in out, out
     code, _, err = run(capsys, "verify", str(checkpoints), "--step", "7")
     assert code == 1 and "no checkpoint of step 7" in err
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-7])
+
+
+def _extend(path: Path) -> None:
+    path.write_bytes(path.read_bytes() + b"tail")
+
+
+def _into_a_directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+    (path / "inside").write_bytes(b"x")
+
+
+SHARD_DAMAGE = {
+    "truncated": (_truncate, "bytes, manifest says"),
+    "extended": (_extend, "bytes, manifest says"),
+    "missing": (Path.unlink, "missing"),
+    "a directory": (_into_a_directory, "a directory"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(SHARD_DAMAGE))
+def test_verify_names_the_shard_not_the_manifest(capsys, checkpoints, tmp_path, damage):
+    """A shard cut short, grown, gone or replaced by a directory: the shard is at fault,
+    and its manifest is sound (text and --json alike)."""
+    ck = copy_tree(checkpoints, tmp_path / "ck")
+    do, why = SHARD_DAMAGE[damage]
+    do(ck / step_dir(4) / "__0_0.distcp")
+    code, out, _ = run(capsys, "verify", str(ck))
+    assert code == 1, out
+    bad = [line for line in out.splitlines() if line.startswith("CORRUPT")]
+    assert bad == [line for line in bad if line.startswith(f"CORRUPT {ck / step_dir(4)}/")]
+    assert len(bad) == 1 and bad[0].startswith(
+        f"CORRUPT {ck / step_dir(4) / '__0_0.distcp'}: "
+    ), out
+    assert why in bad[0] and "manifest.json" not in bad[0].split(": ", 1)[0], bad
+    code, out, _ = run(capsys, "verify", str(ck), "--json")
+    assert code == 1
+    (problem,) = json.loads(out)["4"]
+    assert problem.startswith("__0_0.distcp: ") and why in problem, problem
+
+
+@pytest.mark.parametrize("flipped", ["3", "5", "9"])
+def test_verify_fails_a_manifest_whose_format_field_has_a_flipped_bit(
+    capsys, checkpoints, tmp_path, flipped
+):
+    """``"format": 1`` with one bit flipped: its own checksum fails, so it is a damaged
+    commit record (exit 1), not a checkpoint a newer unbroken wrote."""
+    ck = copy_tree(checkpoints, tmp_path / "ck")
+    manifest = ck / step_dir(4) / "manifest.json"
+    data = manifest.read_bytes()
+    manifest.write_bytes(data.replace(b'"format": 1', f'"format": {flipped}'.encode()))
+    code, out, _ = run(capsys, "verify", str(ck))
+    assert code == 1, out
+    assert f"CORRUPT {manifest}: " in out and "checksum" in out and "newer" not in out
+    code, out, _ = run(capsys, "verify", str(ck), "--json")
+    assert code == 1
+    (problem,) = json.loads(out)["4"]
+    assert problem.startswith("manifest.json: ") and "checksum" in problem
 
 
 @pytest.mark.parametrize("verb", ["ls", "verify", "goodput"])

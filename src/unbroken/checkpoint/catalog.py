@@ -48,11 +48,15 @@ class CheckpointInfo:
     overwritten; ``problem`` says which version wrote it."""
 
 
-def list_checkpoints(store: Store) -> list[CheckpointInfo]:
-    """Every ``step-*`` directory under the store root, sorted by step."""
+def list_checkpoints(
+    store: Store, by_step: dict[int, dict[str, int]] | None = None
+) -> list[CheckpointInfo]:
+    """Every ``step-*`` directory under the store root, sorted by step (``by_step``: the
+    listing, if the caller has made it)."""
     # Temp files too: a step whose writer was killed mid-upload may hold nothing else,
     # and retention must still see (and remove) it.
-    by_step = step_files(store, include_temp=True)
+    if by_step is None:
+        by_step = step_files(store, include_temp=True)
     return [_describe(store, step, sizes) for step, sizes in sorted(by_step.items())]
 
 
@@ -93,7 +97,9 @@ def verify_checkpoint(
     deep: bool = False,
     on_bytes: Callable[[int], None] | None = None,
 ) -> list[str]:
-    """Problems of checkpoint ``step`` (empty if it is sound).
+    """Problems of checkpoint ``step`` (empty if it is sound), each ``"FILE: why"`` with
+    FILE relative to the step directory: the file at fault, ``manifest.json`` only when the
+    commit record itself is.
 
     Shallow: the manifest parses and every listed file is present with its size. Deep:
     also re-checksum every file against the manifest and decode ``metadata.json``;
@@ -102,7 +108,7 @@ def verify_checkpoint(
     try:
         manifest = read_manifest(store, step)
     except CheckpointError as exc:
-        return [str(exc)]
+        return [f"{MANIFEST_NAME}: {_reason(exc)}"]
     prefix = step_dir(step)
     sizes = {
         e.key[len(prefix) + 1 :]: e.size
@@ -124,16 +130,27 @@ def verify_checkpoint(
             try:
                 metadata_from_json(store.read_bytes(key), where=store.url_for(key))
             except CheckpointError as exc:
-                problems.append(str(exc))
+                problems.append(f"{METADATA_JSON}: {_reason(exc)}")
     return problems
+
+
+def _reason(exc: CheckpointError) -> str:
+    """The error's message without the URL it starts with (the caller names the file)."""
+    text, url = str(exc), getattr(exc, "url", None)
+    return text[len(url) + 2 :] if url and text.startswith(f"{url}: ") else text
 
 
 def missing_or_short(manifest: Manifest, sizes: Mapping[str, int]) -> list[str]:
     """Files the manifest lists that ``sizes`` (name -> bytes present) lacks or differs on."""
     problems = []
+    folders: set[str] | None = None
     for name, record in sorted(manifest.files.items()):
         present = sizes.get(name)
-        if present is None:
+        if present is None and folders is None:  # paths that hold other files
+            folders = {k.rsplit("/", i)[0] for k in sizes for i in range(1, k.count("/") + 1)}
+        if present is None and name in (folders or ()):
+            problems.append(f"{name}: a directory, not a file")
+        elif present is None:
             problems.append(f"{name}: missing")
         elif present != record.size:
             problems.append(f"{name}: {present} bytes, manifest says {record.size}")

@@ -6,13 +6,15 @@ save. The coordinator reads the catalog once, then trusts its own commits and de
 each retention pass costs one listing (to see partial steps) plus the deletions. A
 manifest that appears without this process writing it sends it back to the catalog. A
 step whose manifest a newer unbroken wrote is remembered as such: never deleted, never
-saved over.
+saved over. The claims (``writer.json``) of that first look are remembered too: a claim
+made after it proves that its writer ran while this job did.
 """
 
 from __future__ import annotations
 
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints, step_files
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME, Manifest, step_dir
+from unbroken.checkpoint.format.writers import WRITER_NAME
 from unbroken.storage import Store
 
 
@@ -24,6 +26,8 @@ class DurableIndex:
         self._committed: dict[int, CheckpointInfo] | None = None
         self._newer: dict[int, CheckpointInfo] = {}
         """Steps whose manifest is of a newer format than this unbroken reads."""
+        self._first_claims: frozenset[int] | None = None
+        """Steps that held a claim at the first look."""
 
     def committed_steps(self) -> set[int]:
         """Steps committed in the durable tier (read from the catalog the first time)."""
@@ -52,6 +56,11 @@ class DurableIndex:
         if self._committed is None:
             self._reload()
         return self._newer.get(step)
+
+    def claimed_before(self, step: int) -> bool:
+        """Whether ``step`` held a claim when this index first looked (True if it has not
+        looked yet: nothing is proven then)."""
+        return self._first_claims is None or step in self._first_claims
 
     def forget(self, step: int) -> None:
         if self._committed is not None:
@@ -86,7 +95,10 @@ class DurableIndex:
         ]
 
     def _reload(self) -> list[CheckpointInfo]:
-        infos = list_checkpoints(self.store)
+        files = step_files(self.store, include_temp=True)
+        infos = list_checkpoints(self.store, files)
+        if self._first_claims is None:
+            self._first_claims = frozenset(s for s, names in files.items() if WRITER_NAME in names)
         self._committed = {c.step: c for c in infos if c.committed}
         self._newer = {c.step: c for c in infos if c.newer_format}
         return infos

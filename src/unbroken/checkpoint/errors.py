@@ -78,3 +78,22 @@ class OtherWriterError(CheckpointError):
         super().__init__(message)
         self.step = step
         self.url = url
+
+
+class OtherJobError(SaveFailedError, OtherWriterError):
+    """Another job is saving to this URL while this one runs: a conflict that never heals.
+
+    It holds a claim made after this job started, or runs on this host, or won a commit
+    this job raced it for. Raised from the ``save`` / ``maybe_save`` / ``wait`` that learns
+    of it, whatever ``raise_on_failure`` says: two jobs on one URL skip each other's steps
+    and restore each other's checkpoints. ``this_job`` and ``other_job`` name both."""
+
+    def __init__(
+        self, message: str, *, step: int, url: str, this_job: str, other_job: str
+    ) -> None:
+        CheckpointError.__init__(self, message)
+        self.step = step
+        self.url = url
+        self.cause = None
+        self.this_job = this_job
+        self.other_job = other_job

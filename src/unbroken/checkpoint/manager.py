@@ -30,7 +30,7 @@ from unbroken.checkpoint.config import (
     default_staging_dir,
 )
 from unbroken.checkpoint.elastic_env import warn_if_restarts_may_hang
-from unbroken.checkpoint.errors import SaveFailedError
+from unbroken.checkpoint.errors import OtherJobError, SaveFailedError
 from unbroken.checkpoint.pipeline import PipelineConfig, SavePipeline
 from unbroken.checkpoint.preemption import EXIT_CODE, PreemptionWatch
 from unbroken.checkpoint.save_job import SaveJob
@@ -197,7 +197,8 @@ class CheckpointManager:
 
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save now (waits for a save still in flight); False if ``step`` is already committed,
-        or, with ``async_save=False``, if the save failed (its failure is warned about)."""
+        or, with ``async_save=False``, if the save failed (its failure is warned about;
+        OtherJobError, another job saving to this URL, is raised)."""
         _check_step(step)
         self._report_failures(raising=False)
         return self._save(step, state, skip_if_busy=False)
@@ -313,15 +314,20 @@ class CheckpointManager:
                 self._committed.add(job.step)
 
     def _report_failures(self, *, raising: bool) -> None:
-        """Each failure is reported once: raised, or warned about (then kept in .failures)."""
+        """Each failure is reported once: raised, or warned about (then kept in .failures).
+        Another job saving to this URL (OtherJobError) is always raised: it never heals,
+        and a job warned about it would train on for days with every save failing."""
         with self._lock:
             pending, self._failures = self._failures, []
         if not pending:
             return
-        if raising or self.config.raise_on_failure:
-            for err in pending[1:]:
-                log.error("also failed: %s", err)
-            raise pending[-1]
+        conflicts = [err for err in pending if isinstance(err, OtherJobError)]
+        if raising or self.config.raise_on_failure or conflicts:
+            raised = conflicts[-1] if conflicts else pending[-1]
+            for err in pending:
+                if err is not raised:
+                    log.error("also failed: %s", err)
+            raise raised
         for err in pending:
             warnings.warn(str(err), RuntimeWarning, stacklevel=3)
 

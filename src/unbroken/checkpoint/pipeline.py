@@ -34,7 +34,7 @@ from unbroken._version import __version__
 from unbroken.checkpoint import staging_tier
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.durable_index import DurableIndex
-from unbroken.checkpoint.errors import OtherWriterError, SaveFailedError
+from unbroken.checkpoint.errors import OtherJobError, SaveFailedError
 from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
     FileRecord,
@@ -47,7 +47,12 @@ from unbroken.checkpoint.format.manifest import (
 )
 from unbroken.checkpoint.format.planners import PinnedSavePlanner
 from unbroken.checkpoint.format.writer import TierWriter
-from unbroken.checkpoint.format.writers import claim_step, writer_identity
+from unbroken.checkpoint.format.writers import (
+    WRITER_NAME,
+    claim_step,
+    describe_writer,
+    writer_identity,
+)
 from unbroken.checkpoint.json_values import rank_values
 from unbroken.checkpoint.local_writes import LOCAL_LOAN, LocalWrites
 from unbroken.checkpoint.retention import plan_deletions
@@ -80,7 +85,25 @@ def _rank_values_entry(values: dict[str, Any], per_rank: list[dict[str, Any]]) -
 
 
 class _PhaseFailed(Exception):
-    """A phase failed on some rank; ``args[0]`` says where and why."""
+    """A phase failed on some rank; ``args[0]`` says where and why, ``conflict`` (the
+    fields of an OtherJobError, as every rank got them) that another job is the cause."""
+
+    def __init__(self, message: str, conflict: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.conflict = conflict
+
+
+def _conflict(exc: BaseException | None) -> dict[str, Any] | None:
+    """An OtherJobError's fields, to travel to every rank (it does not pickle itself)."""
+    if not isinstance(exc, OtherJobError):
+        return None
+    return {
+        "message": str(exc),
+        "step": exc.step,
+        "url": exc.url,
+        "this_job": exc.this_job,
+        "other_job": exc.other_job,
+    }
 
 
 @dataclass
@@ -190,9 +213,11 @@ class SavePipeline:
             try:
                 job.manifest = self._save(job)
             except _PhaseFailed as e:
-                job.error = SaveFailedError(
-                    job.step, message=f"checkpoint save of step {job.step} failed: {e.args[0]}"
-                )
+                message = f"checkpoint save of step {job.step} failed: {e.args[0]}"
+                if e.conflict is not None:  # never heals: the manager raises it
+                    job.error = OtherJobError(**{**e.conflict, "message": message})
+                else:
+                    job.error = SaveFailedError(job.step, message=message)
                 job.error.__cause__ = e.__cause__
             except BaseException as e:  # a bug of ours must not vanish in a thread
                 log.exception("checkpoint worker: unexpected error at step %d", job.step)
@@ -217,8 +242,11 @@ class SavePipeline:
 
     def _agree(self, problem: str | None, what: str, exc: BaseException | None) -> None:
         """Raise on every rank if ``problem`` is set on any rank (``exc``: this rank's)."""
-        problems = self._together(what, self.group.all_gather, problem)
-        bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+        gathered = self._together(what, self.group.all_gather, (problem, _conflict(exc)))
+        conflict = next((c for _, c in gathered if c is not None), None)
+        if conflict is not None:
+            raise _PhaseFailed(conflict["message"], conflict) from exc
+        bad = [f"rank {r}: {p}" for r, (p, _) in enumerate(gathered) if p]
         if bad:
             raise _PhaseFailed(f"{what} failed: " + "; ".join(bad)) from exc
 
@@ -313,7 +341,7 @@ class SavePipeline:
             if not claimed:  # the durable tier was down at staging: claim now, retrying
                 for loan in memory.values():
                     loan.give_back()  # not held through retries: the next save needs them
-                claim_step(self.durable, name, step)
+                claim_step(self.durable, name, step, seen_before=self.index.claimed_before(step))
             etags = self._upload(local_dir, name, records, memory, local)
         except Exception as e:
             problem, exc = f"uploading to {self.durable.url_for(name)}: {describe(e)}", e
@@ -331,7 +359,9 @@ class SavePipeline:
         self._note_page_cache_writes(writer)
         job.memory_bytes = sum(c.size for c in memory.values() if c.sent_from_memory)
         gathered = self._together(
-            f"uploading step {step}", g.all_gather, (records, problem, etags, job.values)
+            f"uploading step {step}",
+            g.all_gather,
+            (records, problem, etags, job.values, _conflict(exc)),
         )
         t3 = time.monotonic()
         job.seconds["upload"] = t3 - t2
@@ -341,6 +371,8 @@ class SavePipeline:
             outcome = self._commit(job, gathered)
         outcome = self._together(f"committing step {step}", g.broadcast, outcome)
         job.seconds["commit"] = time.monotonic() - t3
+        if outcome[0] == "conflict":
+            raise _PhaseFailed(outcome[1]["message"], outcome[1]) from exc
         if outcome[0] != "ok":
             raise _PhaseFailed(outcome[1]) from exc
         manifest = Manifest.from_json(outcome[1], where=self.durable.url_for(name))
@@ -359,7 +391,7 @@ class SavePipeline:
         quick = copy.copy(self.durable)
         quick.retry = _CLAIM_RETRY
         try:
-            claim_step(quick, name, step)
+            claim_step(quick, name, step, seen_before=self.index.claimed_before(step))
         except StoreError as e:
             if not e.transient and not isinstance(e, RetriesExhaustedError):
                 raise
@@ -414,13 +446,17 @@ class SavePipeline:
         return etags
 
     def _commit(self, job: SaveJob, gathered: list[Any]) -> tuple[str, Any]:
-        """Coordinator: write the manifest if every rank's files are durable."""
-        bad = [f"rank {r}: {p}" for r, (_, p, _, _) in enumerate(gathered) if p]
+        """Coordinator: write the manifest if every rank's files are durable; ("conflict",
+        an OtherJobError's fields) when another job saves to the URL."""
+        conflict = next((c for *_, c in gathered if c is not None), None)
+        if conflict is not None:
+            return ("conflict", conflict)
+        bad = [f"rank {r}: {p}" for r, (_, p, *_) in enumerate(gathered) if p]
         if bad:
             return ("error", f"step {job.step} not committed: " + "; ".join(bad))
         files: dict[str, FileRecord] = {}
         etags: dict[str, str | None] = {}
-        for rank, (records, _, rank_etags, _) in enumerate(gathered):
+        for rank, (records, _, rank_etags, *_) in enumerate(gathered):
             etags.update(rank_etags)
             for rec in records:
                 if rec.name in files:
@@ -437,26 +473,48 @@ class SavePipeline:
                 "values": job.values,
                 "rng_files": "rng/rank-{rank:05d}.json",
                 "writer": writer_identity(),
-                **_rank_values_entry(job.values, [values for *_, values in gathered]),
+                **_rank_values_entry(job.values, [values for _, _, _, values, _ in gathered]),
             },
         )
         try:
             write_manifest(self.durable, manifest)
-        except OtherWriterError as e:
-            return ("error", str(e) + self._overwritten_note(manifest, etags))
+        except OtherJobError as e:
+            conflict = _conflict(e)
+            assert conflict is not None
+            conflict["message"] += self._overwritten_note(manifest, etags)
+            return ("conflict", conflict)
         except Exception as e:
             return ("error", f"step {job.step}: writing the commit record failed: {describe(e)}")
         changed = verify_committed_files(self.durable, manifest, etags)
         if changed:  # another job's upload landed over ours: un-commit (the record is ours)
             self.durable.delete(f"{step_dir(job.step)}/{MANIFEST}")
+            me, other = describe_writer(writer_identity()), self._claim_holder(job.step)
+            where = self.durable.url_for(step_dir(job.step))
             return (
-                "error",
-                f"step {job.step} not committed: {', '.join(changed)} at "
-                f"{self.durable.url_for(step_dir(job.step))} were replaced by another "
-                "writer's upload while this job committed (two jobs saving to one URL)",
+                "conflict",
+                {
+                    "message": f"two jobs are saving to one URL: step {job.step} not "
+                    f"committed: {', '.join(changed)} at {where} were replaced by the upload "
+                    f"of {other} while this job ({me}) committed. Give each job its own URL.",
+                    "step": job.step,
+                    "url": where,
+                    "this_job": me,
+                    "other_job": other,
+                },
             )
         self.index.add(manifest)
         return ("ok", manifest.to_json())
+
+    def _claim_holder(self, step: int) -> str:
+        """Who the step's claim names now (the job whose upload replaced ours, if it
+        took the claim over), as well as it can be read."""
+        try:
+            holder = json.loads(self.durable.read_bytes(f"{step_dir(step)}/{WRITER_NAME}"))
+        except Exception:
+            return "another writer"
+        if holder == writer_identity():
+            return "another writer"
+        return describe_writer(holder)
 
     def _overwritten_note(self, manifest: Manifest, etags: dict[str, str | None]) -> str:
         """For the job that lost a commit: did its uploads replace the winner's files?"""

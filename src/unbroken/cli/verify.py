@@ -49,15 +49,15 @@ def run(args: argparse.Namespace) -> int:
     total = sum(i.nbytes for i in chosen if i.committed)
     bar = _progress(total, disable=args.no_progress or args.json)
     report: dict[int, list[str]] = {}
+    partial: set[int] = set()  # no commit record: a problem of the step, not of a file
     try:
         for info in chosen:
             bar.set_description(f"step {info.step}")
-            if not info.committed:
-                if _damaged_record(store, info):
-                    report[info.step] = [f"{MANIFEST_NAME}: {info.problem}"]
-                else:
-                    report[info.step] = [f"not committed: {info.problem}"]
+            if not info.committed and not _damaged_record(store, info):
+                partial.add(info.step)
+                report[info.step] = [info.problem or "not committed"]
                 continue
+            # "FILE: why" each, naming the file at fault (a shard cut short, not its record)
             report[info.step] = verify_checkpoint(store, info.step, deep=True, on_bytes=bar.update)
     finally:
         bar.close()
@@ -67,10 +67,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         for step, problems in report.items():
             where = store.url_for(step_dir(step))
-            if problems:
-                for p in problems:
-                    print(f"CORRUPT {where}/{p}" if ":" in p else f"CORRUPT {where}: {p}")
-            else:
+            for p in problems:
+                print(f"CORRUPT {where}: {p}" if step in partial else f"CORRUPT {where}/{p}")
+            if not problems:
                 print(f"ok      {where}")
     if bad:
         n = sum(len(p) for p in bad.values())

@@ -17,6 +17,7 @@ from unbroken.checkpoint.format.manifest import (
     Manifest,
     crc32c_bytes,
     crc32c_file,
+    manifest_checksum,
     odd_step_dir,
     parse_step_dir,
     read_manifest,
@@ -98,11 +99,17 @@ def test_bad_manifest_is_a_clear_error(name):
         Manifest.from_json(BAD[name], where="s3://b/step-1/manifest.json")
 
 
+def newer(doc: dict) -> dict:
+    """``doc`` as a newer unbroken would write it: another layout, its checksum kept."""
+    doc.update(format=2, library_version="9.1.0", files="a layout of the future")
+    doc[SELF_CHECKSUM] = manifest_checksum(doc)
+    return doc
+
+
 def test_a_manifest_of_a_newer_format_is_refused_as_newer_not_as_corrupt():
     """Its other fields may mean something else there: only the step and the version
-    that wrote it are read, to say so (its own checksum may be computed otherwise too)."""
-    doc = json.loads(sample().to_json())
-    doc.update(format=2, library_version="9.1.0", files="a layout of the future")
+    that wrote it are read, to say so (its own checksum is computed as every format does)."""
+    doc = newer(json.loads(sample().to_json()))
     with pytest.raises(NewerFormatError) as info:
         Manifest.from_json(json.dumps(doc).encode(), where="s3://b/step-1/manifest.json")
     assert not isinstance(info.value, CheckpointCorruptError)
@@ -111,6 +118,25 @@ def test_a_manifest_of_a_newer_format_is_refused_as_newer_not_as_corrupt():
         f"this is unbroken {__version__}, which reads format 1: upgrade"
     )
     assert (info.value.step, info.value.format, info.value.library_version) == (1200, 2, "9.1.0")
+
+
+@pytest.mark.parametrize("flipped", [3, 5, 9])
+def test_a_newer_format_whose_checksum_fails_is_corrupt_not_newer(flipped):
+    """A flipped bit in "format" (1 -> 3, 5, 9) must not pass for a newer unbroken's
+    checkpoint: restore would refuse every run instead of falling back past it."""
+    data = sample().to_json()
+    damaged = data.replace(b'"format": 1', f'"format": {flipped}'.encode())
+    assert damaged != data
+    with pytest.raises(CheckpointCorruptError, match="its own checksum does not match"):
+        Manifest.from_json(damaged, where="s3://b/step-1/manifest.json")
+
+
+def test_a_newer_format_without_its_checksum_is_corrupt():
+    doc = newer(json.loads(sample().to_json()))
+    doc.pop(SELF_CHECKSUM)
+    claim = f"claims format 2 but carries no {SELF_CHECKSUM}"
+    with pytest.raises(CheckpointCorruptError, match=claim):
+        Manifest.from_json(json.dumps(doc).encode(), where="s3://b/step-1/manifest.json")
 
 
 def test_a_manifest_changed_after_it_was_written_is_refused():

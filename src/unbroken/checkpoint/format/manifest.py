@@ -24,7 +24,7 @@ from unbroken.checkpoint.errors import (
     CheckpointCorruptError,
     NewerFormatError,
     NoCheckpointError,
-    OtherWriterError,
+    OtherJobError,
 )
 from unbroken.checkpoint.format.writers import describe_writer, writer_identity
 from unbroken.storage import ObjectExistsError, ObjectNotFoundError, Store
@@ -35,7 +35,9 @@ METADATA_JSON = "metadata.json"
 METADATA_PICKLE = ".metadata"
 """DCP metadata pickled, for vanilla ``dcp.load`` only; never read by unbroken."""
 FORMAT_VERSION = 1
-"""Bumped when the layout changes in a way an older reader cannot follow."""
+"""Bumped when the layout changes in a way an older reader cannot follow. Every format
+keeps ``SELF_CHECKSUM``, computed as ``manifest_checksum`` does, so that an older reader
+can tell a newer record from a damaged one."""
 STEP_DIGITS = 12
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 8 << 20
@@ -104,11 +106,14 @@ class Manifest:
             if not isinstance(doc, dict):
                 raise TypeError("top level is not an object")
             fmt = doc.get("format")
-            if _is_int(fmt) and fmt > FORMAT_VERSION:
+            newer = _is_int(fmt) and fmt > FORMAT_VERSION
+            # The checksum first: a flipped bit in "format" must read as damage, not as a
+            # newer unbroken's checkpoint (which restore refuses instead of falling back).
+            _check_self_checksum(doc, required=newer)
+            if newer:
                 raise _newer_format(doc, fmt, where)  # its other fields may mean other things
             if not _is_int(fmt) or fmt != FORMAT_VERSION:
                 raise ValueError(f"unknown manifest format {fmt!r}")
-            _check_self_checksum(doc)
             files: dict[str, FileRecord] = {}
             for item in doc["files"]:
                 rec = FileRecord(str(item["name"]), _nonneg(item["size"]), _nonneg(item["crc32c"]))
@@ -146,9 +151,17 @@ def manifest_checksum(doc: dict[str, Any]) -> int:
     )
 
 
-def _check_self_checksum(doc: dict[str, Any]) -> None:
-    """Manifests written before the field existed have none, and are taken as they are."""
+def _check_self_checksum(doc: dict[str, Any], *, required: bool) -> None:
+    """Manifests of this format written before the field existed have none, and are taken
+    as they are. One that claims a newer format must carry it (every format keeps it,
+    computed as ``manifest_checksum`` does): only a record whose checksum holds is believed
+    when it says a newer unbroken wrote it."""
     if SELF_CHECKSUM not in doc:
+        if required:
+            raise ValueError(
+                f"it claims format {doc.get('format')!r} but carries no {SELF_CHECKSUM}, "
+                "which every newer format writes: the record is damaged"
+            )
         return
     expected, actual = doc[SELF_CHECKSUM], manifest_checksum(doc)
     if expected != actual:
@@ -284,23 +297,31 @@ def committed_by(store: Store, step: int) -> str:
 def write_manifest(store: Store, manifest: Manifest) -> None:
     """Commit a checkpoint: one atomic, create-only write of its manifest, after all its
     files landed. Of two jobs committing the same step to one URL, one wins; the other
-    gets OtherWriterError naming the winner, and nothing is overwritten."""
+    gets OtherJobError naming both, and nothing is overwritten."""
     key = manifest_key(manifest.step)
+    data = manifest.to_json()
     try:
-        store.write_bytes(key, manifest.to_json(), create_only=True)
+        store.write_bytes(key, data, create_only=True)
     except ObjectExistsError as exc:
         try:
-            other = Manifest.from_json(store.read_bytes(key), where=store.url_for(key))
+            there = store.read_bytes(key)
+            if there == data:
+                return  # this very record: a retried write whose first try landed
+            other = Manifest.from_json(there, where=store.url_for(key))
             who = describe_writer(other.extra.get("writer"))
         except Exception as read_exc:  # still refuse: the record is there
             who = f"another writer (its manifest cannot be read: {read_exc})"
-        raise OtherWriterError(
-            f"step {manifest.step} was committed at {store.url_for(key)} by {who}, not by "
-            f"this job ({describe_writer(manifest.extra.get('writer'))}): two jobs are saving "
-            "to one URL; this job's save of the step is not committed. Give each job its own "
-            "URL.",
+        me = describe_writer(manifest.extra.get("writer"))
+        # The coordinator knew the step uncommitted when it claimed it: the winner
+        # committed since, so it runs now, and the next steps will meet it again.
+        raise OtherJobError(
+            f"two jobs are saving to one URL: step {manifest.step} was committed at "
+            f"{store.url_for(key)} by {who}, not by this job ({me}), while this job saved "
+            "it; this job's save of the step is not committed. Give each job its own URL.",
             step=manifest.step,
             url=store.url_for(key),
+            this_job=me,
+            other_job=who,
         ) from exc
 
 
