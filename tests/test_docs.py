@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.checkpoint.distributed import check, torchrun
+from unbroken import open_store
+from unbroken.goodput import events as ev
+
 ROOT = Path(__file__).resolve().parent.parent
 NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(?P<why>.+?)\s*-->$")
 MAX_NOT_RUN = 6
@@ -140,3 +144,34 @@ def test_the_readme_sample_run_twice_restores_where_the_first_ended(tmp_path, mo
         last = namespace["mgr"].last_restore
         restored.append(None if last is None else last.step)
     assert restored == [None, 20]
+
+
+def restored_steps(checkpoints: Path) -> list[list[int | None]]:
+    """What each run restored, rank by rank, in the order the runs started (read from the
+    goodput event log every manager writes beside its checkpoints)."""
+    runs = []
+    for ranks in ev.read_log(open_store(str(checkpoints))).values():
+        start = min(e.t for events in ranks.values() for e in events if e.kind == ev.START)
+        steps = [
+            next(e.step for e in ranks[r] if e.kind == ev.RESTORE_END) for r in sorted(ranks)
+        ]
+        runs.append((start, steps))
+    return [steps for _, steps in sorted(runs)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("page, last", [("README.md", 20), ("docs/launch.md", 12)])
+def test_a_sample_launched_under_torchrun_restores_its_last_step_when_run_again(
+    page, last, tmp_path
+):
+    """What the pages say: launch the sample under torchrun; run it again and it resumes."""
+    script = tmp_path / "train.py"
+    blocks = [b for b in python_blocks(ROOT / page) if b.not_run is None]
+    script.write_text("".join(b.source for b in blocks))
+    env = {
+        "UNBROKEN_CACHE_DIR": str(tmp_path / "default-cache"),
+        "UNBROKEN_STAGING_DIR": str(tmp_path / "default-staging"),
+    }
+    for _ in range(2):
+        check(torchrun(2, script=script, cwd=tmp_path, env=env))
+    assert restored_steps(tmp_path / "checkpoints") == [[None, None], [last, last]]
