@@ -9,6 +9,7 @@ still compiled, and reported as skipped with that reason.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 from dataclasses import dataclass
@@ -91,6 +92,28 @@ def test_a_block_marked_not_run_still_compiles_and_says_why(block):
 def test_the_docs_have_samples_and_few_are_left_unrun():
     assert len(RUN_FILES) >= 5, RUN_FILES
     assert len(NOT_RUN_BLOCKS) <= MAX_NOT_RUN, [b.where for b in NOT_RUN_BLOCKS]
+
+
+def _imported(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_every_sample_imports_the_modules_it_uses():
+    """A block copied alone must not fail on a module only an earlier block imported."""
+    missing = []
+    for path in doc_files():
+        before: set[str] = set()
+        for block in python_blocks(path):
+            tree = ast.parse(block.source)
+            used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+            if lacking := sorted((used & before) - _imported(tree)):
+                missing.append(f"{block.where}: import {', '.join(lacking)}")
+            before |= _imported(tree)
+    assert not missing, missing
 
 
 def test_every_not_run_marker_sits_right_before_a_python_block():
