@@ -9,7 +9,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 
 # torch is named in the same resolve as the package, so nothing can swap in another build.
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0"
 	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" -e ".[test,s3,mlflow,plot]"
 	# Azurite (Azure Blob emulator, npm) for the az:// store tests; skipped without npm.
@@ -19,7 +19,14 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-demo: install
+# The demo needs only the package, torch and matplotlib (its timeline): not the test extras.
+$(VENV)/.demo-installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0"
+	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" -e ".[demo]"
+	touch $@
+
+demo: $(VENV)/.demo-installed
 	$(VENV)/bin/unbroken demo
 
 lint: install

@@ -21,23 +21,43 @@ import torch.distributed as dist
 def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """Both examples' arguments (where data, checkpoints and staging live) and the
     example's own, already in ``parser``."""
-    parser.add_argument("--data", help="URL of the data directory (a path, s3://..., ...)")
-    parser.add_argument("--checkpoints", help="durable checkpoint URL (a path, s3://..., ...)")
     parser.add_argument(
-        "--staging-dir", help="fast local disk for the local copy of each checkpoint"
+        "--data", help="URL of the data directory (a path, s3://...); required, unless --make-data"
+    )
+    parser.add_argument(
+        "--checkpoints",
+        help="durable checkpoint URL (a path, s3://...); required, unless --make-data",
+    )
+    parser.add_argument(
+        "--staging-dir",
+        help="fast local disk for the local copy of each checkpoint "
+        "(default: $UNBROKEN_STAGING_DIR or the temp dir)",
     )
     parser.add_argument(
         "--storage-options",
         type=json.loads,
         default=None,
-        help='JSON given to both stores, e.g. \'{"endpoint_url": "http://..."}\' for S3',
+        help='JSON given to both stores, e.g. \'{"endpoint_url": "http://..."}\' for S3 '
+        "(default: none)",
     )
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps in all")
-    parser.add_argument("--every-steps", type=int, default=20, help="checkpoint cadence")
-    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers")
-    parser.add_argument("--log-every", type=int, default=10, help="rank 0 prints the loss")
-    parser.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
-    parser.add_argument("--make-data", metavar="DIR", help="write a toy data set there, exit")
+    parser.add_argument(
+        "--steps", type=int, default=200, help="optimizer steps in all (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--every-steps", type=int, default=20, help="checkpoint cadence (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="DataLoader workers (default: 1 per core, <= 8)"
+    )
+    parser.add_argument(
+        "--log-every", type=int, default=10, help="rank 0 prints the loss (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--result", default=None, help="rank 0 writes a JSON summary here (default: none)"
+    )
+    parser.add_argument(
+        "--make-data", metavar="DIR", help="write a toy data set there, exit (default: train)"
+    )
     args = parser.parse_args()
     if not args.make_data and not (args.data and args.checkpoints):
         parser.error("--data and --checkpoints are required (or --make-data DIR)")

@@ -62,7 +62,9 @@ class SmallCNN(nn.Module):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="per rank (default: %(default)s)"
+    )
     args = parse_args(parser)
     if args.make_data:
         return make_data(args.make_data)

@@ -87,9 +87,12 @@ def warmup_cosine(warmup: int, total: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank")
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="sequences per rank (default: %(default)s)"
+    )
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="auto: bf16 autocast on GPUs that support it, else fp32")  # fmt: skip
+                        help="auto: bf16 autocast on GPUs that support it, else fp32 "
+                             "(default: %(default)s)")  # fmt: skip
     args = parse_args(parser)
     if args.make_data:
         return make_data(args.make_data)

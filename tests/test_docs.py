@@ -9,12 +9,17 @@ still compiled, and reported as skipped with that reason.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.checkpoint.distributed import check, torchrun
+from unbroken import open_store
+from unbroken.goodput import events as ev
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(?P<why>.+?)\s*-->$")
@@ -89,6 +94,28 @@ def test_the_docs_have_samples_and_few_are_left_unrun():
     assert len(NOT_RUN_BLOCKS) <= MAX_NOT_RUN, [b.where for b in NOT_RUN_BLOCKS]
 
 
+def _imported(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_every_sample_imports_the_modules_it_uses():
+    """A block copied alone must not fail on a module only an earlier block imported."""
+    missing = []
+    for path in doc_files():
+        before: set[str] = set()
+        for block in python_blocks(path):
+            tree = ast.parse(block.source)
+            used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+            if lacking := sorted((used & before) - _imported(tree)):
+                missing.append(f"{block.where}: import {', '.join(lacking)}")
+            before |= _imported(tree)
+    assert not missing, missing
+
+
 def test_every_not_run_marker_sits_right_before_a_python_block():
     """A marker that drifted away from its block would skip nothing, or the wrong one."""
     for path in doc_files():
@@ -140,3 +167,34 @@ def test_the_readme_sample_run_twice_restores_where_the_first_ended(tmp_path, mo
         last = namespace["mgr"].last_restore
         restored.append(None if last is None else last.step)
     assert restored == [None, 20]
+
+
+def restored_steps(checkpoints: Path) -> list[list[int | None]]:
+    """What each run restored, rank by rank, in the order the runs started (read from the
+    goodput event log every manager writes beside its checkpoints)."""
+    runs = []
+    for ranks in ev.read_log(open_store(str(checkpoints))).values():
+        start = min(e.t for events in ranks.values() for e in events if e.kind == ev.START)
+        steps = [
+            next(e.step for e in ranks[r] if e.kind == ev.RESTORE_END) for r in sorted(ranks)
+        ]
+        runs.append((start, steps))
+    return [steps for _, steps in sorted(runs)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("page, last", [("README.md", 20), ("docs/launch.md", 12)])
+def test_a_sample_launched_under_torchrun_restores_its_last_step_when_run_again(
+    page, last, tmp_path
+):
+    """What the pages say: launch the sample under torchrun; run it again and it resumes."""
+    script = tmp_path / "train.py"
+    blocks = [b for b in python_blocks(ROOT / page) if b.not_run is None]
+    script.write_text("".join(b.source for b in blocks))
+    env = {
+        "UNBROKEN_CACHE_DIR": str(tmp_path / "default-cache"),
+        "UNBROKEN_STAGING_DIR": str(tmp_path / "default-staging"),
+    }
+    for _ in range(2):
+        check(torchrun(2, script=script, cwd=tmp_path, env=env))
+    assert restored_steps(tmp_path / "checkpoints") == [[None, None], [last, last]]

@@ -432,6 +432,22 @@ def scenario_churn(a: argparse.Namespace) -> None:
         time.sleep(0.005)
 
 
+def manager_before_init_process_group() -> ub.CheckpointManager:
+    """Refused under torchrun; made where no WORLD_SIZE says the world is larger (a
+    launcher that passes rank and world size to init_process_group itself)."""
+    try:
+        ub.CheckpointManager(tempfile.mkdtemp(), staging_dir=tempfile.mkdtemp())
+    except RuntimeError as e:
+        assert "Call torch.distributed.init_process_group(" in str(e), e
+    else:
+        raise AssertionError("a manager made before init_process_group under torchrun")
+    world = os.environ.pop("WORLD_SIZE")
+    try:
+        return ub.CheckpointManager(tempfile.mkdtemp(), staging_dir=tempfile.mkdtemp())
+    finally:
+        os.environ["WORLD_SIZE"] = world
+
+
 def refuses_to_act_alone(mgr: ub.CheckpointManager) -> None:
     for call in (lambda: mgr.save(1, {"w": torch.ones(2)}), lambda: mgr.restore({})):
         try:
@@ -474,10 +490,11 @@ def main() -> None:
     a = p.parse_args()
     if "{rank}" in a.staging:
         a.staging = a.staging.format(rank=os.environ.get("RANK", "0"))
-    # A manager made before init_process_group must not act alone on one of several ranks.
+    # A manager made before init_process_group must not act alone on one of several ranks:
+    # refused at once where the launcher's WORLD_SIZE says so, else at its first save.
     early = None
     if a.scenario == "ddp":
-        early = ub.CheckpointManager(tempfile.mkdtemp(), staging_dir=tempfile.mkdtemp())
+        early = manager_before_init_process_group()
     dist.init_process_group("gloo")
     if early is not None:
         refuses_to_act_alone(early)

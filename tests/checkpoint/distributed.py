@@ -60,17 +60,19 @@ def torchrun(
     max_restarts: int = 0,
     env: dict[str, str] | None = None,
     script: Path = SCENARIOS,
+    cwd: Path = ROOT,
+    rdzv_backend: str | None = "c10d",
 ) -> subprocess.CompletedProcess:
     """Run ``script *args`` (default dist_scenarios.py) on ``nproc`` ranks; kill the whole
-    tree on timeout."""
+    tree on timeout. ``rdzv_backend=None``: torchrun's default, the static rendezvous."""
+    backend = ["--rdzv-backend", rdzv_backend] if rdzv_backend else []
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
         str(nproc),
-        "--rdzv-backend",
-        "c10d",
+        *backend,
         "--rdzv-endpoint",
         f"127.0.0.1:{free_port()}",
         "--max-restarts",
@@ -82,7 +84,7 @@ def torchrun(
     ]
     proc = subprocess.Popen(
         cmd,
-        cwd=ROOT,
+        cwd=cwd,
         env=rank_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
+from unbroken._util.world import require_group
 from unbroken.checkpoint import json_values
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
 from unbroken.checkpoint.collectives import Group
@@ -85,6 +86,7 @@ class CheckpointManager:
         )
         self.config = config
         warn_if_restarts_may_hang(os.environ)
+        require_group("CheckpointManager")
         self.store: Store = open_store(
             config.url, retry=config.retry, **(config.storage_options or {})
         )

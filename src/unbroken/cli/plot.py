@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from unbroken.cli.errors import CliError
 from unbroken.goodput.breakdown import CATEGORIES, Breakdown
 
@@ -17,8 +19,21 @@ COLORS = {
 }
 
 
-def plot_timeline(b: Breakdown, path: str) -> None:
-    """Write a PNG; matplotlib is optional (``pip install matplotlib``)."""
+def lane_of(b: Breakdown, t: float) -> int:
+    """The index of the attempt running at wall time ``t`` (its lane; "attempt" index+1)."""
+    return max([i for i, a in enumerate(b.attempts) if a.start <= t] or [0])
+
+
+def plot_timeline(
+    b: Breakdown,
+    path: str,
+    *,
+    kills: Sequence[float] = (),
+    reference: float | None = None,
+) -> None:
+    """Write a PNG; matplotlib is optional (``pip install matplotlib``). ``kills``: the
+    wall times a process was killed, where the caller knows them (marked instead of each
+    crashed attempt's last event); ``reference``: the goodput to compare with."""
     try:
         import matplotlib
 
@@ -40,14 +55,18 @@ def plot_timeline(b: Breakdown, path: str) -> None:
             facecolors=COLORS[s.category],
             linewidth=0,
         )
-    for a in b.attempts:
-        if not a.clean:
-            ax.plot([a.end - t0], [lanes[a.attempt]], marker="x", color="black", markersize=10)
+    crosses = [(t - t0, lane_of(b, t)) for t in kills] or [
+        (a.end - t0, lanes[a.attempt]) for a in b.attempts if not a.clean
+    ]
+    for x, y in crosses:
+        ax.plot([x], [y], marker="x", color="black", markersize=10)
     ax.set_yticks(range(len(lanes)), [f"attempt {i + 1}" for i in range(len(lanes))])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first process started")
     restarts = f"{b.restarts} restart" + ("" if b.restarts == 1 else "s")
-    ax.set_title(f"goodput {b.goodput:.1%}, {restarts} (x: a crash)")
+    versus = f" (without failures: {reference:.1%})" if reference is not None else ""
+    mark = "a kill" if kills else "a crash, at its last event"
+    ax.set_title(f"goodput {b.goodput:.1%}{versus}, {restarts} (x: {mark})")
     used = [c for c in CATEGORIES if b.seconds[c] > 0]
     handles = [Patch(color=COLORS[c], label=c) for c in used]
     fig.legend(handles=handles, loc="lower center", ncol=len(used), fontsize=8, frameon=False)

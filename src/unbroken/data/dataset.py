@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from unbroken._util.world import require_group
 from unbroken.data.cache.cache import LocalCache, default_cache_dir
 from unbroken.data.delivery import Delivery
 from unbroken.data.index import FileIndex, check_max_age, load_or_build_index
@@ -282,6 +283,8 @@ _SKIP = _Skip()
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Explicit values, else torch.distributed's, else a single process."""
     dist = torch.distributed
+    if rank is None or world_size is None:
+        require_group("VolumeDataset (given no rank and world_size)")
     initialized = dist.is_available() and dist.is_initialized()
     if world_size is None:
         world_size = dist.get_world_size() if initialized else 1

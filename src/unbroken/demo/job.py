@@ -78,17 +78,25 @@ def report_progress(path: str | None, attempt: int, step: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--data", required=True, help="URL of the directory of raw files")
-    parser.add_argument("--checkpoints", required=True, help="durable checkpoint URL")
-    parser.add_argument("--staging-dir", default=None, help="the local tier (default: tmp)")
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--every-steps", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--data", required=True,
+                        help="URL of the directory of raw files (required)")
+    parser.add_argument("--checkpoints", required=True,
+                        help="durable checkpoint URL (required)")
+    parser.add_argument("--staging-dir", default=None,
+                        help="the local tier (default: $UNBROKEN_STAGING_DIR or the temp dir)")
+    parser.add_argument("--steps", type=int, default=120, help="(default: %(default)s)")
+    parser.add_argument("--every-steps", type=int, default=10,
+                        help="save every N steps (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="per rank (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="DataLoader workers (default: %(default)s)")
     parser.add_argument("--step-seconds", type=float, default=0.0,
-                        help="extra seconds per step, standing in for a larger model")
+                        help="extra seconds per step, standing in for a larger model "
+                        "(default: %(default)s)")
     parser.add_argument("--progress", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
+    parser.add_argument("--result", default=None,
+                        help="rank 0 writes a JSON summary here (default: none)")
     args = parser.parse_args()
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1

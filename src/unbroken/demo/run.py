@@ -13,6 +13,8 @@
    draws its timeline, gives the checkpoint and data-pipeline figures, and says whether
    the crashed run ended bitwise equal to the reference: same samples, same order, same
    augmentations, same dropout masks, same weights and optimizer state.
+5. Keeps its directory (the volume, both runs' checkpoints, goodput logs and job logs) and
+   prints the commands that inspect it.
 """
 
 from __future__ import annotations
@@ -69,6 +71,20 @@ def children(pid: int) -> list[int]:
     return found
 
 
+@dataclass(frozen=True)
+class Kill:
+    """One SIGKILL the driver sent, and what the job had committed by then."""
+
+    t: float
+    """Wall time (Unix seconds, the goodput timeline's clock)."""
+    attempt: int
+    """1 for the first attempt (torchrun's restart count + 1), as the timeline numbers it."""
+    step: int
+    """The step rank 0 had reached."""
+    committed: int | None
+    """The newest committed checkpoint at that moment: what the restart resumes from."""
+
+
 @dataclass
 class Run:
     """One torchrun job of the demo and what it reported."""
@@ -77,8 +93,7 @@ class Run:
     checkpoints: str
     result: dict = field(default_factory=dict)
     wall: float = 0.0
-    kills: list[tuple[float, int, int]] = field(default_factory=list)
-    """(seconds since start, attempt, step reached) of each kill."""
+    kills: list[Kill] = field(default_factory=list)
 
 
 def launch(args: argparse.Namespace, run: Run, tmp: str, restarts: int) -> subprocess.Popen:
@@ -106,13 +121,37 @@ def launch(args: argparse.Namespace, run: Run, tmp: str, restarts: int) -> subpr
 
 
 def read_progress(path: str) -> tuple[int, int]:
-    """(attempt, step) rank 0 reported last, (0, 0) before it did."""
+    """(attempt, step) rank 0 reported last, (0, 0) before it did; attempts count from 1
+    (torchrun's restart count + 1), as the timeline's lanes do."""
     try:
         with open(path) as f:
-            attempt, step = f.read().split()
-        return int(attempt), int(step)
+            restarts, step = f.read().split()
+        return int(restarts) + 1, int(step)
     except (OSError, ValueError):
         return 0, 0
+
+
+def newest_committed(url: str) -> int | None:
+    """The newest committed step of ``url`` now, or None."""
+    import unbroken as ub
+    from unbroken.checkpoint.catalog import newest_committed as newest
+
+    info = newest(ub.open_store(url))
+    return None if info is None else info.step
+
+
+def why_lost(kill: Kill, every_steps: int) -> str:
+    """What a kill cost, in words: the steps since the newest commit, and why that commit
+    is older than the last due save (a save commits seconds after its step)."""
+    due = kill.step // every_steps * every_steps
+    base = kill.committed or 0
+    if kill.committed is None:
+        said = "no checkpoint had committed yet, so the job starts over"
+    else:
+        said = f"it resumes from step {kill.committed}, the newest committed checkpoint"
+    if due > base:
+        said += f" (the save of step {due} was still on its way to the durable tier)"
+    return said
 
 
 def supervise(args: argparse.Namespace, run: Run, tmp: str, kills: int, pace: float) -> None:
@@ -141,8 +180,9 @@ def supervise(args: argparse.Namespace, run: Run, tmp: str, kills: int, pace: fl
             time.sleep(0.05)
             attempt, step = read_progress(progress)
             if attempt != last_attempt:  # a restart: the bar goes back to the restored step
+                if last_attempt:
+                    say(f"  {run.name}: attempt {attempt} resumed by itself at step {step - 1}")
                 last_attempt, resumed = attempt, step - 1
-                say(f"  {run.name}: attempt {attempt} resumed by itself at step {resumed}")
                 bar.set_postfix_str(f"attempt {attempt}")
             if step != bar.n:
                 bar.n = step
@@ -158,10 +198,11 @@ def supervise(args: argparse.Namespace, run: Run, tmp: str, kills: int, pace: fl
                 if ranks and not end_zone:
                     victim = random.choice(ranks)
                     os.kill(victim, signal.SIGKILL)
-                    elapsed = time.monotonic() - start
-                    run.kills.append((elapsed, attempt, step))
-                    say(f"  {run.name}: killed a rank (SIGKILL, pid {victim}) at step {step}, "
-                        f"{elapsed:.1f} s in")  # fmt: skip
+                    kill = Kill(time.time(), attempt, step, newest_committed(run.checkpoints))
+                    run.kills.append(kill)
+                    lost = why_lost(kill, args.every_steps)
+                    say(f"  {run.name}: killed a rank of attempt {attempt} (SIGKILL, pid "
+                        f"{victim}) at step {step}: {lost}")  # fmt: skip
                     resumed = args.steps  # no further kill until the next attempt reports
     except BaseException:
         proc.kill()
@@ -172,7 +213,8 @@ def supervise(args: argparse.Namespace, run: Run, tmp: str, kills: int, pace: fl
     if proc.returncode != 0:
         with open(os.path.join(tmp, f"{run.name}.log")) as f:
             tail = f.read()[-4000:]
-        raise SystemExit(f"demo FAILED: the {run.name} job exited {proc.returncode}:\n{tail}")
+        raise SystemExit(f"demo FAILED: the {run.name} job exited {proc.returncode} (its log: "
+                         f"{tmp}/{run.name}.log):\n{tail}")  # fmt: skip
     with open(os.path.join(tmp, f"{run.name}.json")) as f:
         run.result = json.load(f)
     say(f"  {run.name}: {args.steps} steps in {run.wall:.0f} s")
@@ -181,21 +223,27 @@ def supervise(args: argparse.Namespace, run: Run, tmp: str, kills: int, pace: fl
 def report(args: argparse.Namespace, reference: Run, crashed: Run) -> bool:
     """Print the figures; True if the crashed run ended bitwise equal to the reference."""
     import unbroken as ub
+    from unbroken.cli.errors import CliError
     from unbroken.cli.goodput import render
+    from unbroken.cli.plot import lane_of
     from unbroken.goodput.breakdown import job_breakdown
     from unbroken.goodput.events import read_log
 
     b = job_breakdown(read_log(ub.open_store(crashed.checkpoints)), 0)
+    ref_b = job_breakdown(read_log(ub.open_store(reference.checkpoints)), 0)
     print("\n== where the time of the crashed run went (`unbroken goodput` on its checkpoints)")
     print(render(b))
+    print(f"\nthe same job without failures (the reference run): goodput {ref_b.goodput:.1%} "
+          f"of {ref_b.wall_seconds:.0f} s")  # fmt: skip
     if args.plot:
         try:
             from unbroken.cli.plot import plot_timeline
 
-            plot_timeline(b, args.plot)
-            print(f"\ntimeline of the crashed run: {args.plot}")
-        except ImportError:
-            print("\n(no timeline: `pip install matplotlib` to draw one)")
+            kills = [k.t for k in crashed.kills]
+            plot_timeline(b, args.plot, kills=kills, reference=ref_b.goodput)
+            print(f"\ntimeline of the crashed run: {args.plot} (x: each kill)")
+        except CliError as exc:  # matplotlib is missing: the rest of the report stands
+            print(f"\n(no timeline: {exc})")
 
     r = crashed.result
     print("\n== checkpoints (last attempt, rank 0)")
@@ -221,10 +269,13 @@ def report(args: argparse.Namespace, reference: Run, crashed: Run) -> bool:
     )
     equal = (ref["weights"], ref["optimizer"]) == (r["weights"], r["optimizer"]) and same_losses
     print("\n== the result")
-    kills = ", ".join(f"step {s}" for _, _, s in crashed.kills) or "none"
     print(f"  reference run: {ref['steps']} steps in {reference.wall:.0f} s, no failure")
     print(f"  crashed run:   {r['steps']} steps in {crashed.wall:.0f} s, "
-          f"{len(crashed.kills)} ranks killed (at {kills}), {b.restarts} restarts")  # fmt: skip
+          f"{len(crashed.kills)} kills of a random rank of 2, {b.restarts} restarts")  # fmt: skip
+    t0 = b.attempts[0].start if b.attempts else 0.0
+    for k in crashed.kills:
+        print(f"    attempt {lane_of(b, k.t) + 1} killed at {k.t - t0:.1f} s (the timeline's "
+              f"axis), step {k.step}: {why_lost(k, args.every_steps)}")  # fmt: skip
     print(f"  final model and optimizer bitwise equal to the reference: "
           f"{'yes' if equal else 'NO'} (weights {r['weights']}, reference {ref['weights']})")
     return equal
@@ -232,16 +283,22 @@ def report(args: argparse.Namespace, reference: Run, crashed: Run) -> bool:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="a volume of raw images to read (default: one is made)")
-    p.add_argument("--checkpoints", help="where the crashed run checkpoints (default: tmp)")
-    p.add_argument("--steps", type=int, default=80, help="training steps (default 80)")
-    p.add_argument("--every-steps", type=int, default=10, help="save every N steps")
-    p.add_argument("--kills", type=int, default=3, help="ranks killed (default 3)")
-    p.add_argument("--files", type=int, default=1024, help="images in the made volume")
+    p.add_argument("--checkpoints", help="where the crashed run checkpoints (default: "
+                   "checkpoints/ in the demo's directory, kept after it ends)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=80, help="training steps (default: %(default)s)")
+    p.add_argument("--every-steps", type=int, default=10,
+                   help="save every N steps (default: %(default)s)")
+    p.add_argument("--kills", type=int, default=3,
+                   help="times a random rank is SIGKILLed (default: %(default)s)")
+    p.add_argument("--files", type=int, default=1024,
+                   help="images in the made volume (default: %(default)s)")
     p.add_argument("--step-seconds", type=float, default=0.05,
-                   help="extra seconds per step, standing in for a larger model")
-    p.add_argument("--seed", type=int, default=None, help="of the kill moments")
+                   help="extra seconds per step, standing in for a larger model "
+                   "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="of the kill moments (default: a random one, printed)")
     p.add_argument("--plot", default="unbroken-demo-timeline.png",
-                   help="the timeline picture (empty: none)")
+                   help="the timeline picture, empty for none (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -249,23 +306,28 @@ def main(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else random.randrange(1 << 16)
     random.seed(seed)
     print("unbroken demo: a small CNN trained on 2 ranks twice, once without failures and "
-          f"once with {args.kills} ranks killed at random moments; then where the time went "
+          f"once with a random rank SIGKILLed {args.kills} times; then where the time went "
           "and whether the two runs ended bitwise equal")  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="unbroken-demo-") as tmp:
-        if args.data is None:
-            write_dataset(os.path.join(tmp, "volume"), args.files)
-            args.data = f"emulated::{tmp}/volume"
-            print(f"made a volume of {args.files} images at {tmp}/volume, read through the "
-                  "emulated remote (20 ms per request, 200 MB/s)")  # fmt: skip
-        crashed_url = args.checkpoints or f"emulated::{tmp}/checkpoints"
-        print(f"training {args.steps} steps on 2 ranks (gloo), saving every "
-              f"{args.every_steps}; kill moments from seed {seed}")  # fmt: skip
-        reference = Run("reference", f"emulated::{tmp}/reference-checkpoints")
-        supervise(args, reference, tmp, 0, 0.0)
-        pace = reference.result["train_seconds"] / args.steps
-        crashed = Run("crashed", crashed_url)
-        supervise(args, crashed, tmp, args.kills, pace)
-        equal = report(args, reference, crashed)
+    tmp = tempfile.mkdtemp(prefix="unbroken-demo-")  # kept: its checkpoints are to look at
+    if args.data is None:
+        write_dataset(os.path.join(tmp, "volume"), args.files)
+        args.data = f"emulated::{tmp}/volume"
+        print(f"made a volume of {args.files} images at {tmp}/volume, read through the "
+              "emulated remote (20 ms per request, 200 MB/s)")  # fmt: skip
+    crashed_url = args.checkpoints or f"emulated::{tmp}/checkpoints"
+    print(f"training {args.steps} steps on 2 ranks (gloo), saving every "
+          f"{args.every_steps}; kill moments from seed {seed}")  # fmt: skip
+    reference = Run("reference", f"emulated::{tmp}/reference-checkpoints")
+    supervise(args, reference, tmp, 0, 0.0)
+    pace = reference.result["train_seconds"] / args.steps
+    crashed = Run("crashed", crashed_url)
+    supervise(args, crashed, tmp, args.kills, pace)
+    equal = report(args, reference, crashed)
+    print(f"\n== kept in {tmp} (logs, both runs' checkpoints and goodput logs)")
+    where = crashed.checkpoints.removeprefix("emulated::")
+    for verb in ("ls", "verify", "goodput"):
+        print(f"  unbroken {verb} {where}")
+    print(f"  rm -rf {tmp}   # when done")
     if not equal:
         print("demo FAILED: the crashed run diverged from the reference", file=sys.stderr)
         return 1
