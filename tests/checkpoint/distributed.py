@@ -106,3 +106,12 @@ def check(result: subprocess.CompletedProcess) -> str:
     """The output of a run that must have succeeded."""
     assert result.returncode == 0, f"ranks failed (rc={result.returncode}):\n{result.stdout}"
     return result.stdout
+
+
+def toy_volume(root: Path, files: int = 64, size: int = 16) -> Path:
+    """A directory of ``files`` raw files, file i holding ``size`` bytes of value i."""
+    volume = root / "volume"
+    volume.mkdir()
+    for i in range(files):
+        (volume / f"{i:03d}.bin").write_bytes(bytes([i]) * size)
+    return volume

@@ -20,7 +20,7 @@ import unbroken as ub
 from unbroken.checkpoint.catalog import list_checkpoints
 from unbroken.checkpoint.preemption import EXIT_CODE
 
-from .distributed import ROOT, free_port, kill_tree, rank_env
+from .distributed import ROOT, free_port, kill_tree, rank_env, toy_volume
 
 WORKER = Path(__file__).with_name("_preempt_worker.py")
 LOADER_WORKER = Path(__file__).with_name("_preempt_loader_worker.py")
@@ -255,14 +255,6 @@ def test_a_signal_a_manager_saved_for_does_not_end_the_process_through_another(t
 # -- as schedulers deliver it: the default ub.DataLoader (workers), signals to many processes
 
 
-def _volume(tmp_path: Path) -> Path:
-    volume = tmp_path / "volume"
-    volume.mkdir()
-    for i in range(64):
-        (volume / f"{i:03d}.bin").write_bytes(bytes([i]) * 16)
-    return volume
-
-
 def _pids(out: Path, rank: int, attempt: int = 0) -> list[int]:
     """The rank's pid and its DataLoader workers', once it has taken its first step."""
     path = out / f"pids-{rank}-{attempt}"
@@ -292,7 +284,7 @@ def test_sigterm_with_loader_workers_commits_the_step_reached_and_resumes_there(
     """Issue 29.1 and 29.2: with DataLoader workers, torchrun's killpg killed them and
     torch's SIGCHLD handler raised before any save; with Slurm's delivery, torchrun's
     copy of the signal ended the save half-way. Either way nothing was committed."""
-    volume, steps = _volume(tmp_path), 80
+    volume, steps = toy_volume(tmp_path), 80
     reference = _finish(_launch(tmp_path / "reference", steps, 0, volume=volume))
     proc = _launch(tmp_path / "job", steps, 1, volume=volume)
     _signal_the_loader_job(tmp_path / "job", proc.pid, whom)
@@ -309,7 +301,7 @@ def test_sigterm_with_loader_workers_commits_the_step_reached_and_resumes_there(
 
 @pytest.mark.multiprocess
 def test_sigterm_to_one_rank_with_loader_workers_loses_no_step(tmp_path):
-    volume, steps = _volume(tmp_path), 80
+    volume, steps = toy_volume(tmp_path), 80
     reference = _finish(_launch(tmp_path / "reference", steps, 0, volume=volume))
     proc = _launch(tmp_path / "job", steps, 1, volume=volume)
     _signal_the_loader_job(tmp_path / "job", proc.pid, "one rank")
@@ -330,7 +322,7 @@ def test_after_a_peers_sigkill_the_survivor_ends_at_once(tmp_path):
     signal without the interpreter's teardown; the restarted job ends as a clean one.
     (How soon: bench/restart_after_kill.py; the parts: test_worker_signals.py and the
     tests below.)"""
-    volume, steps = _volume(tmp_path), 80
+    volume, steps = toy_volume(tmp_path), 80
     reference = _finish(_launch(tmp_path / "reference", steps, 0, volume=volume))
     proc = _launch(tmp_path / "job", steps, 1, volume=volume)
     victim = _pids(tmp_path / "job", 1)

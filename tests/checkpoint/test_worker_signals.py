@@ -15,24 +15,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .distributed import ROOT
+from .distributed import ROOT, toy_volume
 
 SCRIPT = Path(__file__).with_name("_loader_children.py")
 pytestmark = pytest.mark.multiprocess
 
 
-def _volume(tmp_path: Path) -> Path:
-    volume = tmp_path / "volume"
-    volume.mkdir()
-    for i in range(32):
-        (volume / f"{i:03d}.bin").write_bytes(bytes([i]) * 4)
-    return volume
-
-
 def _start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, list[int]]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(_volume(tmp_path)), mode],
+        [sys.executable, str(SCRIPT), str(toy_volume(tmp_path, 32, 4)), mode],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=env,
     )  # fmt: skip
@@ -102,7 +94,7 @@ def test_a_killed_ranks_workers_die_with_it(tmp_path):
     of failing, and every crash cost that much more. They now die with their parent."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     out = subprocess.run(
-        [sys.executable, "-c", _REAPER, str(SCRIPT), str(_volume(tmp_path)), "ub"],
+        [sys.executable, "-c", _REAPER, str(SCRIPT), str(toy_volume(tmp_path, 32, 4)), "ub"],
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
