@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from unbroken.cli.errors import CliError
 from unbroken.goodput.breakdown import CATEGORIES, Breakdown
 
@@ -17,8 +19,20 @@ COLORS = {
 }
 
 
-def plot_timeline(b: Breakdown, path: str) -> None:
-    """Write a PNG; matplotlib is optional (``pip install matplotlib``)."""
+def plot_path(path: str) -> str:
+    """Where ``--plot path`` writes: ``path`` itself, ``timeline.png`` in it where it is a
+    directory, ``path.png`` where it names no format (matplotlib would add it unsaid)."""
+    if os.path.isdir(path):
+        return os.path.join(path, "timeline.png")
+    if not os.path.splitext(path)[1].strip("."):
+        return path.rstrip(".") + ".png"
+    return path
+
+
+def plot_timeline(b: Breakdown, path: str) -> str:
+    """Draw the timeline into the file :func:`plot_path` makes of ``path`` (PNG, or the
+    format its suffix names) and return that file's path; matplotlib is optional."""
+    path = plot_path(path)
     try:
         import matplotlib
 
@@ -56,5 +70,8 @@ def plot_timeline(b: Breakdown, path: str) -> None:
         fig.savefig(path, dpi=110)
     except OSError as exc:
         raise CliError(f"cannot write {path}: {exc}") from exc
+    except ValueError as exc:  # a suffix matplotlib has no format for
+        raise CliError(f"--plot {path}: {exc}", code=2) from exc
     finally:
         plt.close(fig)
+    return path
