@@ -113,6 +113,17 @@ def test_crash_during_startup():
     assert b.restarts == 1
 
 
+def test_an_attempt_killed_before_its_first_flush_lived_until_its_recorder_started():
+    # Only the START was written (at once, when the manager was made): the process ran
+    # from its start (t) to the recorder's start (recorder_t), all of it start-up.
+    head = ev.Event(ev.START, 100.0, 0, info={"recorder_t": 104.0})
+    a2 = AttemptWriter(110.0, setup=1.0).step(1, 1.0).end()
+    b = breakdown({"1": [head], "2": a2.events})
+    check_sums(b)
+    assert b.restarts == 1 and b.attempts[0].end == approx(104.0)
+    assert b.seconds["startup"] == approx(4.0 + 1.0) and b.seconds["down"] == approx(6.0)
+
+
 def test_two_crashes_in_a_row():
     a1 = AttemptWriter(0.0).restore(1.0, None)
     for s in range(1, 7):

@@ -120,6 +120,7 @@ def test_an_attempt_killed_at_its_first_step_counts_from_its_process_start(tmp_p
     first, second, third = report["attempts"]
     assert first["steps"] == 0 and not first["clean"]
     assert first["stand_in_rank"] is None  # rank 0's own START, from its first moment
+    assert first["seconds"]["startup"] > 0  # it lived at least until its recorder started
     assert second["last_step"] == 20 and not second["clean"]
     assert third["restored_step"] == 20 and third["clean"] and third["last_step"] == 40
     assert launched <= first["start"] < second["start"] < third["start"]

@@ -25,6 +25,7 @@ are never counted twice. ``goodput = productive / wall``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -239,7 +240,11 @@ class _Attempt:
         self.events = sorted(events, key=lambda e: (e.n < 0, e.n, e.t))
         head = next((e for e in self.events if e.kind == ev.START), None)
         self.start = head.t if head is not None else min(e.t for e in self.events)
-        self.end = max(self.start, *(e.t for e in self.events))
+        # The START was written when the recorder started: the process lived until then.
+        alive = head.info.get("recorder_t") if head is not None else None
+        if isinstance(alive, bool) or not isinstance(alive, float) or not math.isfinite(alive):
+            alive = self.start
+        self.end = max(self.start, alive, *(e.t for e in self.events))
         ends = [e for e in self.events if e.kind == ev.END]
         self.clean = bool(ends)
         self.finished = self.clean and not any(e.info.get("preempted") for e in ends)
