@@ -54,3 +54,20 @@ def train(tmp_path: Path, url: str, *, every_steps: int, step_seconds: float = 0
             time.sleep(step_seconds)
             step += 1
             mgr.maybe_save(step, state)
+
+
+def goodput_json(url: str, *args: str) -> dict:
+    """``unbroken goodput URL --json ARGS`` in a process of its own, as a user runs it."""
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-m", "unbroken.cli", "goodput", url, "--json", *args],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from unbroken.goodput import events as ev
 from unbroken.goodput.breakdown import CATEGORIES, breakdown
 
 from .synthetic import AttemptWriter
@@ -112,6 +113,17 @@ def test_crash_during_startup():
     assert b.restarts == 1
 
 
+def test_an_attempt_killed_before_its_first_flush_lived_until_its_recorder_started():
+    # Only the START was written (at once, when the manager was made): the process ran
+    # from its start (t) to the recorder's start (recorder_t), all of it start-up.
+    head = ev.Event(ev.START, 100.0, 0, info={"recorder_t": 104.0})
+    a2 = AttemptWriter(110.0, setup=1.0).step(1, 1.0).end()
+    b = breakdown({"1": [head], "2": a2.events})
+    check_sums(b)
+    assert b.restarts == 1 and b.attempts[0].end == approx(104.0)
+    assert b.seconds["startup"] == approx(4.0 + 1.0) and b.seconds["down"] == approx(6.0)
+
+
 def test_two_crashes_in_a_row():
     a1 = AttemptWriter(0.0).restore(1.0, None)
     for s in range(1, 7):
@@ -128,10 +140,37 @@ def test_two_crashes_in_a_row():
     b = breakdown({"1": a1.events, "2": a2.events, "3": a3.events})
     check_sums(b)
     assert b.restarts == 2
-    assert [a.wasted_steps for a in b.attempts] == [0, 2, 4]  # 5,6 then 5..8
+    # A step is productive unless a later attempt ran it again: attempt 1's 5 and 6 and
+    # attempt 2's 5..8 were lost (both crashes restored step 4); attempt 3 kept its own.
+    assert [a.wasted_steps for a in b.attempts] == [2, 4, 0]
+    assert [a.seconds["productive"] for a in b.attempts] == [approx(4), approx(0), approx(6)]
+    assert [a.seconds["wasted"] for a in b.attempts] == [approx(2), approx(4), approx(0)]
     assert b.wasted_steps == 6
-    assert b.seconds["productive"] == approx(6 + 2 + 2)  # 1-6, 7-8, 9-10
+    assert b.seconds["productive"] == approx(4 + 6)  # 1-4, then 5-10
     assert b.seconds["down"] == approx(10.0)
+
+
+def test_a_finished_job_run_again_is_a_new_run_not_a_restart():
+    a1 = AttemptWriter(0.0, setup=1.0).step(1, 1.0).step(2, 1.0).end()
+    a2 = AttemptWriter(1000.0, setup=1.0).restore(0.5, 2).step(3, 1.0).end()
+    b = breakdown({"1": a1.events, "2": a2.events})
+    check_sums(b)
+    assert b.restarts == 0 and b.runs == 2
+    assert [a.new_run for a in b.attempts] == [True, True]
+    assert b.seconds["down"] == 0  # the idle days between the runs are no one's time
+    assert b.wall_seconds == approx(3.0 + 2.5)
+    assert b.seconds["productive"] == approx(3.0)
+
+
+def test_a_preempted_attempt_and_its_requeue_are_a_restart_with_down_time():
+    a1 = AttemptWriter(0.0, setup=1.0).step(1, 1.0).step(2, 1.0)
+    a1.events.append(ev.Event(ev.END, a1.t, a1.n, info={"preempted": True}))
+    a2 = AttemptWriter(a1.t + 20.0, setup=1.0).restore(0.5, 2).step(3, 1.0).end()
+    b = breakdown({"1": a1.events, "2": a2.events})
+    check_sums(b)
+    assert b.restarts == 1 and b.runs == 1
+    assert b.seconds["down"] == approx(20.0)
+    assert b.wall_seconds == approx(3.0 + 20.0 + 2.5)
 
 
 def test_a_log_whose_tail_was_lost_counts_the_unknown_as_down():

@@ -88,3 +88,63 @@ def test_flushes_are_compacted_into_a_new_object_and_nothing_is_lost(tmp_path):
     got = ev.read_log(store)["a1"][0]
     assert [e.n for e in got if e.n >= 0] == list(range(8))
     assert got[-1].kind == ev.BEAT and got[-1].t == 107.5
+
+
+def test_a_log_of_an_earlier_process_with_our_pid_is_salvaged(tmp_path):
+    """A container restarted in place runs its processes under the same pids: a log
+    whose START names our pid but another start time is a dead process's."""
+    store = ub.open_store(tmp_path / "ck")
+    staging = str(tmp_path / "st")
+    log = ev.EventLog(store, staging, "a1", 0)
+    head = start_event("a1", os.getpid())
+    log.append(ev.Event(ev.START, head.t, 0, info={**head.info, "started": "1"}))
+    log.append(ev.Event(ev.STEP, 101.0, 1, step=1, begin=100.5))
+    log.flush(durable=False, beat=101.5)
+    assert ev.salvage_local_logs(store, staging) == 1
+    assert [e.n for e in ev.read_log(store)["a1"][0] if e.n >= 0] == [0, 1]
+
+
+def test_our_own_log_with_our_start_time_is_left_alone(tmp_path):
+    from unbroken._util.procs import process_start_ticks
+
+    store = ub.open_store(tmp_path / "ck")
+    log = ev.EventLog(store, str(tmp_path / "st"), "a1", 0)
+    head = start_event("a1", os.getpid())
+    started = process_start_ticks(os.getpid())
+    log.append(ev.Event(ev.START, head.t, 0, info={**head.info, "started": started}))
+    log.flush(durable=False)
+    assert ev.salvage_local_logs(store, str(tmp_path / "st")) == 0
+
+
+def test_the_start_is_written_when_the_log_starts(tmp_path):
+    store = ub.open_store(tmp_path / "ck")
+    log = ev.EventLog(store, str(tmp_path / "st"), "a1", 1, durable_seconds=float("inf"))
+    log.append(start_event("a1", os.getpid()))
+    log.start()  # the thread's first flush is a second away: this one is not
+    try:
+        assert [e.kind for e in ev.read_log(store)["a1"][1]] == [ev.START]
+        with open(log.local_path) as f:
+            assert [e.kind for e in ev.parse_lines(f.read())] == [ev.START]
+    finally:
+        log.close(beat=101.0, remove_local=True)
+
+
+BAD_LINES = [
+    '{"kind":"step","t":5.0,"n":1e999,"step":3}',  # int(inf): OverflowError
+    "[" * 100_000 + "]" * 100_000,  # RecursionError in the parser
+    '{"kind":"step","t":NaN,"n":4,"step":4}',
+    '{"kind":"step","t":Infinity,"n":5,"step":5}',
+    '{"kind":"step","t":6.0,"n":6,"step":6,"begin":-Infinity}',
+    '{"kind":"step","t":7.0,"n":7,"step":7,"info":[1]}',
+    '{"kind":"step","t":true,"n":8,"step":8}',
+]
+
+
+def test_bad_lines_are_skipped_with_a_warning_naming_the_source(caplog):
+    good = ev.Event(ev.STEP, 9.0, 9, step=9, begin=8.0)
+    text = "\n".join([*BAD_LINES, good.to_json()]) + "\n"
+    with caplog.at_level("WARNING", logger="unbroken.goodput.events"):
+        assert ev.parse_lines(text, "some/key.jsonl") == [good]
+    [record] = caplog.records
+    assert "some/key.jsonl" in record.getMessage() and "line 1" in record.getMessage()
+    assert f"and {len(BAD_LINES) - 1} more" in record.getMessage()

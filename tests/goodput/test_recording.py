@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ import unbroken as ub
 from unbroken.goodput import events as ev
 from unbroken.goodput.breakdown import CATEGORIES, job_breakdown
 
-from .helpers import JOB, env, make_volume, train
+from .helpers import JOB, env, goodput_json, make_volume, train
 
 
 def test_a_loop_with_no_goodput_code_is_accounted(tmp_path):
@@ -55,15 +55,7 @@ def test_a_killed_job_and_its_restart_count_the_restart_and_the_redone_steps(tmp
     second = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     plot = tmp_path / "timeline.png"
-    out = subprocess.run(
-        [sys.executable, "-m", "unbroken.cli", "goodput", url, "--json", "--plot", str(plot)],
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
+    report = goodput_json(url, "--plot", str(plot))
     assert report["restarts"] == 1
     assert report["wasted_steps"] == 5  # steps 21..25 ran twice (restored at 20)
     assert report["steps"] == 25 + 20
@@ -100,13 +92,37 @@ def test_a_two_rank_job_under_torchrun_counts_its_restart_and_redone_steps(tmp_p
         assert b.restarts == 1 and b.wasted_steps == 5, (rank, b.as_dict())
         assert b.attempts[1].restored_step == 20 and b.attempts[1].clean
     for rank in (0, 1):
-        p = subprocess.run(
-            [sys.executable, "-m", "unbroken.cli", "goodput", url, "--json", "--rank", str(rank)],
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        report = json.loads(p.stdout)
+        report = goodput_json(url, "--rank", str(rank))
         assert report["restarts"] == 1 and report["wasted_steps"] == 5
         assert report["rank"] == rank
+
+
+@pytest.mark.multiprocess
+def test_an_attempt_killed_at_its_first_step_counts_from_its_process_start(tmp_path):
+    """Rank 0 of a 2-rank job is SIGKILLed at once after restore in the first attempt and
+    after step 20 in the second: 2 restarts, the wall from the first process start."""
+    from tests.checkpoint.distributed import check, torchrun
+
+    data = make_volume(tmp_path / "data")
+    url, staging = str(tmp_path / "ck"), str(tmp_path / "st")
+    launched = time.time()
+    out = torchrun(
+        2,
+        *("--url", url, "--staging", staging, "--data", data),
+        *("--crash-at", "0,20", "--crash-rank", "0"),
+        script=JOB,
+        max_restarts=2,
+        timeout=300,
+    )
+    check(out)
+    report = goodput_json(url)
+    assert report["restarts"] == 2, report
+    first, second, third = report["attempts"]
+    assert first["steps"] == 0 and not first["clean"]
+    assert first["stand_in_rank"] is None  # rank 0's own START, from its first moment
+    assert first["seconds"]["startup"] > 0  # it lived at least until its recorder started
+    assert second["last_step"] == 20 and not second["clean"]
+    assert third["restored_step"] == 20 and third["clean"] and third["last_step"] == 40
+    assert launched <= first["start"] < second["start"] < third["start"]
+    assert report["wall_seconds"] == pytest.approx(third["end"] - first["start"])
+    assert report["seconds"]["down"] > 0

@@ -363,7 +363,7 @@ class CheckpointManager:
             self._stager.close()
             if self._preemption is not None:
                 self._preemption.close()
-            self._goodput.close()
+            self._goodput.close(preempted=self.preempted)
         # After the worker stopped: a failure recorded while close() waited is raised too.
         self._report_failures(raising=True)
 

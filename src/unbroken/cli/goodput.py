@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 from unbroken.cli import text
 from unbroken.cli.errors import CliError
 from unbroken.cli.stores import open_existing
+from unbroken.goodput import jobs
 from unbroken.goodput.breakdown import CATEGORIES, Breakdown, job_breakdown
 from unbroken.goodput.events import PREFIX, read_log
 
@@ -19,13 +21,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the job's goodput and where the rest of its time went",
         description="Read the event log the job's CheckpointManager and DataLoader wrote "
         f"beside its checkpoints ({PREFIX}/ under URL) and break the wall time, from the "
-        "first process start to the last event, into productive, data_wait, "
-        "checkpoint_save, checkpoint_restore, startup, wasted, down and other.",
+        "first process start to the last event (the idle time between runs of a finished "
+        "job left out), into productive, data_wait, checkpoint_save, checkpoint_restore, "
+        "startup, wasted, down and other.",
     )
     p.add_argument("url", help="the checkpoint root")
     p.add_argument("--json", action="store_true", help="print the breakdown as JSON")
     p.add_argument("--rank", type=int, default=0, help="whose timeline (default 0: the job's)")
-    p.add_argument("--plot", metavar="FILE.png", help="also draw the timeline (matplotlib)")
+    p.add_argument(
+        "--job",
+        help="whose attempts, where several jobs wrote under URL (the names it lists)",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw the timeline (matplotlib; a directory gets timeline.png)",
+    )
     p.set_defaults(run=run)
 
 
@@ -34,33 +45,67 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--rank must be >= 0, got {args.rank}", code=2)
     store = open_existing(args.url)
     log = read_log(store)
-    if not log:
+    found = jobs.split(log)
+    if not found:
         raise CliError(
             f"no goodput events under {store.url_for(PREFIX)}: was the job run with goodput "
             "recording off (goodput=False, UNBROKEN_GOODPUT=0) or by an older unbroken?"
         )
+    job = pick_job(found, args.job, store.url)
+    log = jobs.select(log, job)
     b = job_breakdown(log, args.rank)
     if not b.attempts:
         ranks = sorted({r for by_rank in log.values() for r in by_rank})
         raise CliError(f"no events of rank {args.rank} (ranks with events: {ranks})")
+    plotted = None
     if args.plot:
         from unbroken.cli.plot import plot_timeline
 
-        plot_timeline(b, args.plot)
+        plotted = plot_timeline(b, args.plot)
     if args.json:
-        print(json.dumps(b.as_dict(), indent=1))
+        print(json.dumps({"job": job.name, **b.as_dict()}, indent=1))
+        if plotted:
+            print(f"timeline: {plotted}", file=sys.stderr)
     else:
-        print(render(b))
-        if args.plot:
-            print(f"\ntimeline: {args.plot}")
+        print(render(b, job.name))
+        if plotted:
+            print(f"\ntimeline: {plotted}")
     return 0
 
 
-def render(b: Breakdown) -> str:
+def pick_job(found: list[jobs.Job], wanted: str | None, url: str) -> jobs.Job:
+    """The job to report: ``--job``'s, or the only one; several and no choice is an error
+    naming them all (their attempts mixed into one figure would mean nothing)."""
+    listing = "; ".join(
+        f"{j.name} ({len(j.attempts)} attempt{'' if len(j.attempts) == 1 else 's'}, "
+        f"{_utc(j.start)} to {_utc(j.end)} UTC)"
+        for j in found
+    )
+    if wanted is not None:
+        for j in found:
+            if j.name == wanted:
+                return j
+        raise CliError(f"no job {wanted!r} wrote under {url}; its jobs: {listing}", code=2)
+    if len(found) > 1:
+        raise CliError(
+            f"{len(found)} jobs wrote goodput events under {url}: {listing}; "
+            "pick one with --job NAME",
+            code=2,
+        )
+    return found[0]
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+
+
+def render(b: Breakdown, job: str | None = None) -> str:
     restarts = f"{b.restarts} restart" + ("" if b.restarts == 1 else "s")
+    runs = f"{b.runs} runs, " if b.runs > 1 else ""
+    named = f", job {job}" if job else ""
     head = (
-        f"goodput {b.goodput:.1%} of {text.duration(b.wall_seconds)} wall (rank {b.rank}), "
-        f"{restarts}, {b.steps} steps ({b.wasted_steps} redone)"
+        f"goodput {b.goodput:.1%} of {text.duration(b.wall_seconds)} wall (rank {b.rank}"
+        f"{named}), {runs}{restarts}, {b.steps} steps ({b.wasted_steps} wasted)"
     )
     wall = b.wall_seconds or 1.0
     rows = [[c, f"{b.seconds[c]:.1f}", f"{b.seconds[c] / wall:.1%}"] for c in CATEGORIES]
@@ -68,7 +113,7 @@ def render(b: Breakdown) -> str:
     att_rows = [
         [
             a.attempt,
-            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(a.start)),
+            _utc(a.start),
             text.duration(a.end - a.start),
             f"{a.goodput:.1%}",
             f"{a.first_step}-{a.last_step}" if a.steps else "-",
@@ -79,7 +124,13 @@ def render(b: Breakdown) -> str:
         for a in b.attempts
     ]
     atts = text.table(
-        ["attempt", "started (UTC)", "ran", "goodput", "steps", "redone", "restored", "ended"],
+        ["attempt", "started (UTC)", "ran", "goodput", "steps", "wasted", "restored", "ended"],
         att_rows,
     )
-    return f"{head}\n\n{cats}\n\n{atts}"
+    stand_ins = [a for a in b.attempts if a.stand_in_rank is not None]
+    note = "".join(
+        f"\nattempt {a.attempt}: rank {b.rank} left no event; rank {a.stand_in_rank}'s stand in"
+        for a in stand_ins
+    )
+    return f"{head}\n\n{cats}\n\n{atts}{note}"
+

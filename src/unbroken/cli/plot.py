@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from unbroken.cli.errors import CliError
@@ -24,16 +25,29 @@ def lane_of(b: Breakdown, t: float) -> int:
     return max([i for i, a in enumerate(b.attempts) if a.start <= t] or [0])
 
 
+def plot_path(path: str) -> str:
+    """Where ``--plot path`` writes: ``path`` itself, ``timeline.png`` in it where it is a
+    directory, ``path.png`` where it names no format (matplotlib would add it unsaid)."""
+    if os.path.isdir(path):
+        return os.path.join(path, "timeline.png")
+    if not os.path.splitext(path)[1].strip("."):
+        return path.rstrip(".") + ".png"
+    return path
+
+
 def plot_timeline(
     b: Breakdown,
     path: str,
     *,
     kills: Sequence[float] = (),
     reference: float | None = None,
-) -> None:
-    """Write a PNG; matplotlib is optional (``pip install matplotlib``). ``kills``: the
-    wall times a process was killed, where the caller knows them (marked instead of each
-    crashed attempt's last event); ``reference``: the goodput to compare with."""
+) -> str:
+    """Draw the timeline into the file :func:`plot_path` makes of ``path`` (PNG, or the
+    format its suffix names) and return that file's path; matplotlib is optional.
+    ``kills``: the wall times a process was killed, where the caller knows them (marked
+    instead of each crashed attempt's last event); ``reference``: the goodput to compare
+    with."""
+    path = plot_path(path)
     try:
         import matplotlib
 
@@ -75,5 +89,8 @@ def plot_timeline(
         fig.savefig(path, dpi=110)
     except OSError as exc:
         raise CliError(f"cannot write {path}: {exc}") from exc
+    except ValueError as exc:  # a suffix matplotlib has no format for
+        raise CliError(f"--plot {path}: {exc}", code=2) from exc
     finally:
         plt.close(fig)
+    return path

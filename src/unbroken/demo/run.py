@@ -240,8 +240,8 @@ def report(args: argparse.Namespace, reference: Run, crashed: Run) -> bool:
             from unbroken.cli.plot import plot_timeline
 
             kills = [k.t for k in crashed.kills]
-            plot_timeline(b, args.plot, kills=kills, reference=ref_b.goodput)
-            print(f"\ntimeline of the crashed run: {args.plot} (x: each kill)")
+            written = plot_timeline(b, args.plot, kills=kills, reference=ref_b.goodput)
+            print(f"\ntimeline of the crashed run: {written} (x: each kill)")
         except CliError as exc:  # matplotlib is missing: the rest of the report stands
             print(f"\n(no timeline: {exc})")
 

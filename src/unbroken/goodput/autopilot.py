@@ -123,11 +123,12 @@ class Autopilot:
 def past_failures(store: Store, current_attempt: str | None) -> tuple[float, int]:
     """(wall seconds covered, attempts that crashed) of the job's earlier attempts, from
     the event log beside its checkpoints; (0, 0) where it has none or cannot be read."""
+    from unbroken.goodput import jobs
     from unbroken.goodput.breakdown import job_breakdown
     from unbroken.goodput.events import read_log
 
     try:
-        attempts = job_breakdown(read_log(store), 0).attempts
+        attempts = job_breakdown(jobs.of_attempt(read_log(store), current_attempt), 0).attempts
     except Exception as exc:  # a log we cannot read must not stop the job
         log.warning("every_seconds='auto': the event log could not be read (%s)", exc)
         return 0.0, 0

@@ -1,17 +1,21 @@
 """Where a job's wall time went: pure arithmetic over its events.
 
-Every second from the first attempt's process start to the last attempt's last event
-falls in exactly one category:
+The wall time runs from an attempt's process start to the last attempt's last event. A
+run ends with an attempt that finished (closed cleanly, not preempted); an attempt after
+that (the script run again) starts a new run: it is not a restart, and the idle time
+between the runs is not wall time. Every second of the wall falls in exactly one
+category:
 
-- ``productive``: inside a training step (between two ``maybe_save`` calls) that was not
-  redone later, less its data wait and any time blocked in a save;
+- ``productive``: inside a training step (between two ``maybe_save`` calls) that no
+  later attempt ran again, less its data wait and any time blocked in a save;
 - ``data_wait``: the loop blocked waiting for the loader, in such a step;
 - ``checkpoint_save``: the loop blocked in save/maybe_save/wait/close;
 - ``checkpoint_restore``: inside ``restore()``;
 - ``startup``: from the process start to the first step, restore excluded;
-- ``wasted``: steps redone after a restart (their number was reached by an earlier
-  attempt), and the partial step a crash cut short;
-- ``down``: from an attempt's last event to the next attempt's process start;
+- ``wasted``: steps a later attempt ran again (the crash lost their work: that attempt
+  restored an older checkpoint), and the partial step a crash cut short;
+- ``down``: from an attempt's last event to the next attempt's process start, after a
+  crash or a preemption;
 - ``other``: the rest (after the last step of a clean end, gaps between steps).
 
 Each attempt's timeline is painted with intervals in priority order (restore, then a
@@ -21,6 +25,7 @@ are never counted twice. ``goodput = productive / wall``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,9 +71,14 @@ class AttemptSummary:
     """By category, the down time after it included."""
     steps: int
     wasted_steps: int
+    """Its steps that a later attempt ran again."""
     first_step: int | None
     last_step: int | None
     restored_step: int | None
+    new_run: bool = False
+    """The first attempt, or one after an attempt that finished: not a restart."""
+    stand_in_rank: int | None = None
+    """This rank left no event in this attempt; the rank whose events prove it."""
 
     @property
     def goodput(self) -> float:
@@ -88,6 +98,8 @@ class AttemptSummary:
             "first_step": self.first_step,
             "last_step": self.last_step,
             "restored_step": self.restored_step,
+            "new_run": self.new_run,
+            "stand_in_rank": self.stand_in_rank,
         }
 
 
@@ -107,7 +119,13 @@ class Breakdown:
 
     @property
     def restarts(self) -> int:
-        return max(0, len(self.attempts) - 1)
+        """Attempts after a crash or a preemption."""
+        return sum(1 for a in self.attempts if not a.new_run)
+
+    @property
+    def runs(self) -> int:
+        """Runs of the job: a finished one run again is a new run, not a restart."""
+        return sum(1 for a in self.attempts if a.new_run)
 
     @property
     def steps(self) -> int:
@@ -122,6 +140,7 @@ class Breakdown:
             "goodput": self.goodput,
             "wall_seconds": self.wall_seconds,
             "restarts": self.restarts,
+            "runs": self.runs,
             "steps": self.steps,
             "wasted_steps": self.wasted_steps,
             "rank": self.rank,
@@ -131,8 +150,23 @@ class Breakdown:
 
 
 def job_breakdown(log: Mapping[str, Mapping[int, Sequence[ev.Event]]], rank: int = 0) -> Breakdown:
-    """The breakdown of ``rank``'s timeline (``log`` as ``events.read_log`` returns it)."""
-    return breakdown({a: ranks[rank] for a, ranks in log.items() if rank in ranks}, rank=rank)
+    """The breakdown of ``rank``'s timeline (``log`` as ``events.read_log`` returns it).
+
+    An attempt in which ``rank`` left no event (it died before its first write, on a node
+    never used again) still happened: the lowest rank with events stands in for it (in
+    data-parallel training every rank runs the same steps)."""
+    if not any(rank in ranks for ranks in log.values()):
+        return breakdown({}, rank=rank)
+    chosen: dict[str, Sequence[ev.Event]] = {}
+    stand_in: dict[str, int] = {}
+    for attempt, ranks in log.items():
+        if ranks.get(rank):
+            chosen[attempt] = ranks[rank]
+            continue
+        other = min((r for r, events in ranks.items() if events), default=None)
+        if other is not None:
+            chosen[attempt], stand_in[attempt] = ranks[other], other
+    return breakdown(chosen, rank=rank, stand_in=stand_in)
 
 
 def per_rank(log: Mapping[str, Mapping[int, Sequence[ev.Event]]]) -> dict[int, Breakdown]:
@@ -140,8 +174,14 @@ def per_rank(log: Mapping[str, Mapping[int, Sequence[ev.Event]]]) -> dict[int, B
     return {r: job_breakdown(log, r) for r in ranks}
 
 
-def breakdown(attempts: Mapping[str, Sequence[ev.Event]], *, rank: int = 0) -> Breakdown:
-    """One rank's attempts (``{attempt id: its events}``), ordered by their start."""
+def breakdown(
+    attempts: Mapping[str, Sequence[ev.Event]],
+    *,
+    rank: int = 0,
+    stand_in: Mapping[str, int] | None = None,
+) -> Breakdown:
+    """One rank's attempts (``{attempt id: its events}``), ordered by their start;
+    ``stand_in``: the attempts whose events are another rank's (see job_breakdown)."""
     parsed = sorted(
         (_Attempt(name, events) for name, events in attempts.items() if events),
         key=lambda a: (a.start, a.name),
@@ -149,23 +189,26 @@ def breakdown(attempts: Mapping[str, Sequence[ev.Event]], *, rank: int = 0) -> B
     totals = dict.fromkeys(CATEGORIES, 0.0)
     if not parsed:
         return Breakdown(rank, 0.0, totals, [])
+    # The last attempt to run each step number: an earlier attempt's run of it was lost.
+    last_run = {s.step: i for i, att in enumerate(parsed) for s in att.steps}
     summaries: list[AttemptSummary] = []
     segments: list[Segment] = []
-    reached: int | None = None
+    wall = 0.0
+    run_start = parsed[0].start
     for i, att in enumerate(parsed):
-        nxt = parsed[i + 1].start if i + 1 < len(parsed) else None
-        end = max(att.start, min(att.end, nxt) if nxt is not None else att.end)
-        pieces = att.paint(end, reached)
-        if nxt is not None and nxt > end:
-            pieces.append(Segment(end, nxt, "down", att.name))
+        nxt = parsed[i + 1] if i + 1 < len(parsed) else None
+        end = max(att.start, min(att.end, nxt.start) if nxt is not None else att.end)
+        redone = {s.step for s in att.steps if last_run[s.step] > i}
+        pieces = att.paint(end, redone)
+        if nxt is not None and nxt.start > end and not att.finished:
+            pieces.append(Segment(end, nxt.start, "down", att.name))
         seconds = dict.fromkeys(CATEGORIES, 0.0)
         for p in pieces:
             seconds[p.category] += p.end - p.begin
         for k, v in seconds.items():
             totals[k] += v
         segments.extend(pieces)
-        wasted = sum(1 for s in att.steps if reached is not None and s.step <= reached)
-        numbers = [s.step for s in att.steps if s.step is not None]
+        numbers = [s.step for s in att.steps]
         summaries.append(
             AttemptSummary(
                 attempt=att.name,
@@ -174,15 +217,18 @@ def breakdown(attempts: Mapping[str, Sequence[ev.Event]], *, rank: int = 0) -> B
                 clean=att.clean,
                 seconds=seconds,
                 steps=len(att.steps),
-                wasted_steps=wasted,
+                wasted_steps=sum(1 for n in numbers if n in redone),
                 first_step=numbers[0] if numbers else None,
                 last_step=numbers[-1] if numbers else None,
                 restored_step=att.restored_step,
+                new_run=i == 0 or parsed[i - 1].finished,
+                stand_in_rank=(stand_in or {}).get(att.name),
             )
         )
-        if numbers:
-            reached = max(numbers) if reached is None else max(reached, *numbers)
-    wall = summaries[-1].end - parsed[0].start
+        if nxt is None or att.finished:  # the run ends here
+            wall += end - run_start
+            if nxt is not None:
+                run_start = nxt.start
     return Breakdown(rank, wall, totals, summaries, segments)
 
 
@@ -194,8 +240,15 @@ class _Attempt:
         self.events = sorted(events, key=lambda e: (e.n < 0, e.n, e.t))
         head = next((e for e in self.events if e.kind == ev.START), None)
         self.start = head.t if head is not None else min(e.t for e in self.events)
-        self.end = max(self.start, *(e.t for e in self.events))
-        self.clean = any(e.kind == ev.END for e in self.events)
+        # The START was written when the recorder started: the process lived until then.
+        alive = head.info.get("recorder_t") if head is not None else None
+        if isinstance(alive, bool) or not isinstance(alive, float) or not math.isfinite(alive):
+            alive = self.start
+        self.end = max(self.start, alive, *(e.t for e in self.events))
+        ends = [e for e in self.events if e.kind == ev.END]
+        self.clean = bool(ends)
+        self.finished = self.clean and not any(e.info.get("preempted") for e in ends)
+        """Closed cleanly and not preempted: the job was done (a later attempt is a new run)."""
         self.steps = [e for e in self.events if e.kind == ev.STEP and e.step is not None]
         restored = [e for e in self.events if e.kind == ev.RESTORE_END]
         self.restored_step = restored[-1].step if restored else None
@@ -235,7 +288,7 @@ class _Attempt:
             out.append((previous, end, _BASE, "other" if self.clean else "wasted"))
         return out
 
-    def paint(self, end: float, reached: int | None) -> list[Segment]:
+    def paint(self, end: float, redone: set[int]) -> list[Segment]:
         """This attempt's lane from its start to ``end``, every instant in one category."""
         spans = []
         for b, e, p, key in self.intervals(end):
@@ -244,7 +297,7 @@ class _Attempt:
                 spans.append((b, e, p, key))
         raw = _sweep(spans)
         # A step's pieces: its data wait first (the loop fetches, then computes), the rest
-        # productive, or all wasted if an earlier attempt had reached that step.
+        # productive, or all wasted if a later attempt ran that step again.
         waits = {i: s.data_wait for i, s in enumerate(self.steps)}
         pieces: list[Segment] = []
         for b, e, key in raw:
@@ -252,7 +305,7 @@ class _Attempt:
                 pieces.append(Segment(b, e, key, self.name))
                 continue
             s = self.steps[key]
-            if reached is not None and s.step <= reached:
+            if s.step in redone:
                 pieces.append(Segment(b, e, "wasted", self.name))
                 continue
             w = min(waits[key], e - b)

@@ -7,11 +7,14 @@ only reads ``step-*``)::
 
 Each flush writes a NEW object holding the events since the previous flush (one atomic
 write: a rename on a path, one PUT on an object store); nothing is ever rewritten, so a
-crash loses at most the events not flushed yet. Those are also appended, every second,
-to a local copy in the staging tier (``<staging>/_goodput/attempt-<id>-rank-<r>.jsonl``);
-the next attempt on the same node uploads what the durable tier lacks, so a restart there
-recovers the last seconds before a crash. Events are numbered per (attempt, rank): a
-reader merges every object and drops duplicates by number.
+crash loses at most the events not flushed yet. The first flush, of the START, is made
+when the log starts, not by the thread: an attempt killed in its first second is on disk.
+Events are also appended, every second, to a local copy in the staging tier
+(``<staging>/_goodput/attempt-<id>-rank-<r>.jsonl``); the next attempt on the same node
+uploads what the durable tier lacks, so a restart there recovers the last seconds before
+a crash (a file is a dead process's where its START's pid and start time are not alive).
+Events are numbered per (attempt, rank): a reader merges every object and drops
+duplicates by number.
 
 A ``beat`` line (written with every flush, not numbered) says the process was alive then:
 the last one bounds where a crashed attempt ended.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -30,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from unbroken._util.procs import pid_alive
+from unbroken._util.procs import process_alive, process_start_ticks
 from unbroken.storage import Store
 
 log = logging.getLogger(__name__)
@@ -86,30 +90,59 @@ class Event:
 
     @classmethod
     def from_json(cls, line: str) -> Event:
-        doc = json.loads(line)
+        """The event of one log line; ValueError naming what is wrong with it."""
+        try:
+            doc = json.loads(line)
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("kind"), str):
             raise ValueError("not an event")
+        info = doc.get("info") or {}
+        if not isinstance(info, dict):
+            raise ValueError("info is not an object")
         return cls(
             kind=doc["kind"],
-            t=float(doc["t"]),
-            n=int(doc.get("n", -1)),
-            step=None if doc.get("step") is None else int(doc["step"]),
-            begin=None if doc.get("begin") is None else float(doc["begin"]),
-            data_wait=float(doc.get("data_wait", 0.0)),
-            info=dict(doc.get("info") or {}),
+            t=_seconds(doc, "t"),
+            n=_integer(doc, "n", -1),
+            step=None if doc.get("step") is None else _integer(doc, "step", 0),
+            begin=None if doc.get("begin") is None else _seconds(doc, "begin"),
+            data_wait=_seconds(doc, "data_wait", 0.0),
+            info=info,
         )
 
 
-def parse_lines(text: str) -> list[Event]:
-    """Events of a JSONL text; a torn or foreign line (a crash mid-append) is skipped."""
+def _seconds(doc: dict[str, Any], key: str, default: float | None = None) -> float:
+    value = doc.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} is not a number: {value!r}"[:120])
+    if not math.isfinite(value):
+        raise ValueError(f"{key} is not finite: {value!r}")
+    return float(value)
+
+
+def _integer(doc: dict[str, Any], key: str, default: int) -> int:
+    value = doc.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} is not an integer: {value!r}"[:120])
+    return value
+
+
+def parse_lines(text: str, source: str = "event log") -> list[Event]:
+    """Events of a JSONL text. A bad line (torn by a crash mid-append, or damaged) is
+    skipped with one warning per ``source`` naming the first such line."""
     events = []
-    for line in text.splitlines():
+    bad: list[tuple[int, str]] = []
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             events.append(Event.from_json(line))
-        except (ValueError, TypeError, KeyError):
-            continue
+        except (ValueError, TypeError, KeyError) as exc:
+            bad.append((number, str(exc)))
+    if bad:
+        number, why = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        log.warning("goodput: skipped a bad line in %s: line %d: %s%s", source, number, why, more)
     return events
 
 
@@ -151,7 +184,8 @@ def read_log(store: Store) -> dict[str, dict[int, list[Event]]]:
         except ValueError:
             continue
         text = store.read_bytes(entry.key).decode("utf-8", "replace")
-        by_rank[(parts[1].removeprefix("attempt-"), rank)].extend(parse_lines(text))
+        events = parse_lines(text, store.url_for(entry.key))
+        by_rank[(parts[1].removeprefix("attempt-"), rank)].extend(events)
     out: dict[str, dict[int, list[Event]]] = {}
     for (attempt, rank), events in sorted(by_rank.items()):
         out.setdefault(attempt, {})[rank] = merge(events)
@@ -192,7 +226,7 @@ class EventLog:
         self.history: list[Event] | None = None
         """Every event so far, when a sink asked for it (``keep_history``)."""
         self._beat: Event | None = None
-        self._last_durable = float("-inf")  # the first flush goes durable: START lands
+        self._last_durable = float("-inf")
         self._io = threading.Lock()
         self._stop = threading.Event()
         self._warned = False
@@ -201,6 +235,12 @@ class EventLog:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Write what is queued (the START) now, to the local copy and the durable tier,
+        then hand on to the thread: an attempt killed in its first second is on disk."""
+        try:
+            self.flush(durable=True)
+        except Exception:  # never let accounting stop the job
+            log.exception("goodput: the event log's first flush failed")
         self._thread = threading.Thread(target=self._run, name="unbroken-goodput", daemon=True)
         self._thread.start()
 
@@ -330,21 +370,25 @@ def salvage_local_logs(store: Store, staging_dir: str) -> int:
     for name in names:
         path = os.path.join(local_dir, name)
         if not name.endswith(".jsonl") or not name.startswith("attempt-"):
-            if ".claimed-" in name and not pid_alive(_claimer(name)):
+            if ".claimed-" in name and not process_alive(*_claimer(name)):
                 os.replace(path, path.split(".claimed-")[0])  # a salvager died: retry it
             continue
         try:
-            with open(path, encoding="utf-8") as f:
-                events = parse_lines(f.read())
+            with open(path, encoding="utf-8", errors="replace") as f:
+                events = parse_lines(f.read(), path)
         except OSError:
             continue
         head = next((e for e in events if e.kind == START), None)
         if head is None:
             continue
-        pid, host = int(head.info.get("pid", -1)), head.info.get("host")
-        if host == socket.gethostname() and pid_alive(pid):
-            continue  # a live process's own log
-        claimed = f"{path}.claimed-{os.getpid()}"
+        pid, host = head.info.get("pid"), head.info.get("host")
+        if (
+            host == socket.gethostname()
+            and isinstance(pid, int)
+            and process_alive(pid, head.info.get("started"))
+        ):
+            continue  # a live process's own log (not one that reuses its pid)
+        claimed = f"{path}.claimed-{os.getpid()}-{process_start_ticks(os.getpid())}"
         try:
             os.rename(path, claimed)
         except OSError:
@@ -367,7 +411,8 @@ def salvage_local_logs(store: Store, staging_dir: str) -> int:
 def _upload_missing(store: Store, attempt: str, rank: int, local: list[Event]) -> None:
     durable: list[Event] = []
     for entry in store.list(rank_prefix(attempt, rank)):
-        durable.extend(parse_lines(store.read_bytes(entry.key).decode("utf-8", "replace")))
+        text = store.read_bytes(entry.key).decode("utf-8", "replace")
+        durable.extend(parse_lines(text, store.url_for(entry.key)))
     have = max((e.n for e in durable), default=-1)
     last_beat = max((e.t for e in durable), default=0.0)
     missing = [e for e in local if e.n > have]
@@ -379,11 +424,13 @@ def _upload_missing(store: Store, attempt: str, rank: int, local: list[Event]) -
         store.write_bytes(object_key(attempt, rank, have + 1), data)
 
 
-def _claimer(name: str) -> int:
+def _claimer(name: str) -> tuple[int, str | None]:
+    """The (pid, start ticks) a claimed file's name records."""
+    pid, _, started = name.rsplit(".claimed-", 1)[1].partition("-")
     try:
-        return int(name.rsplit(".claimed-", 1)[1])
+        return int(pid), started if started not in ("", "None") else None
     except ValueError:
-        return -1
+        return -1, None
 
 
 def _remove_local(path: str, local_dir: str) -> None:

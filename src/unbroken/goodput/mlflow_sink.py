@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from unbroken.goodput import events as ev
+from unbroken.goodput import jobs
 from unbroken.goodput.breakdown import breakdown
 from unbroken.storage import ObjectNotFoundError, Store
 
@@ -143,8 +144,9 @@ class MlflowSink:
             doc = {"run_id": self.run_id, "tracking_uri": self.tracking_uri}
             self.store.write_bytes(RUN_KEY, json.dumps(doc).encode())
         self._client.set_tag(self.run_id, "unbroken.attempt", self.attempt)
-        # Earlier attempts' events, once: the running goodput spans the whole job.
-        log_so_far = ev.read_log(self.store)
+        # Earlier attempts' events, once: the running goodput spans the whole job (this
+        # job's: another job writing the same root is not ours).
+        log_so_far = jobs.of_attempt(ev.read_log(self.store), self.attempt)
         self._earlier = {
             a: ranks[0] for a, ranks in log_so_far.items() if a != self.attempt and 0 in ranks
         }

@@ -21,6 +21,8 @@ import time
 import weakref
 from typing import Any
 
+from unbroken._util.job import job_id
+from unbroken._util.procs import process_start_ticks
 from unbroken.goodput import events as ev
 from unbroken.storage import Store
 
@@ -156,11 +158,12 @@ class Recorder(NullRecorder):
         self.checkpoint_interval_seconds = seconds
         self._add(INTERVAL, info={"seconds": seconds, "save_cost": save_cost, "mtbf": mtbf})
 
-    def close(self) -> None:
-        """A clean end: the last event, flushed to the durable tier now."""
+    def close(self, *, preempted: bool = False) -> None:
+        """A clean end: the last event, flushed to the durable tier now. ``preempted``:
+        the job goes on in a later attempt (the time until then is down, not idle)."""
         if self._closed:
             return
-        self._add(ev.END)
+        self._add(ev.END, info={"preempted": True} if preempted else {})
         self._finish(clean=True)
 
     def abandon(self) -> None:
@@ -220,6 +223,8 @@ def start(
         "attempt": attempt,
         "recorder_t": wall0,
         "restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+        "job": job_id(),
+        "started": process_start_ticks(os.getpid()),
     }
     event_log.append(ev.Event(ev.START, started, next(rec._n), info=info))
     event_log.start()
@@ -238,8 +243,9 @@ def start(
 
 def _durable_seconds(rank: int) -> float:
     """Rank 0's log (the job's figure) goes to the durable tier every minute; the other
-    ranks' once at the start and at the end (close or exit), their crashed tails by the
-    next attempt on the node: a thousand ranks must not fill the durable tier's listings.
+    ranks' once at the start (``EventLog.start``, before the first step) and at the end
+    (close or exit), their crashed tails by the next attempt on the node: a thousand
+    ranks must not fill the durable tier's listings.
     ``UNBROKEN_GOODPUT_FLUSH`` (seconds) sets it for every rank."""
     value = os.environ.get("UNBROKEN_GOODPUT_FLUSH")
     if value:

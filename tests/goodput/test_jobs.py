@@ -1,0 +1,61 @@
+"""Telling jobs apart in one root's event log: by the name each START records, and by
+time where an attempt names none."""
+
+from __future__ import annotations
+
+from unbroken.goodput import events as ev
+from unbroken.goodput import jobs
+from unbroken.goodput.breakdown import job_breakdown
+
+from .synthetic import AttemptWriter
+
+
+def attempt(start: float, seconds: float, job: str | None = None, *, clean: bool = False):
+    a = AttemptWriter(start).step(1, seconds)
+    if job is not None:
+        head = a.events[0]
+        a.events[0] = ev.Event(ev.START, head.t, head.n, info={"job": job})
+    if clean:
+        a.end()
+    else:
+        a.beat()
+    return {0: a.events}
+
+
+def test_attempts_are_grouped_by_the_job_their_start_names():
+    log = {"a1": attempt(0, 10, "A"), "b1": attempt(2, 10, "B"), "a2": attempt(15, 5, "A")}
+    found = jobs.split(log)
+    assert [(j.name, j.attempts) for j in found] == [("A", ("a1", "a2")), ("B", ("b1",))]
+    assert job_breakdown(jobs.select(log, found[0])).restarts == 1
+
+
+def test_unnamed_attempts_that_overlap_are_different_jobs():
+    # Old logs (no names): x1 and y1 run at once; x2 follows x1 and y1 both, and joins
+    # the one that ended last before it started (y1, at 14).
+    log = {"x1": attempt(0, 10), "y1": attempt(4, 10), "x2": attempt(20, 5)}
+    found = jobs.split(log)
+    assert [(j.name, j.attempts, j.named) for j in found] == [
+        ("unnamed-1", ("x1",), False),
+        ("unnamed-2", ("y1", "x2"), False),
+    ]
+
+
+def test_unnamed_attempts_in_sequence_are_one_job():
+    log = {"x1": attempt(0, 10), "x2": attempt(12, 5), "x3": attempt(20, 5, clean=True)}
+    assert [j.attempts for j in jobs.split(log)] == [("x1", "x2", "x3")]
+
+
+def test_of_attempt_is_the_job_of_that_attempt():
+    log = {"a1": attempt(0, 10, "A"), "b1": attempt(2, 10, "B")}
+    assert set(jobs.of_attempt(log, "a1")) == {"a1"}
+    assert set(jobs.of_attempt(log, "gone")) == {"b1"}  # unknown: the latest job
+    assert jobs.of_attempt({}, "a1") == {}
+
+
+def test_an_attempt_rank_0_left_no_event_in_is_proven_by_another_rank():
+    first = attempt(0, 1)[0]
+    log = {"a1": {1: first}, "a2": {0: attempt(10, 5, clean=True)[0], 1: []}}
+    b = job_breakdown(log, 0)
+    assert b.restarts == 1 and [a.stand_in_rank for a in b.attempts] == [1, None]
+    assert b.wall_seconds == 15 and b.seconds["down"] == 9
+    assert job_breakdown(log, 3).attempts == []  # a rank that never ran
