@@ -8,7 +8,7 @@ import time
 
 from unbroken.cli import text
 from unbroken.cli.errors import CliError
-from unbroken.cli.stores import open_existing
+from unbroken.cli.stores import add_storage_arguments, open_existing, storage_options
 from unbroken.goodput.breakdown import CATEGORIES, Breakdown, job_breakdown
 from unbroken.goodput.events import PREFIX, read_log
 
@@ -26,13 +26,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the breakdown as JSON")
     p.add_argument("--rank", type=int, default=0, help="whose timeline (default 0: the job's)")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the timeline (matplotlib)")
+    add_storage_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.rank < 0:
         raise CliError(f"--rank must be >= 0, got {args.rank}", code=2)
-    store = open_existing(args.url)
+    store = open_existing(args.url, storage_options(args))
     log = read_log(store)
     if not log:
         raise CliError(
