@@ -124,3 +124,15 @@ def test_option_values_parse_as_json_where_they_are_json(tmp_path):
         with pytest.raises(CliError, match=why) as info:
             parse_storage_options(blob, pairs)
         assert info.value.code == 2
+
+
+def test_ls_of_an_unreachable_http_store_is_a_failure_to_reach_it(capsys):
+    """Not "no checkpoints": nothing could be listed (retried as a refused connection is)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/run"
+    code, _out, err = run(capsys, "ls", url)
+    assert code == 1
+    assert "no checkpoints" not in err and "Cannot connect" in err
