@@ -257,12 +257,16 @@ def test_plan_reproduces_the_published_figures(capsys):
         ["plan", "--gpus", "x", "--days", "1", "--afr", "0.1"],
         ["plan", "--gpus", "8", "--days", "1", "--afr", "2"],
         ["plan", "--interruptions-per-day", "8.6", "--interval-minutes", "0"],
+        ["plan", "--json", "--gpus", "10", "--days", "1e308", "--afr", "0.5"],  # overflows
+        ["plan", "--gpus", "1" + "0" * 310, "--days", "1", "--afr", "0.1"],  # no float
+        ["plan", "--json", "--interruptions-per-day", "1e-320", "--save-seconds", "10"],
+        ["plan", "--gpus", "8", "--days", "inf", "--afr", "0.1"],
         ["goodput", "somewhere", "--rank", "-1"],
     ],
 )
 def test_plan_bad_arguments(capsys, argv):
-    code, _, err = run(capsys, *argv)
-    assert code == 2 and "error:" in err
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and "error:" in err and not out  # never an Infinity printed
     assert "> 0 seconds" not in err  # the user gave minutes
 
 

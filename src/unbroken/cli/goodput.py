@@ -9,7 +9,7 @@ import time
 
 from unbroken.cli import text
 from unbroken.cli.errors import CliError
-from unbroken.cli.stores import open_existing
+from unbroken.cli.stores import add_storage_arguments, open_existing, storage_options
 from unbroken.goodput import jobs
 from unbroken.goodput.breakdown import CATEGORIES, Breakdown, job_breakdown
 from unbroken.goodput.events import PREFIX, read_log
@@ -37,13 +37,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="FILE.png",
         help="also draw the timeline (matplotlib; a directory gets timeline.png)",
     )
+    add_storage_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.rank < 0:
         raise CliError(f"--rank must be >= 0, got {args.rank}", code=2)
-    store = open_existing(args.url)
+    store = open_existing(args.url, storage_options(args))
     log = read_log(store)
     found = jobs.split(log)
     if not found:

@@ -10,7 +10,7 @@ import time
 from unbroken.checkpoint.catalog import list_checkpoints
 from unbroken.cli import text
 from unbroken.cli.errors import CliError
-from unbroken.cli.stores import open_existing
+from unbroken.cli.stores import add_storage_arguments, open_existing, storage_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,11 +22,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("url", help="the checkpoint root (what CheckpointManager was given)")
     p.add_argument("--json", action="store_true", help="print a JSON list of objects")
+    add_storage_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    store = open_existing(args.url)
+    store = open_existing(args.url, storage_options(args))
     infos = list_checkpoints(store)
     if args.json:
         print(json.dumps([dataclasses.asdict(i) for i in infos], indent=1))

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 
 from unbroken._version import __version__
@@ -37,7 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     prog = f"unbroken {sys.argv[1] if argv is None and len(sys.argv) > 1 else ''}".strip()
     try:
-        return args.run(args)
+        with warnings.catch_warnings():  # restores showwarning for an in-process caller
+            warnings.showwarning = _one_line_warning(prog)
+            return args.run(args)
     except CliError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return exc.code
@@ -52,6 +55,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"{prog}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+
+
+def _one_line_warning(prog: str):
+    """A library warning (a directory that is not a checkpoint) as the user sees it:
+    ``unbroken ls: warning: ...``, not Python's source path and line."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"{prog}: warning: {message}", file=file or sys.stderr)
+
+    return show
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from unbroken.cli.errors import CliError
 from unbroken.goodput import planner
@@ -19,14 +20,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "optimal interval.",
     )
     p.add_argument("--gpus", type=int, help="GPUs in the job")
-    p.add_argument("--days", type=float, help="the job's length in days")
-    p.add_argument("--afr", type=float, help="annual failure rate per GPU (0.01 = 1%%)")
-    p.add_argument("--interruptions-per-day", type=float, help="job interruptions per day")
-    p.add_argument("--interval-minutes", type=float, help="minutes between checkpoints")
-    p.add_argument("--save-seconds", type=float, help="seconds a save blocks the loop (0)")
-    p.add_argument("--restart-seconds", type=float, help="seconds a restart costs (0)")
+    p.add_argument("--days", type=finite, help="the job's length in days")
+    p.add_argument("--afr", type=finite, help="annual failure rate per GPU (0.01 = 1%%)")
+    p.add_argument("--interruptions-per-day", type=finite, help="job interruptions per day")
+    p.add_argument("--interval-minutes", type=finite, help="minutes between checkpoints")
+    p.add_argument("--save-seconds", type=finite, help="seconds a save blocks the loop (0)")
+    p.add_argument("--restart-seconds", type=finite, help="seconds a restart costs (0)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(run=run)
+
+
+def finite(text: str) -> float:
+    """A float argument that is a number: inf and nan are refused as they are parsed."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"a finite number is needed, got {text!r}")
+    return value
 
 
 def compute(args: argparse.Namespace) -> dict[str, float]:

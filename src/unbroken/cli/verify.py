@@ -14,7 +14,7 @@ import sys
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME, step_dir
 from unbroken.cli.errors import CliError
-from unbroken.cli.stores import open_existing
+from unbroken.cli.stores import add_storage_arguments, open_existing, storage_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,11 +29,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, default=None, help="only this step")
     p.add_argument("--json", action="store_true", help="print {step: [problems]} as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_storage_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    store = open_existing(args.url)
+    store = open_existing(args.url, storage_options(args))
     infos = list_checkpoints(store)
     if args.step is not None:
         chosen = [i for i in infos if i.step == args.step]

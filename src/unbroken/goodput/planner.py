@@ -9,6 +9,7 @@ interruption rate and a checkpoint interval, and the interval that maximises it
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 SECONDS_PER_DAY = 86_400.0
 DAYS_PER_YEAR = 365.0
@@ -17,16 +18,19 @@ DAYS_PER_YEAR = 365.0
 def failure_probability(gpus: int, days: float, afr: float) -> float:
     """P(at least one of ``gpus`` fails within ``days``), each failing independently with
     annual failure rate ``afr`` (0.01 = 1% a year)."""
-    _check(gpus > 0, f"gpus must be > 0, got {gpus}")
-    _check(days >= 0, f"days must be >= 0, got {days}")
-    _check(0 <= afr < 1, f"afr must be in [0, 1), got {afr}")
-    gpu_years = gpus * days / DAYS_PER_YEAR
-    return 1.0 - (1.0 - afr) ** gpu_years
+    return 1.0 - (1.0 - float(afr)) ** _gpu_years(gpus, days, afr)
 
 
 def expected_failures(gpus: int, days: float, afr: float) -> float:
     """The mean number of GPU failures over the job (``gpus * days / 365 * afr``)."""
-    return gpus * days / DAYS_PER_YEAR * afr
+    return _finite("expected failures", _gpu_years(gpus, days, afr) * float(afr))
+
+
+def _gpu_years(gpus: int, days: float, afr: float) -> float:
+    _need("gpus", gpus, lambda x: x > 0, "> 0")
+    _need("days", days, lambda x: x >= 0, ">= 0")
+    _need("afr", afr, lambda x: 0 <= x < 1, "in [0, 1)")
+    return _finite("GPU-years", float(gpus) * float(days) / DAYS_PER_YEAR)
 
 
 def expected_goodput(
@@ -38,9 +42,10 @@ def expected_goodput(
 ) -> float:
     """Productive fraction of wall time: each interruption loses half an interval of work
     (on average) plus ``restart_seconds``; each interval pays ``save_seconds`` blocked."""
-    _check(interruptions_per_day >= 0, "interruptions per day must be >= 0")
-    _check(interval_seconds > 0, f"interval must be > 0 seconds, got {interval_seconds}")
-    _check(save_seconds >= 0 and restart_seconds >= 0, "save and restart seconds must be >= 0")
+    _need("interruptions per day", interruptions_per_day, lambda x: x >= 0, ">= 0")
+    _need("interval", interval_seconds, lambda x: x > 0, "> 0 seconds")
+    _need("save seconds", save_seconds, lambda x: x >= 0, ">= 0")
+    _need("restart seconds", restart_seconds, lambda x: x >= 0, ">= 0")
     lost_per_day = interruptions_per_day * (interval_seconds / 2.0 + restart_seconds)
     saving = save_seconds / interval_seconds
     return min(1.0, max(0.0, 1.0 - lost_per_day / SECONDS_PER_DAY - saving))
@@ -48,17 +53,31 @@ def expected_goodput(
 
 def optimal_interval_seconds(save_seconds: float, mtbf_seconds: float) -> float:
     """Young/Daly: the checkpoint interval that minimises save cost plus lost work."""
-    _check(save_seconds > 0, f"save seconds must be > 0, got {save_seconds}")
-    _check(mtbf_seconds > 0, f"MTBF must be > 0 seconds, got {mtbf_seconds}")
-    return math.sqrt(2.0 * save_seconds * mtbf_seconds)
+    _need("save seconds", save_seconds, lambda x: x > 0, "> 0")
+    _need("MTBF", mtbf_seconds, lambda x: x > 0, "> 0 seconds")
+    return _finite("the optimal interval", math.sqrt(2.0 * save_seconds * mtbf_seconds))
 
 
 def mtbf_seconds(interruptions_per_day: float) -> float:
     """Mean time between interruptions."""
-    _check(interruptions_per_day > 0, "interruptions per day must be > 0")
-    return SECONDS_PER_DAY / interruptions_per_day
+    _need("interruptions per day", interruptions_per_day, lambda x: x > 0, "> 0")
+    return _finite("the MTBF", SECONDS_PER_DAY / interruptions_per_day)
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
+def _need(name: str, value: float, ok: Callable[[float], bool], what: str) -> None:
+    """ValueError naming ``value`` unless it is a finite number that is ``what``: nan,
+    inf and an int too large for a float are refused here, not met as an OverflowError
+    or an ``inf`` figure later."""
+    try:
+        x = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is too large ({len(str(value))} digits)") from None
+    if not (math.isfinite(x) and ok(x)):
+        raise ValueError(f"{name} must be a finite number {what}, got {value}")
+
+
+def _finite(name: str, value: float) -> float:
+    """A result that overflowed is an error, never an ``inf`` handed on as a figure."""
+    if not math.isfinite(value):
+        raise ValueError(f"{name} overflows: the inputs are too large to plan with")
+    return value

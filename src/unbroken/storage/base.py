@@ -13,7 +13,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from unbroken.storage.in_memory import FileInMemory
 from unbroken.storage.retry import RetryPolicy, RetryStats, call_with_retry
@@ -121,17 +121,9 @@ class Store(ABC):
             raise ValueError(f"read_bytes {key!r}: reversed range [{start}, {end})")
         data = self._run("read_bytes", key, lambda: self._read_bytes(key, start, end))
         if end is not None and len(data) < end - (start or 0):
-            raise ValueError(
-                f"read_bytes {self.url_for(key)}: range [{start or 0}, {end}) reaches past "
-                f"the end of the object ({(start or 0) + len(data)} bytes)"
-            )
-        if end is None and start and not data:
-            size = self.info(key).size
-            if start > size:
-                raise ValueError(
-                    f"read_bytes {self.url_for(key)}: start {start} is past the end of the "
-                    f"object ({size} bytes)"
-                )
+            self._past_end("read_bytes", key, f"range [{start or 0}, {end}) reaches")
+        if end is None and start and not data and start > self.info(key).size:
+            self._past_end("read_bytes", key, f"start {start} is")
         return data
 
     def read_range(self, key: str, start: int, end: int) -> Buffer:
@@ -144,11 +136,15 @@ class Store(ABC):
             raise ValueError(f"read_range {key!r}: bad range [{start}, {end})")
         data = self._run("read_bytes", key, lambda: self._read_range(key, start, end))
         if memoryview(data).nbytes < end - start:
-            raise ValueError(
-                f"read_range {self.url_for(key)}: range [{start}, {end}) reaches past the "
-                f"end of the object ({start + memoryview(data).nbytes} bytes)"
-            )
+            self._past_end("read_range", key, f"range [{start}, {end}) reaches")
         return data
+
+    def _past_end(self, op: str, key: str, what: str) -> NoReturn:
+        """Raise the ValueError of a read past the end, with the object's real size: a
+        short answer only says where the read stopped (nothing, for a start past the end)."""
+        size = self.info(key).size
+        where = self.url_for(key)
+        raise ValueError(f"{op} {where}: {what} past the end of the object ({size} bytes)")
 
     def upload(
         self,

@@ -115,6 +115,8 @@ class FsspecStore(Store):
         top = self.path_for(prefix)
         self.fs.invalidate_cache(top)
         found = self.fs.find(top, detail=True, withdirs=False)
+        if not found:
+            self._check_listable(top)
         root_prefix = self.root + "/"
         entries = []
         for path, info in found.items():
@@ -123,6 +125,15 @@ class FsspecStore(Store):
             key = path[len(root_prefix) :] if path.startswith(root_prefix) else path.lstrip("/")
             entries.append(Entry(key, int(info["size"]), _etag(info)))
         return entries
+
+    def _check_listable(self, top: str) -> None:
+        """Raise what kept an empty listing empty, if it was not just absence: fsspec's
+        generic ``find`` treats every error as an empty directory, so an unreachable
+        server (http://) would read as a store with nothing in it."""
+        try:
+            self.fs.ls(top, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
 
     def _delete(self, key: str) -> None:
         path = self.path_for(key)

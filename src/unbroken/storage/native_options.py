@@ -122,6 +122,12 @@ def native_target(url: str, storage_options: dict[str, Any]) -> NativeTarget:
     if kind == "azure" and "connection_string" in config:
         config.update(_parse_connection_string(config.pop("connection_string"), url))
     endpoint = str(config.get("endpoint") or config.get("base_url") or "")
+    given = urlsplit(endpoint)
+    if endpoint and (given.scheme not in ("http", "https") or not given.netloc):
+        raise ValueError(
+            f"open_store({url!r}): the endpoint {endpoint!r} is not an http:// or https:// "
+            "URL with a host (e.g. http://127.0.0.1:9000)"
+        )
     if endpoint.startswith("http://"):
         client.setdefault("allow_http", True)  # a plain-HTTP endpoint was asked for
     return NativeTarget(kind, bucket, prefix, config, client)

@@ -13,36 +13,21 @@ loses one part starts again from its first part.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import obstore
-from obstore.exceptions import (
-    AlreadyExistsError,
-    BaseError,
-    NotFoundError,
-    PermissionDeniedError,
-    PreconditionError,
-    UnauthenticatedError,
-)
+from obstore.exceptions import BaseError
 
 from unbroken.storage import fork_relay
 from unbroken.storage.base import Entry, Store
-from unbroken.storage.errors import TransientStoreError, redact
+from unbroken.storage.errors import redact
 from unbroken.storage.in_memory import FileInMemory
+from unbroken.storage.native_errors import first_line, native_errors, parse_failure
 from unbroken.storage.native_options import NativeTarget, native_target
 from unbroken.storage.parts import PART_SIZE, PART_STREAMS, download_in_parts
 from unbroken.storage.retry import NO_RETRY, RetryPolicy
-
-_TRANSIENT = re.compile(
-    r"status code: (5\d\d|429)|HTTP error|error sending request|connection (reset|closed|"
-    r"refused)|timed? ?out|broken pipe|incomplete|SlowDown|ServiceUnavailable",
-    re.IGNORECASE,
-)
-"""What obstore says when the request never got a definite answer: worth a retry."""
-_RANGE_NOT_SATISFIABLE = re.compile(r"status code: 416|InvalidRange|Range Not Satisfiable")
 
 
 class NativeStore(Store):
@@ -87,6 +72,10 @@ class NativeStore(Store):
             self._forked = fork_relay.relay_for(self._relay_token, self._fsspec) or self._fsspec()
         return self._forked
 
+    def _errors(self, key: str) -> native_errors:
+        """obstore's exceptions as the classes the retry loop and users know."""
+        return native_errors(key, self.target.bucket)
+
     def _fsspec(self) -> Store:
         from unbroken.storage.fsspec_store import FsspecStore
 
@@ -98,7 +87,7 @@ class NativeStore(Store):
         if (forked := self._in_fork()) is not None:
             return forked._write_bytes(key, data)
         view = memoryview(data).cast("B")
-        with _native_errors(key):
+        with self._errors(key):
             obstore.put(
                 self._store, key, view, use_multipart=view.nbytes > PART_SIZE,
                 chunk_size=PART_SIZE, max_concurrency=PART_STREAMS,
@@ -107,7 +96,7 @@ class NativeStore(Store):
     def _create_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
         if (forked := self._in_fork()) is not None:
             return forked._create_bytes(key, data)
-        with _native_errors(key):
+        with self._errors(key):
             obstore.put(self._store, key, memoryview(data).cast("B"), mode="create")
 
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
@@ -115,7 +104,7 @@ class NativeStore(Store):
             return forked._read_bytes(key, start, end)
         if end is not None:
             return bytes(self._read_range(key, start or 0, end))
-        with _native_errors(key):
+        with self._errors(key):
             if not start:
                 return bytes(obstore.get(self._store, key).bytes())
             try:
@@ -128,7 +117,7 @@ class NativeStore(Store):
         """obstore's own buffer of the range (no copy into bytes)."""
         if (forked := self._in_fork()) is not None:
             return forked._read_bytes(key, start, end)  # the relay sends bytes
-        with _native_errors(key):
+        with self._errors(key):
             if end <= start:
                 obstore.head(self._store, key)  # still raise for a missing key
                 return b""
@@ -139,7 +128,7 @@ class NativeStore(Store):
 
     def _nothing_past_end(self, key: str, exc: BaseError) -> bytes:
         """b'' for a range that starts past the end of an object that exists."""
-        if not _RANGE_NOT_SATISFIABLE.search(str(exc)):
+        if parse_failure(str(exc)).status != 416:
             raise exc
         obstore.head(self._store, key)
         return b""
@@ -152,7 +141,7 @@ class NativeStore(Store):
             assert memory is not None
             read_all = False
             try:
-                with _native_errors(key):
+                with self._errors(key):
                     if memory.size <= PART_SIZE:
                         obstore.put(self._store, key, b"".join(parts), use_multipart=False)
                     else:
@@ -164,7 +153,7 @@ class NativeStore(Store):
             finally:
                 memory.give_back(read_all=read_all)
             return
-        with _native_errors(key):
+        with self._errors(key):
             # From the file, PART_STREAMS parts of PART_SIZE in flight at most.
             obstore.put(
                 self._store, key, Path(local_path), chunk_size=PART_SIZE,
@@ -182,20 +171,20 @@ class NativeStore(Store):
         download_in_parts(size, lambda start, end: self._fetch(key, start, end), local_path)
 
     def _fetch(self, key: str, start: int, end: int) -> Any:
-        with _native_errors(key):
+        with self._errors(key):
             return obstore.get_range(self._store, key, start=start, end=end)
 
     def _info(self, key: str) -> Entry:
         if (forked := self._in_fork()) is not None:
             return forked._info(key)
-        with _native_errors(key):
+        with self._errors(key):
             meta = obstore.head(self._store, key)
         return Entry(key, int(meta["size"]), _etag(meta))
 
     def _list(self, prefix: str) -> list[Entry]:
         if (forked := self._in_fork()) is not None:
             return forked._list(prefix)
-        with _native_errors(prefix or "/"):
+        with self._errors(prefix or "/"):
             found = obstore.list(self._store, prefix=prefix or None).collect()
             entries = [Entry(m["path"], int(m["size"]), _etag(m)) for m in found]
             if not entries and prefix:  # list() looks under "prefix/"; the key itself?
@@ -213,14 +202,14 @@ class NativeStore(Store):
         if prefix:  # _list also answers for a key that is itself the prefix
             yield self._list(prefix)
             return
-        with _native_errors("/"):  # the root, the big case: its pages as they come
+        with self._errors("/"):  # the root, the big case: its pages as they come
             for page in obstore.list(self._store, prefix=None):
                 yield [Entry(m["path"], int(m["size"]), _etag(m)) for m in page]
 
     def _delete(self, key: str) -> None:
         if (forked := self._in_fork()) is not None:
             return forked._delete(key)
-        with _native_errors(key):
+        with self._errors(key):
             targets = [m["path"] for m in obstore.list(self._store, prefix=key).collect()]
             # GCS and Azure report an absent key (S3 does not): absent is fine here.
             for batch in (targets, [] if key in targets else [key]):
@@ -244,41 +233,8 @@ def _build(target: NativeTarget, url: str) -> Any:
             retry_config={"max_retries": 0},
         )
     except BaseError as exc:  # a value obstore cannot parse
-        raise ValueError(f"open_store({redact(url)!r}): {_first_line(exc)}") from None
-
-
-class _native_errors:
-    """Turn obstore's exceptions into the classes the retry loop and users know, with a
-    one-line message (obstore appends a multi-line debug dump)."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
-        if exc is None or not isinstance(exc, (BaseError, OSError)):
-            return False
-        if isinstance(exc, TransientStoreError) or type(exc).__module__.startswith("unbroken"):
-            return False
-        message = redact(_first_line(exc))
-        if isinstance(exc, (AlreadyExistsError, PreconditionError)):
-            raise FileExistsError(f"{self.key} already exists: {message}") from exc
-        if isinstance(exc, (NotFoundError, FileNotFoundError)):
-            raise FileNotFoundError(message) from exc
-        if isinstance(exc, (PermissionDeniedError, UnauthenticatedError, PermissionError)):
-            raise PermissionError(message) from exc
-        if isinstance(exc, BaseError) and _TRANSIENT.search(str(exc)):
-            raise TransientStoreError(message) from exc
-        return False
-
-
-def _first_line(exc: BaseException) -> str:
-    """obstore's message without its debug dump and the server's XML body."""
-    text = str(exc).split("\n\nDebug source:", 1)[0].split(": <?xml", 1)[0]
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[0][:500] if lines else type(exc).__name__
+        why = first_line(str(exc)) or type(exc).__name__
+        raise ValueError(f"open_store({redact(url)!r}): {why}") from None
 
 
 def _etag(meta: dict[str, Any]) -> str | None:
