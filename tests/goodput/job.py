@@ -51,7 +51,9 @@ def main() -> None:
     optim = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     ds = ub.VolumeDataset(args.data, decode=decode, cache_dir=os.path.join(args.staging, "c"))
     loader = ub.DataLoader(ds, batch_size=4, num_workers=0)
-    mgr = ub.CheckpointManager(args.url, staging_dir=args.staging, every_steps=args.every)
+    mgr = ub.CheckpointManager(  # "wait": a loaded machine must not skip the save a
+        args.url, staging_dir=args.staging, every_steps=args.every, when_busy="wait"
+    )  # crash's restore is counted from (step 20 skipped -> restored at 10: 15 wasted)
     state = {"model": model, "optim": optim, "loader": loader}
     step = mgr.restore(state) or 0
     if crash_at == 0:
