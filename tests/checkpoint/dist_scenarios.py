@@ -266,9 +266,12 @@ def scenario_generators_save(a: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(100 + rank)
     torch.rand(3, generator=g)
     mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=None)
-    mgr.save(1, {"model": nn.Linear(2, 2), "g": g, "who": [rank], "same": 5})
+    shared = torch.Generator().manual_seed(5)  # a shuffle every rank draws alike
+    torch.rand(2, generator=shared)
+    mgr.save(1, {"model": nn.Linear(2, 2), "g": g, "s": shared, "who": [rank], "same": 5})
     mgr.close()
-    Path(f"{a.expected}.rank{rank}").write_text(json.dumps(torch.rand(4, generator=g).tolist()))
+    draws = {name: torch.rand(4, generator=gen).tolist() for name, gen in (("g", g), ("s", shared))}
+    Path(f"{a.expected}.rank{rank}").write_text(json.dumps(draws))
     log("generators save ok")
 
 
@@ -281,7 +284,8 @@ def scenario_generators_load(a: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(999)
     own = torch.rand(4, generator=torch.Generator().manual_seed(999)).tolist()
     mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=None)
-    state = {"model": nn.Linear(2, 2), "g": g, "who": [], "same": 0}
+    s = torch.Generator().manual_seed(999)
+    state = {"model": nn.Linear(2, 2), "g": g, "s": s, "who": [], "same": 0}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert mgr.restore(state) == 1
@@ -289,8 +293,10 @@ def scenario_generators_load(a: argparse.Namespace) -> None:
     draws = torch.rand(4, generator=g).tolist()
     saved = Path(f"{a.expected}.rank{rank}")
     assert state["same"] == 5
+    expected_s = json.loads(Path(f"{a.expected}.rank0").read_text())["s"]
+    assert torch.rand(4, generator=s).tolist() == expected_s, f"rank {rank}: shared generator"
     if saved.exists():
-        assert draws == json.loads(saved.read_text()), f"rank {rank}: not its own generator"
+        assert draws == json.loads(saved.read_text())["g"], f"rank {rank}: not its own generator"
         assert state["who"] == [rank], state
     else:
         assert draws == own, f"rank {rank}: a generator of another rank"

@@ -353,6 +353,13 @@ elif case == "repeat_long_after":
 elif case == "exception_after_the_signal":  # a collective failed: a peer is gone
     os.kill(os.getpid(), signal.SIGTERM)
     raise RuntimeError("Connection closed by peer")
+elif case == "users_handler_then_exception":  # it runs once, and it decides
+    m.close()
+    signal.signal(signal.SIGTERM, lambda s, f: print("USER HANDLER", flush=True))
+    m = ub.CheckpointManager(f"{d}/ck", staging_dir=f"{d}/st", every_steps=None)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.1)
+    sys.exit(7)
 print("STILL ALIVE")
 """
 
@@ -363,6 +370,7 @@ print("STILL ALIVE")
         ("repeat", EXIT_CODE),  # saved, committed, then ended as preempted
         ("repeat_long_after", -signal.SIGTERM),  # a second signal: it means it
         ("exception_after_the_signal", -signal.SIGTERM),  # as if no manager were there
+        ("users_handler_then_exception", 7),  # the user's handler, once, then the exit
     ],
 )
 def test_how_a_process_with_a_signal_ends(tmp_path, case, returncode):
@@ -376,6 +384,8 @@ def test_how_a_process_with_a_signal_ends(tmp_path, case, returncode):
     )  # fmt: skip
     assert proc.returncode == returncode, proc.stdout + proc.stderr
     assert "STILL ALIVE" not in proc.stdout
+    if case == "users_handler_then_exception":
+        assert proc.stdout.count("USER HANDLER") == 1, proc.stdout + proc.stderr
     listed = list_checkpoints(ub.open_store(str(tmp_path / "ck")))
     committed = [c.step for c in listed if c.committed]
     assert committed == ([1] if case == "repeat" else []), committed

@@ -42,7 +42,8 @@ def _more_batches(proc: subprocess.Popen) -> str:
 @pytest.mark.parametrize("mode", ["ub", "torch"])
 def test_workers_outlive_a_sigterm_from_outside_and_end_with_their_parent(tmp_path, mode):
     """torchrun's killpg and Slurm's signal reach the workers too: they used to die, and
-    torch's SIGCHLD handler raised in the training process before it could save."""
+    torch's SIGCHLD handler raised in the training process before it could save. (Fork
+    only: spawned workers are not covered yet, see docs/checkpoints.md.)"""
     proc, workers = _start(tmp_path, mode)
     try:
         for pid in workers:

@@ -84,6 +84,21 @@ def _rank_values_entry(values: dict[str, Any], per_rank: list[dict[str, Any]]) -
     return {"rank_values": own} if own else {}
 
 
+def _generator_digests(rng: dict[str, Any]) -> dict[str, int]:
+    """A checksum of each of the state's generators in this rank's RNG record."""
+    return {name: crc32c_bytes(text.encode()) for name, text in rng.get("generators", {}).items()}
+
+
+def _shared_generators_entry(per_rank: list[dict[str, int]]) -> dict:
+    """``shared_generators``: the generators every rank held in the same state (of two or
+    more ranks; one rank cannot tell a shared one from its own): a rank added on a later
+    restore gets those, and keeps its own state of the others."""
+    if len(per_rank) < 2:
+        return {}
+    shared = sorted(n for n, d in per_rank[0].items() if all(r.get(n) == d for r in per_rank))
+    return {"shared_generators": shared} if shared else {}
+
+
 class _PhaseFailed(Exception):
     """A phase failed on some rank; ``args[0]`` says where and why, ``conflict`` (the
     fields of an OtherJobError, as every rank got them) that another job is the cause."""
@@ -361,7 +376,7 @@ class SavePipeline:
         gathered = self._together(
             f"uploading step {step}",
             g.all_gather,
-            (records, problem, etags, job.values, _conflict(exc)),
+            (records, problem, etags, job.values, _generator_digests(job.rng), _conflict(exc)),
         )
         t3 = time.monotonic()
         job.seconds["upload"] = t3 - t2
@@ -473,7 +488,8 @@ class SavePipeline:
                 "values": job.values,
                 "rng_files": "rng/rank-{rank:05d}.json",
                 "writer": writer_identity(),
-                **_rank_values_entry(job.values, [values for _, _, _, values, _ in gathered]),
+                **_rank_values_entry(job.values, [g[3] for g in gathered]),
+                **_shared_generators_entry([g[4] for g in gathered]),
             },
         )
         try:

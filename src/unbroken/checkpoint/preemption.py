@@ -113,7 +113,8 @@ class PreemptionWatch:
                      REPEAT_SECONDS)  # fmt: skip
             return
         if self._closed or self._forward or self.handled or self.received is not None:
-            self._pass_on(signum, frame)  # closed, timed out, already saved, or a 2nd signal
+            # closed, timed out (the watchdog's copy of the first), saved, or a 2nd signal
+            self._pass_on(signum, frame, chained=self._forward and signum == self.received)
             return
         self.received = signum
         self._received_at = time.monotonic()
@@ -146,15 +147,17 @@ class PreemptionWatch:
         elif callable(previous):
             previous(signum, frame)
 
-    def _pass_on(self, signum: int, frame: FrameType | None) -> None:
+    def _pass_on(self, signum: int, frame: FrameType | None, *, chained: bool = False) -> None:
         """What the signal would have done without any manager (main thread, in the
-        handler): past other managers' handlers, to the one installed before them all."""
+        handler): past other managers' handlers, to the one installed before them all.
+        ``chained``: that handler, if the user's, already ran for this very signal."""
         previous = self._previous.get(signum, signal.SIG_DFL)
         inner = getattr(previous, "__self__", None)
         if isinstance(inner, PreemptionWatch):
-            inner._pass_on(signum, frame)
+            inner._pass_on(signum, frame, chained=chained)
         elif callable(previous):
-            previous(signum, frame)
+            if not chained:
+                previous(signum, frame)
         elif previous in (signal.SIG_DFL, None):
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -200,7 +203,7 @@ class PreemptionWatch:
         if self.on_give_up is not None:
             self.on_give_up()
         self._forward = True
-        self._pass_on(self.received, None)  # ends the process unless a user handler runs
+        self._pass_on(self.received, None, chained=True)  # the user's handler ran already
 
     def _agree(self) -> bool:
         if self.group.pg is None:
@@ -256,7 +259,7 @@ class PreemptionWatch:
             if unhandled is not None:
                 log.warning("closing with a %s no maybe_save acted on: passing it on",
                             signal.Signals(unhandled).name)  # fmt: skip
-                self._pass_on(unhandled, None)
+                self._pass_on(unhandled, None, chained=True)
 
     def _put_back_handlers(self) -> None:
         """Main thread: the handlers installed before ours are the signals' again."""
@@ -284,7 +287,7 @@ def _end_by_the_signal_at_exit() -> None:
         if watch.on_give_up is not None:
             watch.on_give_up()
         watch._forward = True
-        watch._pass_on(watch.received, None)
+        watch._pass_on(watch.received, None, chained=True)
         return
 
 

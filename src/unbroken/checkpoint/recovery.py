@@ -263,12 +263,19 @@ def _try(
             if name in rng.generators and name not in prepared.flat.nested:
                 generator.set_state(rng.generators[name])
     elif group.rank >= manifest.world_size:
-        own = sorted(n for n in prepared.flat.generators if n not in prepared.flat.nested)
+        shared = prepared.shared_generators
+        for name, saved in shared.items():
+            prepared.flat.generators[name].set_state(saved)
+        own = sorted(
+            n for n in prepared.flat.generators if n not in prepared.flat.nested and n not in shared
+        )
+        restored = f" (generators {sorted(shared)}, the same on every rank, are restored)"
         warnings.warn(
             f"rank {group.rank}: checkpoint step {step} was saved on {manifest.world_size} "
             "ranks and has no RNG state for this rank; its RNG streams"
             + (f" and generators {own}" if own else "")
-            + " are left as they are",
+            + " are left as they are"
+            + (restored if shared else ""),
             RuntimeWarning,
             stacklevel=4,
         )
@@ -323,6 +330,9 @@ class _Prepared:
     """The plain values, decoded."""
     flat: FlatState
     """The state to load into, its optimizers' state laid out as the checkpoint has it."""
+    shared_generators: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """For a rank the checkpoint has no record of: the generators every saving rank
+    held in the same state (a shared shuffle), rank 0's copy."""
 
 
 def _prepare(
@@ -355,6 +365,13 @@ def _prepare(
     rng = None
     if group.global_rank < manifest.world_size:
         rng = _read_rng(reader, manifest, group.global_rank, durable)
+    shared: dict[str, torch.Tensor] = {}
+    if rng is None and _shared_generators(manifest, flat):
+        rank0 = _read_rng(reader, manifest, 0, durable)
+        if rank0 is not None:
+            shared = {n: rank0.generators[n] for n in _shared_generators(manifest, flat)}
+            _check_generators(flat, dataclasses.replace(rank0, generators=shared), False,
+                              where=durable.url_for(f"{name}/{rng_file(0)}"))  # fmt: skip
     flat = _generators_of_older_checkpoints(flat, metadata.state_dict_metadata)
     flat = fit_to_saved(flat, metadata.state_dict_metadata)  # the optimizers' state as saved
     check_compatible(
@@ -366,7 +383,13 @@ def _prepare(
     )
     rng_url = durable.url_for(f"{name}/{rng_file(group.global_rank)}")
     _check_generators(flat, rng, strict, where=rng_url)
-    return _Prepared(manifest, reader, rng, values, flat)
+    return _Prepared(manifest, reader, rng, values, flat, shared)
+
+
+def _shared_generators(manifest: Manifest, flat: FlatState) -> list[str]:
+    """The state's generators that every saving rank held in the same state."""
+    shared = manifest.extra.get("shared_generators", [])
+    return [n for n in shared if n in flat.generators] if isinstance(shared, list) else []
 
 
 def _generators_of_older_checkpoints(flat: FlatState, saved: Mapping[str, Any]) -> FlatState:
