@@ -31,37 +31,21 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _torchrun import torchrun_cmd, torchrun_env
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "checkpoint" / "_preempt_loader_worker.py"
 MODES = ("exit", "off")
 """preemption="exit" is the default."""
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def one(work: Path, volume: Path, mode: str) -> dict[str, float | None]:
     out = work / f"{mode}-{time.monotonic_ns()}"
     out.mkdir()
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-        OMP_NUM_THREADS="1",
-        GLOO_SOCKET_IFNAME="lo",
-        PREEMPTION=mode,
-    )
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-        "--max-restarts", "1", "--monitor-interval", "0.1", str(JOB),
-        str(out / "ckpt"), str(out / "stage"), str(out), "150", str(volume),
-    ]  # fmt: skip
+    env = torchrun_env(PREEMPTION=mode)
+    cmd = torchrun_cmd(JOB, str(out / "ckpt"), str(out / "stage"), str(out), "150", str(volume))
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,

@@ -29,6 +29,15 @@ def _discard_test_links():
     discard_links()
 
 
+@pytest.fixture(autouse=True)
+def _memory_tier_of_its_own(tmp_path_factory, monkeypatch):
+    """Each test's checkpoint memory tier lives in a directory of its own (its ranks'
+    processes inherit it), not in the machine's /dev/shm: a test that ends without
+    close() leaves nothing there, and no test sweeps another's. Tests of the tier on a
+    real tmpfs set UNBROKEN_MEMORY_DIR themselves."""
+    monkeypatch.setenv("UNBROKEN_MEMORY_DIR", str(tmp_path_factory.mktemp("shm")))
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """SeaweedFS's S3 gateway on loopback, for the whole session; SIGKILLed at its end

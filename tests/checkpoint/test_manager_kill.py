@@ -114,10 +114,14 @@ def run_trials(tmp_path, trials: int, seed: int) -> list[int | None]:
 
 def check_staging_tidied(url: str, staging: str, newest: int) -> None:
     """A job resumed after the kills on another cadence: its first save leaves in the
-    staging tier only its own copy, whatever partial copies the killed saves left."""
+    node's tiers only its own copy (in the memory tier), whatever partial copies the
+    killed saves left; its clean end removes that too."""
     import os
 
-    from unbroken.checkpoint.format.manifest import step_dir
+    from unbroken.checkpoint.format.manifest import parse_step_dir, step_dir
+
+    def steps(path: str) -> list[str]:
+        return sorted(e for e in os.listdir(path) if parse_step_dir(e) is not None)
 
     state = churn_state()
     with warnings.catch_warnings():
@@ -126,8 +130,12 @@ def check_staging_tidied(url: str, staging: str, newest: int) -> None:
         assert mgr.restore(state) == newest
         next_step = newest + 100
         assert mgr.save(next_step, state)
+        mgr.wait()
+        memory = mgr.memory_tier.path
+        assert steps(memory) == [step_dir(next_step)], os.listdir(memory)
+        assert steps(staging) == [], os.listdir(staging)
         mgr.close()
-    assert sorted(os.listdir(staging)) == [step_dir(next_step)], os.listdir(staging)
+    assert not os.path.exists(memory), os.listdir(memory)
 
 
 def test_kill_during_saves_quick(tmp_path):

@@ -34,7 +34,10 @@ FAST_RETRY = ub.RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.01)
 
 
 def manager(tmp_path: Path, url: str | None = None, **kw) -> ub.CheckpointManager:
+    """A manager whose node copy is on disk (the tests here look at its files); the memory
+    tier's own tests are in test_memory_tier.py."""
     kw.setdefault("every_steps", 2)
+    kw.setdefault("memory_tier", False)
     return ub.CheckpointManager(
         url or str(tmp_path / "durable"), staging_dir=str(tmp_path / "staging"), **kw
     )
@@ -51,10 +54,10 @@ def train_and_save(mgr: ub.CheckpointManager, state: dict, steps) -> dict[int, d
     return saved
 
 
-@pytest.mark.parametrize("tier", ["staging", "durable"])
+@pytest.mark.parametrize("tier", ["memory", "staging", "durable"])
 def test_round_trip_every_kind_of_value_and_rng(tmp_path, tier):
     state = make_state(0)
-    with manager(tmp_path) as mgr:
+    with manager(tmp_path, memory_tier=None if tier == "memory" else False) as mgr:
         assert mgr.restore(state) is None
         train(state, range(1, 5))
         state["meta"] = {"name": "run-7", "tags": [3]}

@@ -134,6 +134,8 @@ def _signal_after_some_steps(out: Path, pid: int | None) -> None:
     os.kill(pid if pid is not None else int(pid_file.read_text()), signal.SIGTERM)
 
 
+# slow: test_sigterm_to_one_rank_with_loader_workers_loses_no_step covers it in CI, with workers
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigterm_to_one_rank_loses_no_step_and_the_run_ends_bitwise_equal(tmp_path):
     steps = 60
@@ -149,6 +151,8 @@ def test_sigterm_to_one_rank_loses_no_step_and_the_run_ends_bitwise_equal(tmp_pa
     assert len(_digests(reference)) == 1 and _digests(out) == _digests(reference), out
 
 
+# slow: ..._resumes_there[agent] covers it in CI (the agent's SIGTERM, then a new job)
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigterm_to_the_agent_then_a_new_job_resumes_at_the_step_reached(tmp_path):
     """What a scheduler does: SIGTERM to torchrun, which forwards it and exits; the job is

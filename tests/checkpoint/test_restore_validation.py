@@ -28,6 +28,7 @@ TIERS = ("durable", "staging")
 def manager(tmp_path: Path, **kw) -> ub.CheckpointManager:
     kw.setdefault("every_steps", 2)
     kw.setdefault("when_busy", "wait")
+    kw.setdefault("memory_tier", False)  # the local copy these tests damage is on disk
     return ub.CheckpointManager(tmp_path / "durable", staging_dir=tmp_path / "staging", **kw)
 
 

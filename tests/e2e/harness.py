@@ -234,13 +234,22 @@ def data_files(world_size: int) -> set[str]:
     }  # fmt: skip
 
 
+def node_tiers(staging: list[Path]) -> list[Path]:
+    """Each node's tiers: its staging directory and its memory tier (where a save's local
+    copy goes by default), in the memory root the job's processes were given."""
+    from unbroken.checkpoint.memory_tier import default_root, tier_key
+
+    root = Path(default_root())
+    return [*staging, *(root / tier_key(str(s)) for s in staging)]
+
+
 def save_phase(durable: Path, staging: list[Path], since: float, world_size: int) -> str:
     """What the save pipeline is doing now, judged from the files written since ``since``
     (the current attempt's start: what a killed attempt left is older and ignored)."""
     active: dict[int, tuple[set[str], list[set[str]]]] = {}
     for step, path in step_dirs(durable).items():
         active.setdefault(step, (set(), []))[0].update(fresh_files(path, since))
-    for tier in staging:
+    for tier in node_tiers(staging):
         for step, path in step_dirs(tier).items():
             files = fresh_files(path, since)
             if files or modified_since(path, since):

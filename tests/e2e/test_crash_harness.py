@@ -86,7 +86,12 @@ def crash_run(request, tmp_path, script, *, kills, steps, every, span, jitter) -
 @pytest.mark.parametrize(
     ("script", "kills", "steps"),
     # A kill costs a restart (~15 s on this loaded machine): the LM's steps cost more.
-    [("train_classifier.py", 2, 40), ("train_lm.py", 1, 30)],
+    # The LM's run is behind -m slow: the demo's test and the classifier's cover a crashed
+    # 2-rank run ending bitwise equal in CI's time.
+    [
+        ("train_classifier.py", 2, 40),
+        pytest.param("train_lm.py", 1, 30, marks=pytest.mark.slow),
+    ],
 )
 def test_random_kills_end_bitwise_equal_to_an_uninterrupted_run(
     request, tmp_path, script, kills, steps

@@ -4,7 +4,7 @@ Two torchrun agents (``--nnodes 2``, c10d rendezvous on 127.0.0.1), one rank eac
 node with its own staging directory and data cache. Node 1 is killed whole (its agent
 and its rank) between two saves and a replacement starts on an empty staging directory
 and cache: it restores from the durable tier, node 0 (restarted by its agent) from the
-files its own staging tier holds, and the run ends bitwise equal to an uninterrupted
+files its own memory tier holds, and the run ends bitwise equal to an uninterrupted
 one. Node 0 hosts torchrun's rendezvous store: losing it would end the job (see
 ``Agent``), so it is the other node that goes.
 """
@@ -84,7 +84,7 @@ def test_a_replaced_node_restores_from_durable_the_other_from_its_own_disk(
     ((_, _, new_step, new_tier),) = replacement.starts()
     assert kept_step == new_step >= newest, (committed, survivor.output, replacement.output)
     assert new_tier == "durable", replacement.output  # an empty disk: all from the remote
-    assert kept_tier is not None and "staging" in kept_tier, survivor.output
+    assert kept_tier is not None and "memory" in kept_tier, survivor.output  # its node's copy
     assert all(committed for _, committed in survivor.restored + replacement.restored)
     result, want = read_result(run / "result.json"), read_result(
         tmp_path / "reference" / "result.json"

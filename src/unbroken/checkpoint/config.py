@@ -59,6 +59,14 @@ class CheckpointConfig:
     """Host staging buffers of CPU tensors in shared memory, for code that hands them to
     another process. Default: private memory with huge pages advised, which the worker
     writes out with less kernel work (see ``unbroken._util.host_memory``)."""
+    memory_tier: bool | None = None
+    """Keep the node's copy of the newest committed checkpoint in shared memory (a
+    tmpfs: ``$UNBROKEN_MEMORY_DIR`` or ``/dev/shm``), in place of the disk staging tier,
+    so a process restarted on the node restores at about the speed of a memory copy.
+    It holds two snapshots per rank (the committed one and the one being written) and
+    leaves a tenth of the tmpfs free. None: on where the tmpfs can hold that (off, with
+    one warning, where it cannot: Docker's default /dev/shm is 64 MB); True: that
+    failing is an error; False: the disk staging tier only."""
     timeout: float = 1800.0
     """Seconds a background collective may wait for a peer before failing the save."""
     retry: RetryPolicy | None = None
@@ -111,6 +119,11 @@ class CheckpointConfig:
                 f"CheckpointManager: when_busy must be 'skip' or 'wait', got {self.when_busy!r}"
             )
         check_seconds("CheckpointManager: timeout", self.timeout, zero=False)
+        if self.memory_tier not in (None, True, False):
+            raise ValueError(
+                "CheckpointManager: memory_tier must be None (on where it fits), True or "
+                f"False, got {self.memory_tier!r}"
+            )
 
 
 @dataclass

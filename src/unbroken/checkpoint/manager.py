@@ -32,11 +32,12 @@ from unbroken.checkpoint.config import (
 )
 from unbroken.checkpoint.elastic_env import warn_if_restarts_may_hang
 from unbroken.checkpoint.errors import OtherJobError, SaveFailedError
+from unbroken.checkpoint.memory_tier import MemoryTier
 from unbroken.checkpoint.pipeline import PipelineConfig, SavePipeline
 from unbroken.checkpoint.preemption import EXIT_CODE, PreemptionWatch
 from unbroken.checkpoint.save_job import SaveJob
 from unbroken.checkpoint.staging.stager import StateStager
-from unbroken.checkpoint.state_dicts import collect
+from unbroken.checkpoint.state_dicts import FlatState, collect, state_bytes
 from unbroken.goodput import autopilot
 from unbroken.goodput import recorder as goodput_recorder
 from unbroken.state.rng import capture_rng_state
@@ -133,6 +134,15 @@ class CheckpointManager:
         self._closed = False
         self.last_restore: Any = None
         """What the last restore() loaded (step, tier, url, seconds), or None."""
+        self.memory_tier = (
+            MemoryTier.open(
+                self.staging_dir, self._group.global_rank, required=bool(config.memory_tier)
+            )
+            if config.memory_tier is not False
+            else None
+        )
+        """The node's memory tier (None: off, or no tmpfs for it)."""
+        self._sized = 0
         self._pipeline = SavePipeline(
             self.store,
             self.staging_dir,
@@ -143,7 +153,19 @@ class CheckpointManager:
                 upload_streams=config.upload_streams,
             ),
             on_done=self._on_done,
+            memory=self.memory_tier,
         )
+
+    def _size_memory_tier(self, flat: FlatState) -> None:
+        """Can the tmpfs hold two snapshots of the state? Asked again only when the state
+        grew (an optimizer's state appears at its first step, after a restore)."""
+        if self.memory_tier is None or not self.memory_tier.active:
+            return
+        nbytes = state_bytes(flat)
+        if nbytes <= self._sized:
+            return
+        self._sized = nbytes
+        self.memory_tier.check_fits(nbytes, required=bool(self.config.memory_tier))
 
     def _abandon_goodput(self) -> None:
         """The process ends now, without close(): flush what the event log holds."""
@@ -193,7 +215,7 @@ class CheckpointManager:
         self._preemption.handled = True  # one save; a later signal goes on as usual
         if self.config.preemption == "exit":
             log.warning("preempted: step %d is committed; ending the process", step)
-            self.close()
+            self._close(clean=False)  # the memory tier stays for a restart on this node
             raise SystemExit(EXIT_CODE)
         return saved
 
@@ -247,8 +269,9 @@ class CheckpointManager:
             self.stats.skipped_busy += 1
             log.info("checkpoint step %d skipped: the previous save is still in flight", step)
             return False
-        self._goodput.save_begin(step)
         flat = collect(state)
+        self._size_memory_tier(flat)
+        self._goodput.save_begin(step)
         busy, began = self._stager.busy, time.monotonic()
         # stage() first waits for the previous snapshot's local write, if still running.
         staged = self._stager.stage(flat.tensors, first=flat.first)
@@ -350,7 +373,12 @@ class CheckpointManager:
         self._report_failures(raising=True)
 
     def close(self) -> None:
-        """Wait for the save in flight, stop the worker; raises if a save failed."""
+        """Wait for the save in flight, stop the worker; raises if a save failed. A clean
+        end: the memory tier's files go (a job that crashes or is preempted keeps them for
+        its restart on this node)."""
+        self._close(clean=True)
+
+    def _close(self, *, clean: bool) -> None:
         if self._closed:
             return
         try:
@@ -366,12 +394,14 @@ class CheckpointManager:
             self._goodput.close(preempted=self.preempted)
         # After the worker stopped: a failure recorded while close() waited is raised too.
         self._report_failures(raising=True)
+        if clean and self.memory_tier is not None:
+            self.memory_tier.remove_own()
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self._close(clean=exc_type is None)
 
     # -- restoring and listing -----------------------------------------------------------
 
@@ -388,7 +418,9 @@ class CheckpointManager:
         self._check_group()
         self._pipeline.drain()
         self._report_failures(raising=False)
+        self._size_memory_tier(collect(state))
         self._goodput.restore_begin()
+        memory = self._pipeline.memory_store()
         restored = restore(
             state,
             durable=self.store,
@@ -396,9 +428,13 @@ class CheckpointManager:
             group=self._group,
             step=step,
             strict=strict,
+            memory=memory,
         )
         self.last_restore = restored
-        self._goodput.restore_end(restored.step if restored is not None else None)
+        if restored is None:
+            self._goodput.restore_end(None)
+        else:
+            self._goodput.restore_end(restored.step, tier=restored.tier)
         if restored is None:
             return None
         self._committed.add(restored.step)

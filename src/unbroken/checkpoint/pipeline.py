@@ -10,6 +10,7 @@ every rank has reported its files durable.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -55,6 +56,7 @@ from unbroken.checkpoint.format.writers import (
 )
 from unbroken.checkpoint.json_values import rank_values
 from unbroken.checkpoint.local_writes import LOCAL_LOAN, LocalWrites
+from unbroken.checkpoint.memory_tier import MemoryTier
 from unbroken.checkpoint.retention import plan_deletions
 from unbroken.checkpoint.save_job import (
     SaveJob,
@@ -145,13 +147,19 @@ class SavePipeline:
         group: Group,
         config: PipelineConfig,
         on_done: Callable[[SaveJob], None],
+        memory: MemoryTier | None = None,
     ) -> None:
         self.durable = durable
         self.staging_dir = staging_dir
+        self.memory = memory
+        """The node's memory tier: where a save's local copy goes while it has room."""
         self._release_staging = claim_staging_dir(
             staging_dir, group.global_rank, f"saving to {redact(durable.url)}"
         )
         self.local = LocalStore(staging_dir)
+        self._stores = {staging_dir: self.local}
+        if memory is not None:
+            self._stores[memory.path] = LocalStore(memory.path)
         # Versions before O_DIRECT staging kept superseded shards here between saves.
         shutil.rmtree(os.path.join(staging_dir, ".spare"), ignore_errors=True)
         self.index = DurableIndex(durable)
@@ -172,6 +180,10 @@ class SavePipeline:
         self._thread.start()
 
     # -- foreground side -------------------------------------------------------------
+
+    def memory_store(self) -> LocalStore | None:
+        """The memory tier as a store, for restore (None: no memory tier)."""
+        return self._stores.get(self.memory.path) if self.memory is not None else None
 
     def submit(self, job: SaveJob) -> None:
         """Queue a job; the worker runs jobs one at a time, in order.
@@ -241,7 +253,8 @@ class SavePipeline:
                 job.staged.release()  # idempotent; covers a failure before the local write
             if job.error is not None:
                 drop_frame_locals(job.error)
-                staging_tier.remove_unfinished(self.staging_dir, job.step)
+                for root in self._stores:
+                    staging_tier.remove_unfinished(root, job.step)
             job.seconds["total"] = time.monotonic() - job.submitted
             try:
                 self._on_done(job)  # before the job leaves _jobs: wait() then sees its error
@@ -279,13 +292,11 @@ class SavePipeline:
     def _save(self, job: SaveJob) -> Manifest:
         step, g = job.step, self.group
         name = step_dir(step)
-        local_dir = os.path.join(self.staging_dir, name)
         t0 = time.monotonic()
 
         problem, exc, claimed = None, None, True
         try:
             job.staged.wait()
-            os.makedirs(local_dir, exist_ok=True)
             if g.is_coordinator and step in self.index.committed_steps():
                 problem = (
                     f"step {step} is already committed at {self.durable.url_for(name)}"
@@ -301,11 +312,13 @@ class SavePipeline:
         self._agree(problem, f"staging step {step}", exc)
         # The durable tier has no commit of this step, so a local manifest here is stale
         # (a reused staging_dir): un-commit that copy before writing over it.
-        try:
-            os.unlink(os.path.join(local_dir, MANIFEST))
-        except FileNotFoundError:
-            pass
-        staging_tier.tidy(self.staging_dir, self.current_step, writing=step)
+        for root in self._stores:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(root, name, MANIFEST))
+            staging_tier.tidy(root, self.current_step, writing=step)
+        root = self._local_root(int(job.staged.stats.get("bytes", 0)), name)
+        job.local_root = root
+        local_dir = os.path.join(root, name)
         t1 = time.monotonic()
         job.seconds["staging"] = t1 - t0
         job.seconds["blocking"] = float(job.staged.stats.get("blocking_seconds", 0.0))
@@ -371,7 +384,8 @@ class SavePipeline:
             )
             exc = local_failure
         job.direct_bytes = writer.direct_bytes
-        self._note_page_cache_writes(writer)
+        if root == self.staging_dir:
+            self._note_page_cache_writes(writer)
         job.memory_bytes = sum(c.size for c in memory.values() if c.sent_from_memory)
         gathered = self._together(
             f"uploading step {step}",
@@ -392,7 +406,7 @@ class SavePipeline:
             raise _PhaseFailed(outcome[1]) from exc
         manifest = Manifest.from_json(outcome[1], where=self.durable.url_for(name))
         try:  # the local copy counts as whole once its manifest copy is there
-            self.local.write_bytes(f"{name}/{MANIFEST}", outcome[1])
+            self._stores[root].write_bytes(f"{name}/{MANIFEST}", outcome[1])
         except Exception as e:
             log.warning(
                 "step %d: could not copy the manifest to the staging tier: %s", step, describe(e)
@@ -424,10 +438,28 @@ class SavePipeline:
             self.staging_dir,
         )
 
+    def _local_root(self, nbytes: int, name: str) -> str:
+        """Where this save's local copy (step directory ``name``) goes: the memory tier
+        while it has room for ``nbytes`` more, else the disk staging tier. Never raises:
+        every rank goes on to the same collectives (a disk that refuses fails the local
+        write, on every rank alike)."""
+        memory = self.memory
+        if memory is not None and memory.active and memory.has_room(nbytes):
+            try:
+                os.makedirs(os.path.join(memory.path, name), exist_ok=True)
+                return memory.path
+            except OSError as e:
+                memory.active = False
+                log.warning("memory tier %s is off: %s", memory.path, describe(e))
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.join(self.staging_dir, name), exist_ok=True)
+        return self.staging_dir
+
     def _write_rng(self, local_dir: str, rng: dict[str, Any]) -> FileRecord:
         name = rng_file(self.group.global_rank)
         data = json.dumps(rng, sort_keys=True).encode()
-        self.local.write_bytes(f"{os.path.basename(local_dir)}/{name}", data)
+        store = self._stores[os.path.dirname(local_dir)]
+        store.write_bytes(f"{os.path.basename(local_dir)}/{name}", data)
         return FileRecord(name=name, size=len(data), crc32c=crc32c_bytes(data))
 
     def _upload(
@@ -552,7 +584,8 @@ class SavePipeline:
     def _after_commit(self, manifest: Manifest) -> None:
         """Retention on both tiers (best effort; a failure here never fails the save)."""
         self.current_step = manifest.step
-        staging_tier.tidy(self.staging_dir, self.current_step)
+        for root in self._stores:  # one local copy: the step's own tier keeps it
+            staging_tier.tidy(root, self.current_step)
         if self.group.is_coordinator:
             try:
                 self._prune_durable()

@@ -1,19 +1,20 @@
 """Restore: the newest committed checkpoint that loads whole, from the nearest intact tier.
 
 Candidates are the committed steps of the durable tier, newest first (the coordinator
-lists them and tells every rank). For each, the staging tier is tried first: a rank whose
-staging tier holds a manifest equal to the durable one reads every file present there at
-its listed size from there, and the rest from the durable tier (on several nodes, each
-node holds its own ranks' files). When no rank has a local file, or a local copy turns out
-corrupt, the durable tier is read; when the corruption lies in a durable file the staging
-attempt read, the step is given up at once (its durable attempt would read the same bytes).
-Every decision is agreed over the manager's group, so all ranks walk the same (step, tier)
-sequence: a corrupt copy sends every rank on to the next candidate together, with a
-warning; a mismatch with the state (another model) raises at once, naming the keys; a
-checkpoint a newer unbroken wrote is refused at once (an older step's run would come to
-save over it). Everything that is not tensor bytes (the manifest, its plain values, this
-rank's RNG file) is read and checked before any tensor is loaded, so a fault there falls
-back like any corruption (naming the file) before anything of that step reaches the state.
+lists them and tells every rank). For each, the node's own tiers are tried first: a rank
+reads every file its memory tier (shared memory) or else its disk staging tier holds at
+its listed size, beside a manifest equal to the durable one, from there, and the rest
+from the durable tier (on several nodes, each node holds its own ranks' files). When no
+rank has a local file, or a local copy turns out corrupt, the durable tier is read; when
+the corruption lies in a durable file the staging attempt read, the step is given up at
+once (its durable attempt would read the same bytes). Every decision is agreed over the
+manager's group, so all ranks walk the same (step, tier) sequence: a corrupt copy sends
+every rank on to the next candidate together, with a warning; a mismatch with the state
+(another model) raises at once, naming the keys; a checkpoint a newer unbroken wrote is
+refused at once (an older step's run would come to save over it). Everything that is not
+tensor bytes (the manifest, its plain values, this rank's RNG file) is read and checked
+before any tensor is loaded, so a fault there falls back like any corruption (naming the
+file) before anything of that step reaches the state.
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ class Restored:
 
     step: int
     tier: str
-    """Where this rank's files came from: "staging" (the local copy), "durable", or
-    "staging+durable" (the files its node holds locally, the rest from the durable tier)."""
+    """Where this rank's files came from, nearest first: "memory" (the node's copy in
+    shared memory), "staging" (its copy on local disk), "durable", joined by "+" where
+    they were several (say "memory+durable": what the node held, the rest downloaded)."""
     url: str
     seconds: float
     manifest: Manifest
@@ -90,7 +92,7 @@ class _Attempt:
     verdict: str  # ok | corrupt | mismatch | newer | error
     message: str = ""
     local_files: int = 0
-    """Files this rank found whole in its staging tier (the staging attempt)."""
+    """Files this rank found whole in its node's tiers (the local attempt)."""
     durable_corrupt: bool = False
     """The corruption is in the durable tier's bytes: reading that tier would meet it again."""
 
@@ -103,12 +105,12 @@ class _Failed:
     """Its durable copy is corrupt, so the step is not tried again from the durable tier."""
 
 
-def _sources(reader: TierReader) -> str:
-    """Which tiers the files this rank read came from."""
-    local = {name for name in reader.files_read if name in reader.local_files}
-    if not local:
-        return "durable"
-    return "staging" if local == reader.files_read else "staging+durable"
+def _sources(reader: TierReader, tiers: Mapping[str, Store]) -> str:
+    """Which tiers the files this rank read came from, nearest first: "memory",
+    "staging" (the disk tier), "durable", joined by "+" where they were several."""
+    used = {id(reader.source(name)) for name in reader.files_read}
+    names = [tier for tier, store in tiers.items() if id(store) in used]
+    return "+".join(names) or "durable"
 
 
 def restore(
@@ -119,9 +121,12 @@ def restore(
     group: Group,
     step: int | None = None,
     strict: bool = True,
+    memory: Store | None = None,
 ) -> Restored | None:
-    """Load the newest loadable committed checkpoint into ``state``; None if none exists."""
+    """Load the newest loadable committed checkpoint into ``state``; None if none exists.
+    ``memory``: the node's memory tier, read before the disk tier ``staging``."""
     began = time.monotonic()
+    node = _NodeTiers(memory, staging)
     flat = collect(state)
     # Steps with a commit record, newest first, and the files present under each: one
     # listing of the durable tier (each manifest is read only when its step is tried).
@@ -139,7 +144,7 @@ def restore(
     problems: list[str] = []
     for s in steps:
         reuse: _Prepared | None = None
-        for tier, store in (("staging", staging), ("durable", durable)):
+        for tier, store in (("staging", node), ("durable", durable)):
             loaded = _try(
                 state, flat, s, tier, store, durable, group, strict, problems, listed[s], reuse
             )
@@ -151,8 +156,9 @@ def restore(
                     break
                 continue
             manifest, reader = loaded
-            sources = _sources(reader)
-            where = (durable if sources == "durable" else staging).url_for(step_dir(s))
+            sources = _sources(reader, {**node.tiers(), "durable": durable})
+            nearest = node.tiers().get(sources.split("+")[0], durable)
+            where = nearest.url_for(step_dir(s))
             return Restored(s, sources, where, time.monotonic() - began, manifest)
         if s != steps[-1]:
             warnings.warn(
@@ -194,7 +200,7 @@ def _try(
     flat: FlatState,
     step: int,
     tier: str,
-    store: Store,
+    store: Store | _NodeTiers,
     durable: Store,
     group: Group,
     strict: bool,
@@ -210,7 +216,7 @@ def _try(
     refused: NewerFormatError | None = None
     try:
         prepared = reuse or _prepare(flat, step, tier, store, durable, group, strict, durable_files)
-        mine = _Attempt("ok", local_files=len(prepared.reader.local_files))
+        mine = _Attempt("ok", local_files=len(prepared.reader.nearby))
     except CheckpointMismatchError as e:
         mine = _Attempt("mismatch", str(e))
     except NewerFormatError as e:
@@ -279,8 +285,12 @@ def _try(
             RuntimeWarning,
             stacklevel=4,
         )
-    where = store.url_for(step_dir(step))
-    log.info("restored step %d from the %s tier (%s)", step, _sources(reader), where)
+    tiers = {**store.tiers(), "durable": durable} if isinstance(store, _NodeTiers) else {}
+    sources = _sources(reader, tiers or {"durable": durable})
+    nearest = tiers.get(sources.split("+")[0], durable)
+    log.info(
+        "restored step %d from the %s tier (%s)", step, sources, nearest.url_for(step_dir(step))
+    )
     return manifest, reader
 
 
@@ -293,7 +303,7 @@ def _in_durable(err: CheckpointCorruptError, durable: Store, step: int) -> bool:
 def _fail(
     tier: str,
     step: int,
-    store: Store,
+    store: Store | _NodeTiers,
     durable: Store,
     in_durable: bool,
     message: str,
@@ -307,6 +317,22 @@ def _fail(
     if hard and tier == "durable":
         raise CheckpointError(f"reading checkpoint {where} failed: {message}")
     warnings.warn(f"checkpoint {where} is not usable: {message}", RuntimeWarning, stacklevel=4)
+
+
+@dataclass(frozen=True)
+class _NodeTiers:
+    """The node's own tiers, tried as one: each file from the nearest that holds it whole
+    (memory, then disk), the rest from the durable tier."""
+
+    memory: Store | None
+    disk: Store
+
+    def tiers(self) -> dict[str, Store]:
+        own = {"memory": self.memory} if self.memory is not None else {}
+        return {**own, "staging": self.disk}
+
+    def url_for(self, key: str) -> str:
+        return (self.memory or self.disk).url_for(key)
 
 
 @dataclass(frozen=True)
@@ -339,7 +365,7 @@ def _prepare(
     flat: FlatState,
     step: int,
     tier: str,
-    store: Store,
+    store: Store | _NodeTiers,
     durable: Store,
     group: Group,
     strict: bool,
@@ -355,10 +381,12 @@ def _prepare(
             url=durable.url_for(name),
         )
     values = _saved_values(manifest, durable, group.global_rank)
-    if tier == "staging":
-        reader = TierReader(
-            durable, step, manifest, local=store, local_files=_local_files(store, name, manifest)
-        )
+    if isinstance(store, _NodeTiers):
+        nearby: dict[str, Store] = {}
+        for near in store.tiers().values():  # nearest first: a file is read from the first
+            for fname in _local_files(near, name, manifest):
+                nearby.setdefault(fname, near)
+        reader = TierReader(durable, step, manifest, nearby=nearby)
     else:
         reader = TierReader(durable, step, manifest)
     metadata = reader.read_metadata()

@@ -213,6 +213,18 @@ def collect(state: Mapping[str, Any]) -> FlatState:
     return flat
 
 
+def state_bytes(flat: FlatState) -> int:
+    """Bytes of this rank's tensors in ``flat`` (a DTensor's local shard): what one
+    snapshot of it takes in host memory."""
+    total = 0
+    for value in flat.tensors.values():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = value.to_local() if hasattr(value, "to_local") else value
+        total += local.numel() * local.element_size()
+    return total
+
+
 def load_generator_through_dcp(flat: FlatState, name: str) -> None:
     """A checkpoint of an older unbroken holds generator ``name`` as one DCP tensor (the
     lowest rank's): load it from there, as that version did."""

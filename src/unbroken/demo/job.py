@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,13 +67,15 @@ def optimizer_digest(optim: torch.optim.Optimizer) -> str:
                    if isinstance(v, torch.Tensor)])  # fmt: skip
 
 
-def report_progress(path: str | None, attempt: int, step: int) -> None:
-    """Rank 0 tells the demo's driver where it is (atomically, for a reader polling it)."""
+def report_progress(path: str | None, attempt: int, step: int, restored: Any = None) -> None:
+    """Rank 0 tells the demo's driver where it is (atomically, for a reader polling it),
+    and where this attempt's restore came from and how long it took."""
     if path is None:
         return
     tmp = f"{path}.tmp"
+    came = "" if restored is None else f" {restored.tier} {restored.seconds:.3f}"
     with open(tmp, "w") as f:
-        f.write(f"{attempt} {step}")
+        f.write(f"{attempt} {step}{came}")
     os.replace(tmp, path)
 
 
@@ -133,7 +136,7 @@ def main() -> None:
             step += 1
             losses[step] = loss.item()
             if rank == 0:
-                report_progress(args.progress, attempt, step)
+                report_progress(args.progress, attempt, step, mgr.last_restore)
             mgr.maybe_save(step, state)
             if step >= args.steps:
                 break

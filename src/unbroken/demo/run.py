@@ -120,15 +120,17 @@ def launch(args: argparse.Namespace, run: Run, tmp: str, restarts: int) -> subpr
     )
 
 
-def read_progress(path: str) -> tuple[int, int]:
-    """(attempt, step) rank 0 reported last, (0, 0) before it did; attempts count from 1
-    (torchrun's restart count + 1), as the timeline's lanes do."""
+def read_progress(path: str) -> tuple[int, int, str]:
+    """(attempt, step, where its restore came from) rank 0 reported last, (0, 0, "")
+    before it did; attempts count from 1 (torchrun's restart count + 1), as the
+    timeline's lanes do."""
     try:
         with open(path) as f:
-            restarts, step = f.read().split()
-        return int(restarts) + 1, int(step)
-    except (OSError, ValueError):
-        return 0, 0
+            restarts, step, *restored = f.read().split()
+        came = f"from the {restored[0]} tier in {float(restored[1]):.2f} s" if restored else ""
+        return int(restarts) + 1, int(step), came
+    except (OSError, ValueError, IndexError):
+        return 0, 0, ""
 
 
 def newest_committed(url: str) -> int | None:
@@ -178,10 +180,11 @@ def supervise(args: argparse.Namespace, run: Run, tmp: str, kills: int, pace: fl
     try:
         while proc.poll() is None:
             time.sleep(0.05)
-            attempt, step = read_progress(progress)
+            attempt, step, came = read_progress(progress)
             if attempt != last_attempt:  # a restart: the bar goes back to the restored step
                 if last_attempt:
-                    say(f"  {run.name}: attempt {attempt} resumed by itself at step {step - 1}")
+                    say(f"  {run.name}: attempt {attempt} resumed by itself at step {step - 1}"
+                        + (f", {came}" if came else ""))  # fmt: skip
                 last_attempt, resumed = attempt, step - 1
                 bar.set_postfix_str(f"attempt {attempt}")
             if step != bar.n:

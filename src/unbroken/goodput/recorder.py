@@ -111,8 +111,9 @@ class Recorder(NullRecorder):
     def restore_begin(self) -> None:
         self._add(ev.RESTORE_BEGIN)
 
-    def restore_end(self, step: int | None) -> None:
-        self._add(ev.RESTORE_END, step=step)
+    def restore_end(self, step: int | None, *, tier: str | None = None) -> None:
+        """``tier``: where the restored bytes came from ("memory", "staging+durable")."""
+        self._add(ev.RESTORE_END, step=step, **({"info": {"tier": tier}} if tier else {}))
         self._step_begin, self._waited = self.now(), 0.0  # the loop starts here
 
     def step(self, step: int) -> None:

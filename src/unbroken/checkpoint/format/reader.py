@@ -23,7 +23,7 @@ import io
 import os
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -68,9 +68,9 @@ class TierReader(StorageReader):
 
     ``manifest`` is the step's commit record: it says which files exist and their sizes
     and checksums. With ``verify`` (the default) every byte handed to DCP was checked.
-    ``local_files`` are read from ``local`` instead (the staging tier): on several nodes
-    each node's staging tier holds only its own ranks' files, and a rank reads what its
-    node has from there and the rest from ``store``.
+    ``nearby`` names the files read from a nearer store instead (the node's memory or
+    disk tier), each with its store: on several nodes each node holds only its own ranks'
+    files, and a rank reads what its node has from there and the rest from ``store``.
     """
 
     def __init__(
@@ -80,20 +80,17 @@ class TierReader(StorageReader):
         manifest: Manifest,
         *,
         verify: bool = True,
-        local: Store | None = None,
-        local_files: frozenset[str] = frozenset(),
+        nearby: Mapping[str, Store] | None = None,
     ) -> None:
         super().__init__()
         if manifest.step != step:
             raise ValueError(f"manifest is for step {manifest.step}, not step {step}")
-        if local_files and local is None:
-            raise ValueError("local_files needs the local store they are read from")
         self.store = store
         self.step = step
         self.manifest = manifest
         self.verify = verify
-        self.local = local
-        self.local_files = frozenset(local_files)
+        self.nearby: dict[str, Store] = dict(nearby or {})
+        """Files read from a nearer tier than ``store``, and the store of each."""
         self._whole: dict[str, bytes] = {}
         """Whole files read and checked (metadata, RNG states: small), by name."""
         self.files_read: set[str] = set()
@@ -184,10 +181,7 @@ class TierReader(StorageReader):
 
     def source(self, name: str) -> Store:
         """The store file ``name`` is read from."""
-        if name in self.local_files:
-            assert self.local is not None
-            return self.local
-        return self.store
+        return self.nearby.get(name, self.store)
 
     def _url(self, name: str) -> str:
         return self.source(name).url_for(f"{self.prefix}/{name}")

@@ -1,0 +1,259 @@
+"""The memory tier: the node's copy of a checkpoint in shared memory (a tmpfs).
+
+Most failures kill a process, not a node. A copy of the newest committed checkpoint in
+``/dev/shm`` outlives the process, and a process restarted on the node reads it back at
+the speed of a memory copy, where the disk tier costs a read from disk (the shards are
+written with O_DIRECT, so no page cache holds them) and the durable tier a download.
+
+Layout: the same step directories as the disk staging tier (shards, metadata, RNG files,
+the manifest copy written last, which makes the copy count), under
+``<root>/<key of the staging directory>/``. The root is ``$UNBROKEN_MEMORY_DIR`` or
+``/dev/shm/unbroken-<uid>``, mode 0700, files 0600. The tier belongs to the staging
+directory: two staging directories on one machine are two nodes.
+
+Bytes are accounted for: the tier holds the committed copy the run is at plus the one
+being written (``staging_tier.tidy``), each save first checks that the tmpfs keeps
+``reserve_bytes`` free after it (DataLoader workers and NCCL need /dev/shm too), and a
+clean end removes the job's files. A job that died leaves its files for its own restart;
+the next job on the node sweeps them once no process of the dead job (a rank or the
+launcher that restarts it) is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+
+from unbroken._util.job import job_id
+from unbroken._util.procs import process_alive, process_start_ticks
+from unbroken._util.sizes import format_size
+from unbroken.checkpoint.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+MEMORY_DIR_ENV = "UNBROKEN_MEMORY_DIR"
+"""Where the memory tier's directories live (default ``/dev/shm/unbroken-<uid>``)."""
+
+OWNERS = ".owners"
+"""A tier directory's folder of owner records, one per rank of this node."""
+
+RESERVE_FRACTION = 0.1
+RESERVE_MIN_BYTES = 256 << 20
+"""What the tier leaves free on its tmpfs: a tenth of it, and at least 256 MiB."""
+
+
+class MemoryTierError(CheckpointError):
+    """``memory_tier=True`` and the tier cannot be had (no tmpfs, too small)."""
+
+
+def default_root() -> str:
+    env = os.environ.get(MEMORY_DIR_ENV, "").strip()
+    if env:
+        return env
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join("/dev/shm", f"unbroken-{uid}")
+
+
+def tier_key(staging_dir: str) -> str:
+    """The tier directory's name: one per staging directory (per node of a job)."""
+    return hashlib.sha1(os.path.realpath(staging_dir).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Space:
+    """A file system's free bytes, its size, and what the tier must leave free there."""
+
+    free: int
+    total: int
+
+    @property
+    def reserve(self) -> int:
+        return max(int(self.total * RESERVE_FRACTION), min(RESERVE_MIN_BYTES, self.total // 2))
+
+    def room_for(self, nbytes: int, *, held: int = 0) -> bool:
+        """Whether ``nbytes`` more fit with the reserve kept (``held``: bytes of ours
+        that will be deleted first)."""
+        return nbytes <= self.free + held - self.reserve
+
+
+def space(path: str) -> Space:
+    st = os.statvfs(path)
+    return Space(free=st.f_bavail * st.f_frsize, total=st.f_blocks * st.f_frsize)
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (what deleting it would give back)."""
+    total = 0
+    for folder, _, names in os.walk(path):
+        for n in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, n)).st_blocks * 512
+    return total
+
+
+class MemoryTier:
+    """One node's memory tier for one staging directory, as one rank uses it."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path = path
+        self.rank = rank
+        self.active = True
+        """False once the tier turned itself off (a tmpfs too small, a write that failed)."""
+        self._told_full = False
+
+    @classmethod
+    def open(
+        cls, staging_dir: str, rank: int, *, required: bool, root: str | None = None
+    ) -> MemoryTier | None:
+        """The tier for ``staging_dir``, its owner record written; None where it cannot be
+        had and is not ``required`` (warned once), MemoryTierError where it is."""
+        root = root or default_root()
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            os.chmod(root, 0o700)
+            path = os.path.join(root, tier_key(staging_dir))
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            sweep_dead(root, keep=path)
+            tier = cls(path, rank)
+            tier._record_owner(staging_dir)
+        except OSError as e:
+            return _unavailable(f"{root} is not usable ({type(e).__name__}: {e})", required)
+        return tier
+
+    def check_fits(self, nbytes: int, *, required: bool) -> bool:
+        """At the start: can the tmpfs hold two snapshots of ``nbytes`` (the committed one
+        and the one being written)? If not, the tier goes off (warned) or, where
+        ``required``, MemoryTierError."""
+        room = space(self.path)
+        held = tree_bytes(self.path)
+        if room.room_for(2 * nbytes, held=held):
+            return True
+        message = (
+            f"the memory tier at {self.path} needs {format_size(2 * nbytes)} (two snapshots "
+            f"of {format_size(nbytes)}: the committed one and the one being written) and "
+            f"keeps {format_size(room.reserve)} of its tmpfs free, but the tmpfs has "
+            f"{format_size(room.free + held)} of {format_size(room.total)} free. Make room "
+            f"(docker run --shm-size, a larger /dev/shm, or {MEMORY_DIR_ENV} on a larger "
+            "tmpfs) or pass memory_tier=False"
+        )
+        self.active = False
+        if required:
+            raise MemoryTierError(message)
+        warnings.warn(message + "; the memory tier is off", RuntimeWarning, stacklevel=3)
+        return False
+
+    def has_room(self, nbytes: int) -> bool:
+        """Before a save's write: do ``nbytes`` fit now (the tidy has left only the
+        committed copy)? Said once when not: that save goes to the disk tier."""
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)  # someone may have removed it
+            room = space(self.path)
+        except OSError as e:
+            log.warning("memory tier %s is not usable now: %s", self.path, e)
+            return False
+        if room.room_for(nbytes):
+            return True
+        if not self._told_full:
+            self._told_full = True
+            log.warning(
+                "memory tier %s: no room for %s more on its tmpfs (keeping %s free); "
+                "saves go to the disk tier until there is",
+                self.path,
+                format_size(nbytes),
+                format_size(room.reserve),
+            )
+        return False
+
+    def remove_own(self) -> None:
+        """A clean end: this rank's owner record goes, and the directory once no other
+        rank of the node holds one (the files are the job's, not a rank's)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self._owner_path())
+        others = _owner_records(self.path)  # a killed earlier attempt's are stale
+        if not any(_owner_alive(doc, launcher=False) for doc in others):
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def _owner_path(self) -> str:
+        return os.path.join(self.path, OWNERS, f"rank-{self.rank:05d}.json")
+
+    def _record_owner(self, staging_dir: str) -> None:
+        os.makedirs(os.path.join(self.path, OWNERS), mode=0o700, exist_ok=True)
+        parent = os.getppid()
+        doc = {
+            "job": job_id(),
+            "pid": os.getpid(),
+            "started": process_start_ticks(os.getpid()),
+            # torchrun's agent restarts the ranks: the job lives while it does
+            "parent": parent,
+            "parent_started": process_start_ticks(parent),
+            "staging_dir": os.path.realpath(staging_dir),
+        }
+        tmp = f"{self._owner_path()}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self._owner_path())
+
+
+def _unavailable(why: str, required: bool) -> None:
+    if required:
+        raise MemoryTierError(f"memory_tier=True: {why}")
+    warnings.warn(f"the memory tier is off: {why}", RuntimeWarning, stacklevel=4)
+    return None
+
+
+def _owner_records(path: str) -> list[dict]:
+    """The owner records of a tier directory that can be read."""
+    owners = os.path.join(path, OWNERS)
+    try:
+        names = [n for n in os.listdir(owners) if n.endswith(".json")]
+    except OSError:
+        return []
+    docs = []
+    for name in names:
+        try:
+            with open(os.path.join(owners, name)) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict):
+            docs.append(doc)
+    return docs
+
+
+def _owner_alive(doc: dict, *, launcher: bool = True) -> bool:
+    """The rank that wrote ``doc`` still runs, or (``launcher``) the process that started
+    it, which may start it again."""
+    keys = [("pid", "started")] + ([("parent", "parent_started")] if launcher else [])
+    for pid_key, started_key in keys:
+        pid = doc.get(pid_key)
+        if isinstance(pid, int) and pid > 1 and process_alive(pid, doc.get(started_key)):
+            return True
+    return False
+
+
+def sweep_dead(root: str, *, keep: str) -> list[str]:
+    """Remove the tier directories of jobs none of whose processes is left (every owner
+    record names a rank and a launcher that are gone); returns what was removed.
+    A directory with no owner record is a clean end's leftover or a half-made one: gone
+    too, unless it is ``keep`` (ours)."""
+    removed = []
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return removed
+    for name in entries:
+        path = os.path.join(root, name)
+        if os.path.realpath(path) == os.path.realpath(keep) or not os.path.isdir(path):
+            continue
+        if not any(_owner_alive(doc) for doc in _owner_records(path)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            log.info("memory tier: removed %s, left by a job that is gone", path)
+    return removed

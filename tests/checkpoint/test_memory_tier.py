@@ -1,0 +1,281 @@
+"""The memory tier: a node's copy of the newest committed checkpoint in shared memory.
+
+Processes here are real: a job SIGKILLed (or preempted) after its commit, then restored
+by a new process, as torchrun restarts a rank. Tests on a real small tmpfs mount one
+(Docker's default /dev/shm is 64 MB) and skip where this machine does not let them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import unbroken as ub
+from tests.checkpoint.manager_util import make_state, rng_draws, snapshot, train
+from unbroken.checkpoint.format.manifest import parse_step_dir, step_dir
+from unbroken.checkpoint.memory_tier import MEMORY_DIR_ENV, MemoryTierError, tier_key
+from unbroken.goodput.events import read_log
+
+JOB = Path(__file__).with_name("memory_job.py")
+
+pytestmark = pytest.mark.multiprocess
+
+
+def run_job(tmp_path: Path, end: str, staging: str = "staging", via_shell: bool = False):
+    """Run memory_job.py to its end; (returncode, its output)."""
+    out = tmp_path / f"out-{end}"
+    out.mkdir(exist_ok=True)
+    durable, staging_dir = str(tmp_path / "durable"), str(tmp_path / staging)
+    cmd = [sys.executable, str(JOB), durable, staging_dir, str(out), end]
+    if via_shell:  # the job's parent ends too: no process of it is left
+        cmd = ["sh", "-c", " ".join(cmd) + "; exit 0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if end == "sigterm":
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline()]
+        assert lines[0].startswith("committed 4"), lines
+        proc.send_signal(signal.SIGTERM)
+        lines.append(proc.stdout.read())
+        return proc.wait(60), "".join(lines)
+    text, _ = proc.communicate(timeout=120)
+    return proc.returncode, text
+
+
+def restored(tmp_path: Path, staging: str = "staging", **kw) -> tuple[ub.CheckpointManager, dict]:
+    mgr = ub.CheckpointManager(
+        tmp_path / "durable", staging_dir=tmp_path / staging, every_steps=2, **kw
+    )
+    state = make_state(1, lr=0.9)
+    mgr.restore(state)
+    return mgr, state
+
+
+def tensors(state: dict) -> dict:
+    return {k: v for k, v in snapshot(state).items() if isinstance(v, torch.Tensor)}
+
+
+def same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def steps_in(path: str | Path) -> list[int]:
+    return sorted(s for e in os.listdir(path) if (s := parse_step_dir(e)) is not None)
+
+
+def test_a_process_killed_after_its_commit_restores_from_memory_bitwise(tmp_path, caplog):
+    code, out = run_job(tmp_path, "kill")
+    assert code == -signal.SIGKILL, out
+    assert not (tmp_path / "staging" / step_dir(4)).exists()  # the node's copy is in memory
+    caplog.set_level(logging.INFO, logger="unbroken.checkpoint.recovery")
+    mgr, state = restored(tmp_path)
+    try:
+        assert mgr.last_restore.step == 4 and mgr.last_restore.tier == "memory", mgr.last_restore
+        same(tensors(state), torch.load(tmp_path / "out-kill" / "expected.pt", weights_only=True))
+        assert rng_draws() == json.loads((tmp_path / "out-kill" / "draws.json").read_text())
+        assert "restored step 4 from the memory tier" in caplog.text
+    finally:
+        mgr.close()
+    ends = [
+        e.info.get("tier")
+        for events in read_log(ub.open_store(str(tmp_path / "durable"))).values()
+        for rank_events in events.values()
+        for e in rank_events
+        if e.kind == "restore_end" and e.step == 4
+    ]
+    assert ends == ["memory"], ends  # the goodput log says where the restore came from
+
+
+def test_a_preempted_job_keeps_its_memory_copy_and_a_clean_end_removes_it(tmp_path):
+    code, out = run_job(tmp_path, "sigterm")
+    assert code == 143, out
+    mgr, state = restored(tmp_path)
+    path = mgr.memory_tier.path
+    assert mgr.last_restore.step > 4 and mgr.last_restore.tier == "memory", mgr.last_restore
+    same(tensors(state), torch.load(tmp_path / "out-sigterm" / "expected.pt", weights_only=True))
+    assert steps_in(path) == [mgr.last_restore.step]
+    mgr.close()
+    assert not os.path.exists(path)  # a clean end leaves nothing in shared memory
+
+
+def test_a_corrupt_memory_copy_falls_back_to_the_durable_tier(tmp_path):
+    code, out = run_job(tmp_path, "kill")
+    assert code == -signal.SIGKILL, out
+    from tests.checkpoint.manager_util import flip_payload_byte
+
+    memory = Path(os.environ[MEMORY_DIR_ENV]) / tier_key(str(tmp_path / "staging"))
+    flip_payload_byte(memory / step_dir(4), "optim.state.0.weight.exp_avg")
+    with pytest.warns(RuntimeWarning, match=r"crc32c mismatch"):
+        mgr, state = restored(tmp_path)
+    try:
+        assert mgr.last_restore.tier == "durable", mgr.last_restore
+        same(tensors(state), torch.load(tmp_path / "out-kill" / "expected.pt", weights_only=True))
+    finally:
+        mgr.close()
+
+
+def test_a_file_missing_from_memory_is_read_from_the_durable_tier(tmp_path):
+    code, out = run_job(tmp_path, "kill")
+    assert code == -signal.SIGKILL, out
+    memory = Path(os.environ[MEMORY_DIR_ENV]) / tier_key(str(tmp_path / "staging"))
+    (memory / step_dir(4) / "rng" / "rank-00000.json").unlink()
+    mgr, state = restored(tmp_path)
+    try:
+        assert mgr.last_restore.tier == "memory+durable", mgr.last_restore
+        same(tensors(state), torch.load(tmp_path / "out-kill" / "expected.pt", weights_only=True))
+        assert rng_draws() == json.loads((tmp_path / "out-kill" / "draws.json").read_text())
+    finally:
+        mgr.close()
+
+
+def test_two_jobs_on_one_node_keep_their_memory_copies_apart(tmp_path):
+    a = ub.CheckpointManager(tmp_path / "a", staging_dir=tmp_path / "sa", every_steps=1)
+    b = ub.CheckpointManager(tmp_path / "b", staging_dir=tmp_path / "sb", every_steps=1)
+    try:
+        assert a.memory_tier.path != b.memory_tier.path
+        sa, sb = make_state(0), make_state(5)
+        train(sa, range(1, 2))
+        train(sb, range(1, 2))
+        a.save(1, sa)
+        b.save(3, sb)
+        a.wait()
+        b.wait()
+        assert steps_in(a.memory_tier.path) == [1] and steps_in(b.memory_tier.path) == [3]
+        fresh = make_state(9)
+        assert b.restore(fresh) == 3 and b.last_restore.tier == "memory"
+        same(tensors(fresh), tensors(sb))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_job_whose_every_process_was_killed_is_swept_by_the_next(tmp_path):
+    code, out = run_job(tmp_path, "kill", via_shell=True)  # the job and its launcher gone
+    assert code == 0, out
+    left = Path(os.environ[MEMORY_DIR_ENV]) / tier_key(str(tmp_path / "staging"))
+    assert steps_in(left) == [4]
+    other = ub.CheckpointManager(tmp_path / "other", staging_dir=tmp_path / "other-staging")
+    try:
+        assert not left.exists()
+        assert os.path.exists(other.memory_tier.path)
+    finally:
+        other.close()
+
+
+def test_a_live_jobs_copy_is_never_swept(tmp_path):
+    mgr = ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", every_steps=1)
+    try:
+        state = make_state(0)
+        mgr.save(1, state)
+        mgr.wait()
+        other = ub.CheckpointManager(tmp_path / "d2", staging_dir=tmp_path / "s2")
+        other.close()
+        assert steps_in(mgr.memory_tier.path) == [1]
+    finally:
+        mgr.close()
+
+
+def test_memory_tier_must_be_a_bool_or_none(tmp_path):
+    with pytest.raises(ValueError, match="memory_tier must be None"):
+        ub.CheckpointManager(tmp_path / "d", memory_tier="yes")
+
+
+def test_off_keeps_the_node_copy_on_disk(tmp_path):
+    with ub.CheckpointManager(
+        tmp_path / "d", staging_dir=tmp_path / "s", every_steps=1, memory_tier=False
+    ) as mgr:
+        assert mgr.memory_tier is None
+        mgr.save(1, make_state(0))
+        mgr.wait()
+        assert steps_in(tmp_path / "s") == [1]
+        fresh = make_state(2)
+        mgr.restore(fresh)
+        assert mgr.last_restore.tier == "staging"
+
+
+# -- a small tmpfs, as containers mount one ---------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path, monkeypatch):
+    """A 64 MiB tmpfs (Docker's default /dev/shm) as the memory tier's root."""
+    where = tmp_path / "shm64"
+    where.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    monkeypatch.setenv(MEMORY_DIR_ENV, str(where / "unbroken"))
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def big_state(mib: int) -> dict:
+    torch.manual_seed(0)
+    return {"weights": torch.randn(mib << 18), "step": 0}  # mib MiB of float32
+
+
+def test_a_tmpfs_too_small_turns_the_tier_off_with_one_warning(tmp_path, small_tmpfs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", every_steps=1) as mgr:
+            state = big_state(24)  # two snapshots: 48 MiB, past what 64 MiB leaves room for
+            mgr.save(1, state)
+            mgr.save(2, state)
+            mgr.wait()
+            assert steps_in(tmp_path / "s") == [2]  # on disk instead
+            fresh = {"weights": torch.zeros(24 << 18), "step": -1}
+            assert mgr.restore(fresh) == 2 and mgr.last_restore.tier == "staging"
+    said = [str(w.message) for w in caught if "memory tier" in str(w.message)]
+    assert len(said) == 1, said
+    assert "50.3 MB" in said[0] and "memory_tier=False" in said[0] and "--shm-size" in said[0]
+
+
+def test_a_tmpfs_too_small_is_an_error_with_memory_tier_true(tmp_path, small_tmpfs):
+    mgr = ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", memory_tier=True)
+    try:
+        with pytest.raises(MemoryTierError, match=r"needs 50\.3 MB"):
+            mgr.save(1, big_state(24))
+        assert not (tmp_path / "d" / step_dir(1)).exists()  # nothing was saved
+    finally:
+        mgr.close()
+
+
+def test_a_tmpfs_filled_by_others_sends_saves_to_disk_never_past_the_cap(tmp_path, small_tmpfs):
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", every_steps=1) as mgr:
+        state = big_state(8)  # 16 MiB for two: fits
+        mgr.save(1, state)
+        mgr.wait()
+        assert steps_in(mgr.memory_tier.path) == [1]
+        with open(small_tmpfs / "someone-else", "wb") as f:  # another user of /dev/shm
+            f.write(b"\0" * (30 << 20))
+        mgr.save(2, state)
+        mgr.wait()
+        assert steps_in(tmp_path / "s") == [2]
+        assert steps_in(mgr.memory_tier.path) == []  # the older copy is tidied away
+        st = os.statvfs(small_tmpfs)
+        assert st.f_bavail * st.f_frsize >= (64 << 20) // 10  # the reserve was kept
+        os.unlink(small_tmpfs / "someone-else")
+        mgr.save(3, state)
+        mgr.wait()
+        assert steps_in(mgr.memory_tier.path) == [3] and steps_in(tmp_path / "s") == []
+
+
+def test_the_tier_directory_is_the_users_alone(tmp_path):
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        root = os.path.dirname(mgr.memory_tier.path)
+        assert os.stat(root).st_mode & 0o777 == 0o700
+        assert os.stat(mgr.memory_tier.path).st_mode & 0o777 == 0o700
