@@ -8,27 +8,25 @@ before the step's maybe_save, ``SEEN rank attempt step ids`` (each sample's firs
 its file index), ``RESTORED rank attempt step`` and ``DONE rank attempt digest``.
 """
 
-import hashlib
 import os
-import signal
 import sys
+import time
 
-import torch
 import torch.distributed as dist
 import transformers
 
 import unbroken as ub
-from unbroken.integrations.hf import Trainer, UnbrokenCallback
+from tests.integrations.hf_parts import Recording, decode, gpt2, training_args
+from tests.integrations.runs import act_on, digest
+from unbroken.integrations.hf import UnbrokenCallback
 
 out, volume, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-faults = [f.split(":") for f in os.environ.get("FAULTS", "").split(",") if f]
-SEQ = 16
+FAULTS = os.environ.get("FAULTS", "")
 
 
-def decode(data: bytes, key: str) -> dict:
-    ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    return {"input_ids": ids, "labels": ids}
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 class Faults(transformers.TrainerCallback):
@@ -47,59 +45,20 @@ class Faults(transformers.TrainerCallback):
             self.first = False
 
     def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(0.05)  # 50 ms steps: the ranks agree on a SIGTERM within a few
         print(f"STEP {rank()} {attempt} {state.global_step}", flush=True)
-        for a, r, what, step in faults:
-            if (int(a), int(r), int(step)) == (attempt, rank(), state.global_step):
-                if what == "kill":
-                    self.checkpoints.manager.wait()  # the restart resumes from a known step
-                    os.kill(os.getpid(), signal.SIGKILL)
-                os.kill(os.getpid(), signal.SIGTERM)
+        act_on(FAULTS, attempt, rank(), state.global_step, self.checkpoints.manager.wait)
 
 
-class Recording(Trainer):
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        ids = inputs["input_ids"][:, 0].tolist()
-        print(f"SEEN {rank()} {attempt} {self.state.global_step + 1} {ids}", flush=True)
-        return super().training_step(model, inputs, num_items_in_batch)
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-args = transformers.TrainingArguments(
-    output_dir=os.path.join(out, "hf-output"),
-    max_steps=max_steps,
-    per_device_train_batch_size=2,
-    learning_rate=1e-3,
-    warmup_steps=3,
-    save_strategy="steps",
-    save_steps=4,  # the Trainer's own checkpoints would go to hf-output/checkpoint-*
-    logging_steps=1000,
-    report_to=[],
-    use_cpu=True,
-    ddp_backend="gloo",
-    ddp_find_unused_parameters=False,
-    seed=0,
-    dataloader_num_workers=int(os.environ.get("WORKERS", "0")),
-    disable_tqdm=True,
-)
-transformers.set_seed(0)
-config = transformers.GPT2Config(
-    vocab_size=256,
-    n_positions=SEQ,
-    n_embd=32,
-    n_layer=2,
-    n_head=2,
-    resid_pdrop=0.1,
-    bos_token_id=0,
-    eos_token_id=0,
-)
-model = transformers.GPT2LMHeadModel(config)
+args = training_args(out, max_steps, dataloader_num_workers=int(os.environ.get("WORKERS", "0")))
+model = gpt2()
 checkpoints = UnbrokenCallback(
     os.path.join(out, "ckpt"),
     staging_dir=os.path.join(out, "stage", os.environ.get("RANK", "0")),
     when_busy="wait",
+)
+Recording.seen = staticmethod(
+    lambda step, ids: print(f"SEEN {rank()} {attempt} {step} {ids}", flush=True)
 )
 trainer = Recording(
     model=model,
@@ -108,10 +67,4 @@ trainer = Recording(
     callbacks=[Faults(checkpoints), checkpoints],
 )
 trainer.train()
-state = trainer.optimizer.optimizer.state
-digest = hashlib.sha256()
-for p in model.parameters():
-    digest.update(p.detach().numpy().tobytes())
-    for name in sorted(state[p]):  # a restored state may hold its keys in another order
-        digest.update(state[p][name].numpy().tobytes())
-print(f"DONE {rank()} {attempt} {digest.hexdigest()}", flush=True)
+print(f"DONE {rank()} {attempt} {digest(model, trainer.optimizer.optimizer)}", flush=True)

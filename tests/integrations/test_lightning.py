@@ -1,0 +1,88 @@
+"""Lightning + UnbrokenCheckpointIO: in one process (a run stopped and resumed by
+fit(ckpt_path="last") equals an uninterrupted one; what needs pickle is refused; a load
+unpickles nothing) and on 2 ranks under real torchrun (gloo, CPU, DDP), SIGKILLed
+mid-epoch and then preempted by SIGTERM, each time restarted by --max-restarts, ending
+bitwise equal to an uninterrupted run; the user's ModelCheckpoint saves through the
+plugin and its folder stays unwritten."""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.checkpoint.distributed import check, torchrun, toy_volume
+from tests.integrations.runs import FAULTS, Run, check_killed_then_preempted, digest
+
+L = pytest.importorskip("lightning")
+
+from tests.integrations.lightning_parts import Regressor, Volume  # noqa: E402
+from unbroken.integrations.checkpoint_dict import CheckpointDictError  # noqa: E402
+from unbroken.integrations.lightning import UnbrokenCheckpointIO  # noqa: E402
+
+JOB = Path(__file__).with_name("_lightning_job.py")
+STEPS, FILES, STEPS_PER_EPOCH = 32, 64, 16  # 64 files, 2 ranks x 2 per batch
+
+
+def _launch(out: Path, volume: Path, **kwargs) -> Run:
+    return Run(check(torchrun(2, str(out), str(volume), str(STEPS), script=JOB, **kwargs)))
+
+
+def _fit(tmp_path, volume, steps: int, *, every: int = 4, **module_args) -> tuple[str, dict]:
+    """One fit in this process, resumed from ``tmp_path/ckpt`` if anything is committed;
+    the digest of the weights and optimizer state, and the samples of each step."""
+    L.seed_everything(0, verbose=False)
+    model, seen = Regressor(**module_args), {}
+    model.seen = lambda step, ids: seen.__setitem__(step, ids)
+    io = UnbrokenCheckpointIO(
+        tmp_path / "ckpt", staging_dir=tmp_path / "stage", every_steps=every, when_busy="wait"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, plugins=[io], callbacks=[io.callback],
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=Volume(str(volume), batch_size=4), ckpt_path="last")
+    return digest(model, trainer.optimizers[0]), seen
+
+
+def test_a_fit_stopped_and_resumed_from_last_equals_an_uninterrupted_one(tmp_path, monkeypatch):
+    volume = toy_volume(tmp_path, files=FILES)  # 16 steps an epoch of 4 samples
+    reference, seen = _fit(tmp_path / "reference", volume, 22)
+    _, first = _fit(tmp_path / "job", volume, 7)  # stops mid-epoch; its last step is saved
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the load unpickled something")
+
+    for module, name in ((pickle, "load"), (pickle, "loads"), (torch, "load")):
+        monkeypatch.setattr(module, name, refuse)
+    resumed, rest = _fit(tmp_path / "job", volume, 22)  # Lightning loads through the plugin
+    assert min(rest) == 8 and {**first, **rest} == seen
+    assert resumed == reference
+    assert sorted(i for s in range(1, 17) for i in seen[s]) == list(range(FILES))
+    assert not (tmp_path / "job" / "checkpoints").exists()  # Lightning's default folder
+
+
+def test_what_only_pickle_could_store_is_refused_naming_it(tmp_path):
+    volume = toy_volume(tmp_path, files=FILES)
+    with pytest.raises(CheckpointDictError, match=r"\['hyper_parameters'\]\['extra'\] is a "
+                       r"argparse.Namespace, which only pickle could store"):  # fmt: skip
+        _fit(tmp_path, volume, 6, every=2, extra=argparse.Namespace(depth=3))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_killed_and_preempted_lightning_run_ends_bitwise_equal_to_an_uninterrupted_one(
+    tmp_path,
+):
+    volume = toy_volume(tmp_path, files=FILES)
+    reference = _launch(tmp_path / "reference", volume, timeout=300)
+    job = _launch(tmp_path / "job", volume, max_restarts=2, env={"FAULTS": FAULTS}, timeout=420)
+    check_killed_then_preempted(reference, job, STEPS, STEPS_PER_EPOCH)
+    assert "Restoring states from the checkpoint path at" in job.text  # Lightning's load
+    for run in ("reference", "job"):
+        assert not (tmp_path / run / "lightning-checkpoints").exists()
+        assert not (tmp_path / run / "checkpoints").exists()  # Lightning's default folder
