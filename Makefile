@@ -44,6 +44,7 @@ bench: install
 	$(PY) bench/checkpoint.py --quick
 	$(PY) bench/save_cpu.py --quick
 	$(PY) bench/data.py --quick
+	$(PY) bench/integrations.py --quick
 	$(PY) bench/store.py --s3 --quick
 	$(PY) bench/data.py --s3 --quick
 	$(PY) bench/checkpoint.py --s3 --quick

@@ -71,6 +71,8 @@ def test_a_run_stopped_mid_epoch_and_resumed_equals_an_uninterrupted_one(tmp_pat
     assert resumed == reference
     assert trainer.state.global_step == 12
     assert abs(trainer.state.epoch - 12 / 32) < 1e-9  # the loader's epoch, not the restart's
+    again, more, trainer = _train(tmp_path / "job", volume, 12)  # a finished job, rerun
+    assert more == {} and again == reference and trainer.state.global_step == 12
     for run in ("reference", "job"):  # save_steps=4 would have written checkpoint-4, ...
         assert list((tmp_path / run / "hf-output").iterdir()) == []
 

@@ -86,3 +86,25 @@ def test_killed_and_preempted_lightning_run_ends_bitwise_equal_to_an_uninterrupt
     for run in ("reference", "job"):
         assert not (tmp_path / run / "lightning-checkpoints").exists()
         assert not (tmp_path / run / "checkpoints").exists()  # Lightning's default folder
+
+
+def test_fabric_save_and_load_on_one_device_go_through_the_plugin(tmp_path):
+    io = UnbrokenCheckpointIO(tmp_path / "ckpt", staging_dir=tmp_path / "stage")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model = torch.nn.Linear(4, 2)
+    model, optim = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    model(torch.ones(3, 4)).sum().backward()
+    optim.step()
+    fabric.save(tmp_path / "fabric.ckpt", {"model": model, "optim": optim, "step": 3})
+    io.manager.wait()
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = {"model": model, "optim": optim, "step": 0}
+    fabric.load(tmp_path / "fabric.ckpt", state)
+    assert state["step"] == 3 and io.restored_step == 3
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
+    assert optim.optimizer.state[next(model.parameters())]["step"] == 1
+    assert not (tmp_path / "fabric.ckpt").exists()  # the name Fabric gave it, not a file
+    io.teardown()

@@ -202,6 +202,14 @@ class Trainer(transformers.Trainer):
         _check_accumulation(self._unbroken_loader, self.args.gradient_accumulation_steps)
         return self._unbroken_loader
 
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        """No batch once ``max_steps`` is reached: the Trainer decides to stop only after a
+        step, so a job started again after it finished (restored at ``max_steps``) would
+        train one step more."""
+        if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
 
 def _check_accumulation(loader: DataLoader, accumulation: int) -> None:
     """The Trainer counts micro-batches from its own start of an epoch: resumed mid-epoch,

@@ -50,7 +50,7 @@ from unbroken.checkpoint import json_values
 from unbroken.checkpoint.catalog import list_checkpoints
 from unbroken.checkpoint.errors import NoCheckpointError
 from unbroken.checkpoint.format.manifest import manifest_key, parse_step_dir, read_manifest
-from unbroken.checkpoint.manager import CheckpointManager
+from unbroken.checkpoint.manager import CheckpointManager, SaveStats
 from unbroken.integrations import checkpoint_dict
 from unbroken.integrations.live_state import LiveState
 from unbroken.state.rng import capture_rng_state, restore_rng_state
@@ -81,6 +81,7 @@ class UnbrokenCheckpointIO(CheckpointIO):
         """The callback the Trainer needs beside this plugin."""
         self.restored_step: int | None = None
         """The step the last ``load_checkpoint`` restored."""
+        self._stats: SaveStats | None = None
 
     @property
     def manager(self) -> CheckpointManager:
@@ -88,6 +89,11 @@ class UnbrokenCheckpointIO(CheckpointIO):
         if self._manager is None:
             self._manager = CheckpointManager(self.url, **self.options)
         return self._manager
+
+    @property
+    def stats(self) -> SaveStats | None:
+        """The manager's save figures (kept once ``teardown`` closed it); None before."""
+        return self._manager.stats if self._manager is not None else self._stats
 
     # -- Lightning's CheckpointIO --------------------------------------------------------
 
@@ -153,6 +159,7 @@ class UnbrokenCheckpointIO(CheckpointIO):
         """Wait for the save in flight and close the manager (raises if a save failed)."""
         if self._manager is not None:
             manager, self._manager = self._manager, None
+            self._stats = manager.stats
             manager.close()
 
     # -- finding checkpoints ---------------------------------------------------------------
