@@ -72,7 +72,9 @@ class UnbrokenCallback(TrainerCallback):
                 "UnbrokenCallback: manager options "
                 f"{sorted(manager_options)} apply only when it makes the manager (give a URL)"
             )
-        self.manager: CheckpointManager | None = target if _is_manager(target) else None
+        self.manager: CheckpointManager | None = (
+            target if isinstance(target, CheckpointManager) else None
+        )
         self._url = None if self.manager is not None else target
         self._owns_manager = self.manager is None
         self._options = manager_options
@@ -96,10 +98,8 @@ class UnbrokenCallback(TrainerCallback):
         """Restore the newest committed checkpoint into the Trainer's objects."""
         if self.manager is None:
             options = dict(self._options)
-            if "every_steps" not in options and str(args.save_strategy) in (
-                "steps",
-                "SaveStrategy.STEPS",
-            ):
+            strategy = getattr(args.save_strategy, "value", args.save_strategy)
+            if "every_steps" not in options and strategy == "steps":
                 options["every_steps"] = int(args.save_steps)
             self.manager = CheckpointManager(self._url, **options)  # type: ignore[arg-type]
         self._entries = _entries(kwargs)
@@ -223,10 +223,6 @@ def _check_accumulation(loader: DataLoader, accumulation: int) -> None:
             "mid-epoch would drop the optimizer step of the epoch's last, shorter "
             "accumulation. Choose a per-device batch size or accumulation that divides it"
         )
-
-
-def _is_manager(target: Any) -> bool:
-    return isinstance(target, CheckpointManager)
 
 
 def _entries(kwargs: Mapping[str, Any]) -> dict[str, Any]:
