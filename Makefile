@@ -11,7 +11,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0"
-	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" -e ".[test,s3,mlflow,plot]"
+	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" -e ".[test,s3,mlflow,plot,hf,lightning]"
 	# Azurite (Azure Blob emulator, npm) for the az:// store tests; skipped without npm.
 	if command -v npm >/dev/null; then npm install --silent --no-audit --no-fund \
 		--prefix .tools azurite@3 || echo "azurite not installed: az:// tests skip"; fi
@@ -44,6 +44,7 @@ bench: install
 	$(PY) bench/checkpoint.py --quick
 	$(PY) bench/save_cpu.py --quick
 	$(PY) bench/data.py --quick
+	$(PY) bench/integrations.py --quick
 	$(PY) bench/store.py --s3 --quick
 	$(PY) bench/data.py --s3 --quick
 	$(PY) bench/checkpoint.py --s3 --quick
@@ -51,5 +52,5 @@ bench: install
 # What the full runs behind docs/benchmarks.md need beyond `install`: the checkpoint peers
 # (s3torchconnector, torch still pinned) and the data peers' own virtualenv.
 bench-deps: install
-	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" -e ".[test,s3,mlflow,plot,bench]"
+	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" -e ".[test,s3,mlflow,plot,hf,lightning,bench]"
 	$(PY) bench/peers.py --setup

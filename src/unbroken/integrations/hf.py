@@ -1,0 +1,274 @@
+"""Hugging Face ``transformers.Trainer`` through unbroken, keeping the user's code.
+
+- :class:`UnbrokenCallback`: ``Trainer(..., callbacks=[UnbrokenCallback("s3://b/run")])``.
+  ``on_train_begin`` restores the newest committed checkpoint (model, optimizer,
+  scheduler, loss scaler, the Trainer's own counters, every rank's RNG and, with our
+  loader, the data position); ``on_step_end`` calls ``maybe_save``, so the manager's
+  cadence, preemption (SIGTERM), goodput and MLflow work as in a loop of one's own.
+- :class:`Trainer`: ``transformers.Trainer`` that serves a :class:`~unbroken.VolumeDataset`
+  through :class:`~unbroken.DataLoader` (the exact global data position) instead of a
+  torch DataLoader that accelerate re-shards and a resume fast-forwards batch by batch.
+
+The Trainer's own checkpoints (``output_dir/checkpoint-*``: pickles written while the loop
+waits) are switched off while the callback saves; ``keep_trainer_checkpoints=True`` keeps
+them, for a hub export say.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+try:
+    import transformers
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ImportError as e:  # pragma: no cover - the extra is missing
+    raise ImportError(
+        "unbroken.integrations.hf needs transformers: pip install 'unbroken[hf]'"
+    ) from e
+
+import torch
+
+from unbroken.checkpoint.manager import CheckpointManager
+from unbroken.data.dataset import VolumeDataset
+from unbroken.data.loader import DataLoader
+from unbroken.integrations.live_state import LiveState
+
+__all__ = ["TRAINER_STATE_FIELDS", "Trainer", "UnbrokenCallback"]
+
+TRAINER_STATE_FIELDS = (
+    "global_step",
+    "epoch",
+    "total_flos",
+    "num_input_tokens_seen",
+    "log_history",
+    "best_metric",
+    "best_global_step",
+    "best_model_checkpoint",
+)
+"""The parts of ``TrainerState`` a resume needs (counters, logs, best metric), saved as
+plain values; the rest (``max_steps``, ``logging_steps``, ...) comes from the arguments."""
+
+
+class UnbrokenCallback(TrainerCallback):
+    """Checkpoints of a ``transformers.Trainer`` through a :class:`CheckpointManager`.
+
+    ``target`` is the manager's URL (the manager is made at ``on_train_begin``, on every
+    rank, once the Trainer has joined the process group) or a manager of one's own.
+    ``manager_options`` go to ``CheckpointManager``; without ``every_steps`` the
+    Trainer's ``save_steps`` is the interval (when ``save_strategy="steps"``).
+    """
+
+    def __init__(
+        self,
+        target: str | os.PathLike | CheckpointManager,
+        *,
+        keep_trainer_checkpoints: bool = False,
+        **manager_options: Any,
+    ) -> None:
+        if isinstance(target, CheckpointManager) and manager_options:
+            raise TypeError(
+                "UnbrokenCallback: manager options "
+                f"{sorted(manager_options)} apply only when it makes the manager (give a URL)"
+            )
+        self.manager: CheckpointManager | None = (
+            target if isinstance(target, CheckpointManager) else None
+        )
+        self._url = None if self.manager is not None else target
+        self._owns_manager = self.manager is None
+        self._options = manager_options
+        self.keep_trainer_checkpoints = keep_trainer_checkpoints
+        self.trainer: transformers.Trainer | None = None
+        """Set by :class:`Trainer`: lets a restore reset its logging counters too."""
+        self.restored_step: int | None = None
+        """The step ``on_train_begin`` restored, or None (a fresh start)."""
+        self._entries: dict[str, Any] = {}
+        self._loader: DataLoader | None = None
+
+    # -- the Trainer's events --------------------------------------------------------
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Restore the newest committed checkpoint into the Trainer's objects."""
+        if self.manager is None:
+            options = dict(self._options)
+            strategy = getattr(args.save_strategy, "value", args.save_strategy)
+            if "every_steps" not in options and strategy == "steps":
+                options["every_steps"] = int(args.save_steps)
+            self.manager = CheckpointManager(self._url, **options)  # type: ignore[arg-type]
+        self._entries = _entries(kwargs)
+        loader = kwargs.get("train_dataloader")
+        self._loader = loader if isinstance(loader, DataLoader) else None
+        saved = {**self._entries, "trainer_state": _trainer_state(state)}
+        self.restored_step = self.manager.restore(saved)
+        if self.restored_step is None:
+            return
+        for name, value in saved["trainer_state"].items():
+            setattr(state, name, value)
+        state.global_step = self.restored_step
+        if self.trainer is not None:  # its loss average and throughput count from here
+            self.trainer._globalstep_last_logged = self.restored_step
+            self.trainer._initial_global_step = self.restored_step
+            self.trainer._initial_num_input_tokens_seen = state.num_input_tokens_seen
+
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """``maybe_save`` after each optimizer step (the Trainer's state is built only when
+        a save is due); the Trainer's own checkpoint is skipped unless kept."""
+        if self._loader is not None:
+            state.epoch = _loader_epoch(self._loader)  # the Trainer counts from its restart
+        self._maybe_save(state)
+        if not self.keep_trainer_checkpoints:
+            control.should_save = False
+
+    def on_epoch_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        if not self.keep_trainer_checkpoints:
+            control.should_save = False
+
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Save the last step (a no-op if it is committed already) and wait for it."""
+        assert self.manager is not None
+        self.manager.save(state.global_step, self._live(state))
+        if self._owns_manager:
+            self.manager.close()
+            self.manager = None
+        else:
+            self.manager.wait()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _live(self, state: TrainerState) -> LiveState:
+        return LiveState(self._entries, {"trainer_state": lambda: _trainer_state(state)})
+
+    def _maybe_save(self, state: TrainerState) -> None:
+        assert self.manager is not None, "on_train_begin did not run"
+        self.manager.maybe_save(state.global_step, self._live(state))
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` that iterates a :class:`VolumeDataset` through
+    :class:`~unbroken.DataLoader`: each rank reads its part of each global batch, the
+    position is exact and saved by :class:`UnbrokenCallback`, nothing is skipped or
+    replayed on resume. Any other dataset gets the Trainer's own DataLoader.
+
+    The loader keeps unbroken's defaults where the Trainer's would break exact resume:
+    ``drop_last`` (ranks stay in lockstep), the order and partition of the dataset
+    (``VolumeDataset(shuffle=, seed=)``), its own RNG for worker seeds.
+    """
+
+    _unbroken_loader: DataLoader | None = None
+
+    def get_train_dataloader(self) -> Any:
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, UnbrokenCallback):
+                callback.trainer = self
+        dataset = self.train_dataset
+        if not isinstance(dataset, VolumeDataset):
+            return super().get_train_dataloader()
+        if self._unbroken_loader is None or self._unbroken_loader.volume is not dataset:
+            args = self.args
+            self._unbroken_loader = DataLoader(
+                dataset,
+                batch_size=self._train_batch_size,
+                num_workers=args.dataloader_num_workers,
+                collate_fn=self.data_collator,
+                pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
+                prefetch_factor=args.dataloader_prefetch_factor,
+                multiprocessing_context=args.dataloader_multiprocessing_context,
+            )
+        _check_accumulation(self._unbroken_loader, self.args.gradient_accumulation_steps)
+        return self._unbroken_loader
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        """No batch once ``max_steps`` is reached: the Trainer decides to stop only after a
+        step, so a job started again after it finished (restored at ``max_steps``) would
+        train one step more."""
+        if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+
+def _check_accumulation(loader: DataLoader, accumulation: int) -> None:
+    """The Trainer counts micro-batches from its own start of an epoch: resumed mid-epoch,
+    a last accumulation shorter than the others would get no optimizer step. Refuse that
+    shape up front rather than fail a resume later."""
+    batches = len(loader)
+    if accumulation > 1 and batches % accumulation:
+        raise ValueError(
+            f"unbroken.integrations.hf.Trainer: gradient_accumulation_steps={accumulation} "
+            f"does not divide the {batches} batches per rank of an epoch; a run resumed "
+            "mid-epoch would drop the optimizer step of the epoch's last, shorter "
+            "accumulation. Choose a per-device batch size or accumulation that divides it"
+        )
+
+
+def _entries(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The Trainer's objects as state entries: the model as the Trainer holds it (not DDP's
+    wrapper), the torch optimizer and scheduler inside accelerate's wrappers, the loss
+    scaler accelerate keeps beside the optimizer, and our loader."""
+    entries: dict[str, Any] = {"model": kwargs["model"]}
+    optimizer = kwargs.get("optimizer")
+    if optimizer is not None:
+        scaler = getattr(optimizer, "scaler", None)
+        entries["optimizer"] = _inner(optimizer, "optimizer")
+        if scaler is not None:
+            entries["scaler"] = scaler
+    scheduler = kwargs.get("lr_scheduler")
+    if scheduler is not None:
+        entries["scheduler"] = _inner(scheduler, "scheduler")
+    loader = kwargs.get("train_dataloader")
+    if isinstance(loader, DataLoader):
+        entries["loader"] = loader
+    return entries
+
+
+def _inner(wrapper: Any, attribute: str) -> Any:
+    """What accelerate's AcceleratedOptimizer / AcceleratedScheduler wrap."""
+    while type(wrapper).__module__.startswith("accelerate.") and hasattr(wrapper, attribute):
+        wrapper = getattr(wrapper, attribute)
+    return wrapper
+
+
+def _trainer_state(state: TrainerState) -> dict[str, Any]:
+    return {name: _plain(getattr(state, name)) for name in TRAINER_STATE_FIELDS}
+
+
+def _plain(value: Any) -> Any:
+    """A copy JSON gives back unchanged (log_history's entries are dicts of numbers)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+def _loader_epoch(loader: DataLoader) -> float:
+    """The epoch as a fraction, from the loader's exact position."""
+    position = loader.state_dict()
+    per_epoch = len(loader) * loader.batch_size * loader.volume.world_size
+    return position["epoch"] + position["position"] / max(1, per_epoch)

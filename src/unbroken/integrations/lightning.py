@@ -1,0 +1,347 @@
+"""PyTorch Lightning through unbroken: a ``CheckpointIO`` plugin and the callback it needs.
+
+```python
+ckpt = UnbrokenCheckpointIO("s3://bucket/run", every_steps=50)
+trainer = L.Trainer(..., plugins=[ckpt], callbacks=[ckpt.callback])
+trainer.fit(model, train_dataloaders=ub.DataLoader(...), ckpt_path="last")
+```
+
+The plugin writes Lightning's checkpoint dict through a :class:`CheckpointManager`
+(asynchronous, tiered, committed, recovered, resharded): tensors as tensors, everything
+else as JSON (:mod:`unbroken.integrations.checkpoint_dict`); what would need pickle is
+refused by path, and nothing is unpickled on load. Lightning's checkpoint folders are
+not written.
+
+Why a callback too: Lightning calls a plugin only to save and load, and under DDP on
+rank 0 alone, while a save through the manager is collective and the manager's cadence
+and preemption act in ``maybe_save``. :class:`UnbrokenCallback` (made by the plugin)
+creates the manager on every rank once the process group is up, has the strategy hand
+every rank's checkpoint to the plugin, calls ``maybe_save`` after each training batch
+(the checkpoint dict is built only on a due step), hands SIGTERM to the manager instead
+of Lightning's own handler (which stops the loop without a save), re-applies the
+restored RNG at the first batch (Lightning runs code between its load and that batch),
+and makes ``ckpt_path="last"`` (Lightning's default when fitting with it) find the
+newest committed step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+try:
+    from lightning.fabric.plugins import CheckpointIO
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+    from lightning.pytorch.callbacks.callback import Callback
+    from lightning.pytorch.strategies import Strategy
+    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
+except ImportError as e:  # pragma: no cover - the extra is missing
+    raise ImportError(
+        "unbroken.integrations.lightning needs lightning: pip install 'unbroken[lightning]'"
+    ) from e
+
+import torch
+
+from unbroken.checkpoint import json_values
+from unbroken.checkpoint.catalog import list_checkpoints
+from unbroken.checkpoint.errors import NoCheckpointError
+from unbroken.checkpoint.format.manifest import manifest_key, parse_step_dir, read_manifest
+from unbroken.checkpoint.manager import CheckpointManager, SaveStats
+from unbroken.integrations import checkpoint_dict
+from unbroken.integrations.live_state import LiveState
+from unbroken.state.rng import capture_rng_state, restore_rng_state
+from unbroken.storage import LocalStore, open_store
+
+log = logging.getLogger(__name__)
+
+__all__ = ["UnbrokenCallback", "UnbrokenCheckpointIO", "fabric_state"]
+
+TENSORS, TREE = "lightning", "lightning_tree"
+"""The two state entries a Lightning checkpoint becomes: its tensors, its JSON rest."""
+
+
+class UnbrokenCheckpointIO(CheckpointIO):
+    """Lightning's ``CheckpointIO`` writing through a :class:`CheckpointManager`.
+
+    ``url`` and ``manager_options`` make the manager (on every rank, at the Trainer's
+    ``setup``). Give the Trainer ``plugins=[io]`` and ``callbacks=[io.callback]``.
+    Saves are asynchronous: ``save_checkpoint`` returns once the state is staged.
+    """
+
+    def __init__(self, url: str | os.PathLike, **manager_options: Any) -> None:
+        self.url = os.fspath(url)
+        self.options = manager_options
+        self._manager: CheckpointManager | None = None
+        self._restored_rng: dict[str, Any] | None = None
+        self.callback = UnbrokenCallback(self)
+        """The callback the Trainer needs beside this plugin."""
+        self.restored_step: int | None = None
+        """The step the last ``load_checkpoint`` restored."""
+        self._stats: SaveStats | None = None
+
+    @property
+    def manager(self) -> CheckpointManager:
+        """The manager, made on first use: on every rank, after init_process_group."""
+        if self._manager is None:
+            self._manager = CheckpointManager(self.url, **self.options)
+        return self._manager
+
+    @property
+    def stats(self) -> SaveStats | None:
+        """The manager's save figures (kept once ``teardown`` closed it); None before."""
+        return self._manager.stats if self._manager is not None else self._stats
+
+    # -- Lightning's CheckpointIO --------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
+    ) -> None:
+        """Save ``checkpoint`` as the step it records (``global_step``, or Fabric's
+        ``step``); every rank must call it. A step already committed is not saved again."""
+        if storage_options is not None:
+            raise TypeError(
+                "UnbrokenCheckpointIO.save_checkpoint: storage_options are the manager's "
+                "(UnbrokenCheckpointIO(url, storage_options=...)), not per save"
+            )
+        self.manager.save(_step_of(checkpoint, path), self._state(checkpoint, path))
+
+    def maybe_save(self, step: int, build: Callable[[], dict[str, Any]]) -> bool:
+        """``maybe_save`` with the checkpoint dict built by ``build`` only if it saves."""
+        made: list[checkpoint_dict.SplitCheckpoint] = []
+
+        def part(name: str) -> Any:
+            if not made:
+                made.append(self._split(build()))
+            return _entry(made[0], name, None)
+
+        return self.manager.maybe_save(
+            step, LiveState({}, {TENSORS: lambda: part(TENSORS), TREE: lambda: part(TREE)})
+        )
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike,
+        map_location: Any = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """The checkpoint dict of the committed step ``path`` names: a path this plugin
+        saved under (Lightning's name for it), a step directory or its manifest, as
+        ``last_checkpoint()`` gives. Tensors come back on the CPU; nothing is unpickled."""
+        del map_location, weights_only  # Lightning moves what it loads; no pickle to trust
+        manager = self.manager
+        step = self._step_for(os.fspath(path))
+        values = json_values.decode(read_manifest(manager.store, step).extra.get("values", {}))
+        tree = values.get(TREE)
+        if not isinstance(tree, dict) or "skeleton" not in tree:
+            raise NoCheckpointError(
+                f"step {step} at {manager.store.url} was not saved by UnbrokenCheckpointIO "
+                f"(its plain values are {sorted(values)})"
+            )
+        bag = _TensorBag(checkpoint_dict.templates(tree["skeleton"]))
+        state: dict[str, Any] = {TENSORS: bag, TREE: tree}
+        restored = manager.restore(state, step=step)
+        self.restored_step = restored
+        self._restored_rng = capture_rng_state()
+        return checkpoint_dict.join(tree["skeleton"], bag.tensors)
+
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        """Nothing: retention is the manager's (``keep_last``, ``keep_every_steps``), which
+        deletes a committed checkpoint only once a newer one is committed. Lightning asks
+        for a removal as soon as its next save *starts*, which would lose the last good
+        checkpoint while the new one is still uploading."""
+        log.debug("UnbrokenCheckpointIO: %s is kept until retention removes it", path)
+
+    def teardown(self) -> None:
+        """Wait for the save in flight and close the manager (raises if a save failed)."""
+        if self._manager is not None:
+            manager, self._manager = self._manager, None
+            self._stats = manager.stats
+            manager.close()
+
+    # -- finding checkpoints ---------------------------------------------------------------
+
+    def last_checkpoint(self) -> str | None:
+        """The manifest of the newest committed step, as a path or URL Lightning can test
+        for (``ckpt_path="last"``); None if nothing is committed. Reads the durable tier
+        directly, so it works before the process group (and the manager) exist."""
+        store = self._manager.store if self._manager is not None else open_store(self.url)
+        committed = [c.step for c in list_checkpoints(store) if c.committed]
+        if not committed:
+            return None
+        key = manifest_key(committed[-1])
+        if isinstance(store, LocalStore):
+            return os.path.join(store.root, key)
+        return store.url_for(key)
+
+    def _step_for(self, path: str) -> int:
+        store = self.manager.store
+        for part in (os.path.basename(os.path.dirname(path)), os.path.basename(path)):
+            step = parse_step_dir(part)
+            if step is not None:
+                return step
+        committed = sorted((c.step for c in list_checkpoints(store) if c.committed), reverse=True)
+        for step in committed:  # a path Lightning saved under: its own name for the step
+            tree = read_manifest(store, step).extra.get("values", {}).get(TREE, {})
+            if isinstance(tree, dict) and tree.get("path") == path:
+                return step
+        raise NoCheckpointError(
+            f"{path}: no committed checkpoint at {store.url} was saved under this path "
+            f"(committed steps: {sorted(committed) or 'none'}); pass ckpt_path='last' for "
+            "the newest"
+        )
+
+    # -- the state a checkpoint dict becomes -----------------------------------------------
+
+    def _split(self, checkpoint: Mapping[str, Any]) -> checkpoint_dict.SplitCheckpoint:
+        module = self.callback.trainer.lightning_module if self.callback.trainer else None
+        buffers = [b for b in module.buffers()] if module is not None else []
+        return checkpoint_dict.split(checkpoint, copy_now=buffers)
+
+    def _state(self, checkpoint: Mapping[str, Any], path: Any) -> dict[str, Any]:
+        made = self._split(checkpoint)
+        return {TENSORS: _entry(made, TENSORS, path), TREE: _entry(made, TREE, path)}
+
+
+def _entry(made: checkpoint_dict.SplitCheckpoint, name: str, path: Any) -> Any:
+    if name == TENSORS:
+        return _TensorBag(made.tensors)
+    return {"skeleton": made.skeleton, "path": None if path is None else os.fspath(path)}
+
+
+class _TensorBag:
+    """A flat ``{key: tensor}`` as a state entry with ``state_dict``/``load_state_dict``."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = dict(state)
+
+
+def _step_of(checkpoint: Mapping[str, Any], path: Any) -> int:
+    for key in ("global_step", "step"):
+        step = checkpoint.get(key)
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            return step
+    raise ValueError(
+        f"UnbrokenCheckpointIO: the checkpoint saved to {path} has no 'global_step' or "
+        "'step' (a non-negative int): unbroken names each checkpoint by its step"
+    )
+
+
+class UnbrokenCallback(OnExceptionCheckpoint):
+    """What :class:`UnbrokenCheckpointIO` needs from the Trainer (see the module's doc).
+
+    It is an ``OnExceptionCheckpoint`` so that Lightning's ``ckpt_path="last"`` (and a
+    ``fit`` without ``ckpt_path``) considers its ``ckpt_path``: the newest committed
+    step. Unlike Lightning's, it saves nothing on an exception (a save is collective and
+    the other ranks are not saving) and removes nothing at teardown.
+    """
+
+    def __init__(self, io: UnbrokenCheckpointIO) -> None:
+        Callback.__init__(self)
+        self.io = io
+        self.trainer: Any = None
+        self.dirpath, self.filename = io.url, "last"
+
+    @property
+    def ckpt_path(self) -> str:  # type: ignore[override]
+        return self.io.last_checkpoint() or ""
+
+    @property
+    def state_key(self) -> str:
+        return "UnbrokenCallback"
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if trainer.strategy.checkpoint_io is not self.io:
+            raise RuntimeError(
+                "UnbrokenCallback: the Trainer's checkpoint_io is "
+                f"{type(trainer.strategy.checkpoint_io).__name__}, not this callback's "
+                "UnbrokenCheckpointIO; pass plugins=[io] and callbacks=[io.callback]"
+            )
+        self.trainer = trainer
+        _save_on_every_rank(trainer.strategy)
+        self.io.manager  # noqa: B018 - made here: every rank, the process group up
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.io.options.get("preemption", "exit") != "off":
+            _take_sigterm_from_lightning(trainer)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+        rng, self.io._restored_rng = self.io._restored_rng, None
+        if rng is not None:
+            restore_rng_state(rng)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        self.io.maybe_save(trainer.global_step, lambda: _dump(trainer))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """The last step too (a no-op if committed already), and wait for it."""
+        self.io.manager.save(trainer.global_step, self.io._state(_dump(trainer), None))
+        self.io.manager.wait()
+
+    def on_exception(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def teardown(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _dump(trainer: Any) -> dict[str, Any]:
+    """Lightning's checkpoint dict as ``trainer.save_checkpoint`` would write it."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def _save_on_every_rank(strategy: Strategy) -> None:
+    """Lightning's base ``Strategy.save_checkpoint`` calls the plugin on rank 0 only (its
+    file is rank 0's to write); unbroken's save is every rank's. Strategies that save in
+    a way of their own (FSDP, DeepSpeed) are refused: they bypass the plugin."""
+    if type(strategy).save_checkpoint is not Strategy.save_checkpoint:
+        raise RuntimeError(
+            f"UnbrokenCheckpointIO: {type(strategy).__name__} writes its checkpoints its "
+            "own way; the plugin supports strategies that save through CheckpointIO "
+            "(single device, DDP)"
+        )
+
+    def save_checkpoint(self: Strategy, checkpoint: Any, filepath: Any, storage_options=None):
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    strategy.save_checkpoint = types.MethodType(save_checkpoint, strategy)  # type: ignore
+
+
+def _take_sigterm_from_lightning(trainer: Any) -> None:
+    """Lightning's SIGTERM handler broadcasts on the default group from inside the
+    handler and stops the loop at the end of the batch, with no save: take it out of the
+    chain, so that the manager's handler (installed before it) saves the step reached."""
+    current = signal.getsignal(signal.SIGTERM)
+    if not isinstance(current, _HandlersCompose):
+        return
+    connector = trainer._signal_connector
+    rest = [h for h in current.signal_handlers if getattr(h, "__self__", None) is not connector]
+    handler = rest[0] if len(rest) == 1 else _HandlersCompose(rest) if rest else signal.SIG_DFL
+    signal.signal(signal.SIGTERM, handler)
+
+
+def fabric_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with Fabric's wrappers taken off, for a ``CheckpointManager``: the module
+    ``fabric.setup`` wrapped and the torch optimizer inside ``_FabricOptimizer``, so the
+    optimizer is saved (and resharded) as an optimizer."""
+    from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
+
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, _FabricModule):
+            value = value.module
+        elif isinstance(value, _FabricOptimizer):
+            value = value.optimizer
+        out[name] = value
+    return out

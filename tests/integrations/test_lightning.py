@@ -1,0 +1,143 @@
+"""Lightning + UnbrokenCheckpointIO: in one process (a run stopped and resumed by
+fit(ckpt_path="last") equals an uninterrupted one; what needs pickle is refused; a load
+unpickles nothing) and on 2 ranks under real torchrun (gloo, CPU, DDP), SIGKILLed
+mid-epoch and then preempted by SIGTERM, each time restarted by --max-restarts, ending
+bitwise equal to an uninterrupted run; the user's ModelCheckpoint saves through the
+plugin and its folder stays unwritten."""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.checkpoint.distributed import check, torchrun, toy_volume
+from tests.integrations.runs import FAULTS, Run, check_killed_then_preempted, digest
+
+L = pytest.importorskip("lightning")
+
+from tests.integrations.lightning_parts import Regressor, Volume  # noqa: E402
+from unbroken.integrations.checkpoint_dict import CheckpointDictError  # noqa: E402
+from unbroken.integrations.lightning import UnbrokenCheckpointIO  # noqa: E402
+
+JOB = Path(__file__).with_name("_lightning_job.py")
+STEPS, FILES, STEPS_PER_EPOCH = 32, 64, 16  # 64 files, 2 ranks x 2 per batch
+
+
+def _launch(out: Path, volume: Path, **kwargs) -> Run:
+    return Run(check(torchrun(2, str(out), str(volume), str(STEPS), script=JOB, **kwargs)))
+
+
+def _fit(
+    tmp_path, volume, steps: int, *, every: int = 4, theirs: bool = False, **module_args
+) -> tuple[str, dict]:
+    """One fit in this process, resumed from ``tmp_path/ckpt`` if anything is committed;
+    the digest of the weights and optimizer state, and the samples of each step."""
+    L.seed_everything(0, verbose=False)
+    model, seen = Regressor(**module_args), {}
+    model.seen = lambda step, ids: seen.__setitem__(step, ids)
+    io = UnbrokenCheckpointIO(
+        tmp_path / "ckpt", staging_dir=tmp_path / "stage", every_steps=every, when_busy="wait"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, plugins=[io], callbacks=[io.callback],
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    if theirs:  # a torch DataLoader, shuffled, over the same samples
+        loader = torch.utils.data.DataLoader(_Samples(), batch_size=4, shuffle=True)
+        trainer.fit(model, train_dataloaders=loader, ckpt_path="last")
+    else:
+        trainer.fit(model, datamodule=Volume(str(volume), batch_size=4), ckpt_path="last")
+    return digest(model, trainer.optimizers[0]), seen
+
+
+def test_a_fit_stopped_and_resumed_from_last_equals_an_uninterrupted_one(tmp_path, monkeypatch):
+    volume = toy_volume(tmp_path, files=FILES)  # 16 steps an epoch of 4 samples
+    reference, seen = _fit(tmp_path / "reference", volume, 22)
+    _, first = _fit(tmp_path / "job", volume, 7)  # stops mid-epoch; its last step is saved
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the load unpickled something")
+
+    for module, name in ((pickle, "load"), (pickle, "loads"), (torch, "load")):
+        monkeypatch.setattr(module, name, refuse)
+    resumed, rest = _fit(tmp_path / "job", volume, 22)  # Lightning loads through the plugin
+    assert min(rest) == 8 and {**first, **rest} == seen
+    assert resumed == reference
+    assert sorted(i for s in range(1, 17) for i in seen[s]) == list(range(FILES))
+    assert not (tmp_path / "job" / "checkpoints").exists()  # Lightning's default folder
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return FILES
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((16,), float(i))
+
+
+def test_with_a_torch_loader_a_resume_sees_samples_twice_and_says_how_many(tmp_path):
+    """What docs/integrations.md states for a loader that is not ub.DataLoader: Lightning
+    starts its epoch again, reshuffled from the restored RNG. Measured: samples of the
+    interrupted epoch trained on twice, and as many never reached."""
+    _, seen = _fit(tmp_path / "reference", None, 22, theirs=True)
+    _, first = _fit(tmp_path / "job", None, 7, theirs=True)
+    _, rest = _fit(tmp_path / "job", None, 22, theirs=True)
+    assert min(rest) == 8  # the model resumed after step 7
+    epoch = [i for step in range(1, 17) for i in seen[step]]
+    interrupted = [i for step in range(1, 8) for i in first[step]]
+    interrupted += [i for step in range(8, 17) for i in rest[step]]
+    twice = len(interrupted) - len(set(interrupted))
+    missed = len(set(epoch) - set(interrupted))
+    assert sorted(epoch) == list(range(FILES))  # uninterrupted: each sample once
+    assert [rest[s] for s in range(8, 17)] != [seen[s] for s in range(8, 17)]
+    assert twice == missed == 17, (twice, missed)  # of 64; docs/integrations.md says so
+    print(f"torch loader, resumed after 7 of 16 steps: {twice} samples twice, {missed} missed")
+
+
+def test_what_only_pickle_could_store_is_refused_naming_it(tmp_path):
+    volume = toy_volume(tmp_path, files=FILES)
+    with pytest.raises(CheckpointDictError, match=r"\['hyper_parameters'\]\['extra'\] is a "
+                       r"argparse.Namespace, which only pickle could store"):  # fmt: skip
+        _fit(tmp_path, volume, 6, every=2, extra=argparse.Namespace(depth=3))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_killed_and_preempted_lightning_run_ends_bitwise_equal_to_an_uninterrupted_one(
+    tmp_path,
+):
+    volume = toy_volume(tmp_path, files=FILES)
+    reference = _launch(tmp_path / "reference", volume, timeout=300)
+    job = _launch(tmp_path / "job", volume, max_restarts=2, env={"FAULTS": FAULTS}, timeout=420)
+    check_killed_then_preempted(reference, job, STEPS, STEPS_PER_EPOCH)
+    assert "Restoring states from the checkpoint path at" in job.text  # Lightning's load
+    for run in ("reference", "job"):
+        assert not (tmp_path / run / "lightning-checkpoints").exists()
+        assert not (tmp_path / run / "checkpoints").exists()  # Lightning's default folder
+
+
+def test_fabric_save_and_load_on_one_device_go_through_the_plugin(tmp_path):
+    io = UnbrokenCheckpointIO(tmp_path / "ckpt", staging_dir=tmp_path / "stage")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model = torch.nn.Linear(4, 2)
+    model, optim = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    model(torch.ones(3, 4)).sum().backward()
+    optim.step()
+    fabric.save(tmp_path / "fabric.ckpt", {"model": model, "optim": optim, "step": 3})
+    io.manager.wait()
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = {"model": model, "optim": optim, "step": 0}
+    fabric.load(tmp_path / "fabric.ckpt", state)
+    assert state["step"] == 3 and io.restored_step == 3
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
+    assert optim.optimizer.state[next(model.parameters())]["step"] == 1
+    assert not (tmp_path / "fabric.ckpt").exists()  # the name Fabric gave it, not a file
+    io.teardown()
