@@ -225,6 +225,7 @@ def run_pairs(*args: str, timeout: float) -> str:
     return run_bench_script("checkpoint_pairs.py", *args, timeout=timeout)[0]
 
 
+@pytest.mark.slow  # the bench's own run (make bench); its parts are tested above
 @pytest.mark.multiprocess
 def test_quick_run_on_two_ranks_with_the_floor_and_shared_staging_alongside(tmp_path):
     also = "floor_2tier,unbroken_shared"

@@ -45,6 +45,7 @@ def test_bad_arguments_are_refused(argv, capsys):
     assert "must be positive" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the bench's own run (make bench)
 @pytest.mark.multiprocess
 def test_quick_run_reports_every_kind_of_memory(tmp_path):
     out, _ = run_bench_script("write_cost.py", "--quick", "--dir", str(tmp_path), timeout=120)

@@ -54,6 +54,7 @@ def wait_between_saves(run, staging: list, since: float, after: int) -> set[int]
     raise AssertionError("no commit came")
 
 
+@pytest.mark.slow  # CI: test_manager_dist's one node per rank covers the per-node reads
 @pytest.mark.timeout(600)
 def test_a_replaced_node_restores_from_durable_the_other_from_its_own_disk(
     tmp_path, jpeg_volume

@@ -38,8 +38,11 @@ def job(tmp_path, url: str, staging: str, *args: str, job_id: str | None = None)
 @pytest.mark.multiprocess
 def test_two_jobs_on_one_root_are_told_apart(capsys, tmp_path):
     url = str(tmp_path / "ck")
+    # No save before the end (8 s in): a job that starts late must not find the other's
+    # step 10 and restore it (seen: first_step 11 when one started 0.5 s after the other).
+    slow = ("--step-seconds", "0.2", "--every", "1000")
     procs = [
-        job(tmp_path, url, str(tmp_path / f"st{name}"), "--step-seconds", "0.05", job_id=name)
+        job(tmp_path, url, str(tmp_path / f"st{name}"), *slow, job_id=name)
         for name in ("job-a", "job-b")
     ]
     for p in procs:

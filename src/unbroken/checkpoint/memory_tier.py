@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -42,6 +43,10 @@ MEMORY_DIR_ENV = "UNBROKEN_MEMORY_DIR"
 
 OWNERS = ".owners"
 """A tier directory's folder of owner records, one per rank of this node."""
+
+UNOWNED_GRACE_SECONDS = 300.0
+"""A tier directory without an owner record is swept only once it is this old: another
+rank of a job starting now may have made it a moment before it writes its record."""
 
 RESERVE_FRACTION = 0.1
 RESERVE_MIN_BYTES = 256 << 20
@@ -119,9 +124,9 @@ class MemoryTier:
             os.chmod(root, 0o700)
             path = os.path.join(root, tier_key(staging_dir))
             os.makedirs(path, mode=0o700, exist_ok=True)
-            sweep_dead(root, keep=path)
             tier = cls(path, rank)
-            tier._record_owner(staging_dir)
+            tier._record_owner(staging_dir)  # before the sweep: another rank sweeps too
+            sweep_dead(root, keep=path)
         except OSError as e:
             return _unavailable(f"{root} is not usable ({type(e).__name__}: {e})", required)
         return tier
@@ -130,6 +135,7 @@ class MemoryTier:
         """At the start: can the tmpfs hold two snapshots of ``nbytes`` (the committed one
         and the one being written)? If not, the tier goes off (warned) or, where
         ``required``, MemoryTierError."""
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
         room = space(self.path)
         held = tree_bytes(self.path)
         if room.room_for(2 * nbytes, held=held):
@@ -208,6 +214,13 @@ def _unavailable(why: str, required: bool) -> None:
     return None
 
 
+def _older_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path).st_mtime > seconds
+    except OSError:
+        return False
+
+
 def _owner_records(path: str) -> list[dict]:
     """The owner records of a tier directory that can be read."""
     owners = os.path.join(path, OWNERS)
@@ -241,8 +254,8 @@ def _owner_alive(doc: dict, *, launcher: bool = True) -> bool:
 def sweep_dead(root: str, *, keep: str) -> list[str]:
     """Remove the tier directories of jobs none of whose processes is left (every owner
     record names a rank and a launcher that are gone); returns what was removed.
-    A directory with no owner record is a clean end's leftover or a half-made one: gone
-    too, unless it is ``keep`` (ours)."""
+    A directory with no owner record is a half-made one or a clean end's leftover: gone
+    once it is ``UNOWNED_GRACE_SECONDS`` old. ``keep`` (ours) stays."""
     removed = []
     try:
         entries = os.listdir(root)
@@ -252,7 +265,10 @@ def sweep_dead(root: str, *, keep: str) -> list[str]:
         path = os.path.join(root, name)
         if os.path.realpath(path) == os.path.realpath(keep) or not os.path.isdir(path):
             continue
-        if not any(_owner_alive(doc) for doc in _owner_records(path)):
+        records = _owner_records(path)
+        if not records and not _older_than(path, UNOWNED_GRACE_SECONDS):
+            continue
+        if not any(_owner_alive(doc) for doc in records):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
             log.info("memory tier: removed %s, left by a job that is gone", path)
