@@ -9,10 +9,7 @@ import torch
 from torch import nn
 
 import unbroken as ub
-
-
-def decode(data: bytes, key: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).float()
+from tests.integrations.runs import decode
 
 
 class Regressor(L.LightningModule):

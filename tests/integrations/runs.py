@@ -12,8 +12,10 @@ import hashlib
 import os
 import re
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -66,6 +68,38 @@ def check_killed_then_preempted(reference: Run, job: Run, steps: int, per_epoch:
     each_sample_once_per_epoch(job, 2, per_epoch, 2 * 2 * per_epoch)
     assert len(reference.digests()) == 1  # both ranks hold the same weights
     assert job.digests() == reference.digests()  # weights and Adam's moments, bitwise
+
+
+def decode(data: bytes, key: str) -> torch.Tensor:
+    """A toy volume's file as 16 floats (its first is the file's index)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).float()
+
+
+def mlp() -> nn.Module:
+    """The small MLP of the loop jobs (Fabric, accelerate); dropout on: the RNG matters."""
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+
+
+def regression_loss(model: nn.Module, x: torch.Tensor, rank: int, attempt: int, step: int):
+    """Prints the batch's ``SEEN`` line; the loss of fitting each sample's mean."""
+    print(f"SEEN {rank} {attempt} {step} {[int(i) for i in x[:, 0].tolist()]}", flush=True)
+    x = x / 255
+    return (model(x).squeeze(1) - x.mean(1)).square().mean()
+
+
+def step_done(faults: str, attempt: int, rank: int, step: int, wait: Callable[[], None]) -> None:
+    """A 50 ms step (the ranks agree on a SIGTERM within a few), its ``STEP`` line, and
+    ``act_on`` before the step's save."""
+    time.sleep(0.05)
+    print(f"STEP {rank} {attempt} {step}", flush=True)
+    act_on(faults, attempt, rank, step, wait)
+
+
+def launch_reference_and_faulted(launch: Callable[..., Run], tmp_path: Path, volume: Path):
+    """``launch`` once uninterrupted and once with FAULTS under ``--max-restarts 2``."""
+    reference = launch(tmp_path / "reference", volume, timeout=300)
+    job = launch(tmp_path / "job", volume, max_restarts=2, env={"FAULTS": FAULTS}, timeout=420)
+    return reference, job
 
 
 def act_on(faults: str, attempt: int, rank: int, step: int, wait: Callable[[], None]) -> None:

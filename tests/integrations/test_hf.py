@@ -5,13 +5,19 @@ time restarted by --max-restarts, ending bitwise equal to an uninterrupted run."
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.checkpoint.distributed import check, torchrun, toy_volume
-from tests.integrations.runs import FAULTS, Run, check_killed_then_preempted, digest
+from tests.integrations.runs import (
+    Run,
+    check_killed_then_preempted,
+    digest,
+    launch_reference_and_faulted,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,8 +35,8 @@ JOB = Path(__file__).with_name("_hf_job.py")
 STEPS, FILES, STEPS_PER_EPOCH = 32, 64, 16  # 64 files, 2 ranks x 2 per batch
 
 
-def _launch(out: Path, volume: Path, **kwargs) -> Run:
-    return Run(check(torchrun(2, str(out), str(volume), str(STEPS), script=JOB, **kwargs)))
+def _launch(out: Path, volume: Path, script: Path = JOB, **kwargs) -> Run:
+    return Run(check(torchrun(2, str(out), str(volume), str(STEPS), script=script, **kwargs)))
 
 
 class _StopAt(transformers.TrainerCallback):
@@ -130,8 +136,23 @@ def test_an_accumulation_that_a_resume_would_cut_short_is_refused(tmp_path):
 @pytest.mark.multiprocess
 def test_killed_and_preempted_trainer_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
     volume = toy_volume(tmp_path, files=FILES)
-    reference = _launch(tmp_path / "reference", volume, timeout=300)
-    job = _launch(tmp_path / "job", volume, max_restarts=2, env={"FAULTS": FAULTS}, timeout=420)
+    reference, job = launch_reference_and_faulted(_launch, tmp_path, volume)
     check_killed_then_preempted(reference, job, STEPS, STEPS_PER_EPOCH)
     for run in ("reference", "job"):  # save_steps=4 would have written checkpoint-4, ...
         assert list((tmp_path / run / "hf-output").iterdir()) == []
+
+
+ACCELERATE_JOB = Path(__file__).with_name("_accelerate_job.py")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_killed_and_preempted_accelerate_recipe_ends_bitwise_equal_to_an_uninterrupted_one(
+    tmp_path,
+):
+    """docs/integrations.md's accelerate recipe on 2 ranks: what accelerate prepared (DDP,
+    AcceleratedOptimizer, AcceleratedScheduler) saved through the manager, unwrapped."""
+    volume = toy_volume(tmp_path, files=FILES)
+    launch = functools.partial(_launch, script=ACCELERATE_JOB)
+    reference, job = launch_reference_and_faulted(launch, tmp_path, volume)
+    check_killed_then_preempted(reference, job, STEPS, STEPS_PER_EPOCH)

@@ -8,6 +8,7 @@ plugin and its folder stays unwritten."""
 from __future__ import annotations
 
 import argparse
+import functools
 import pickle
 from pathlib import Path
 
@@ -15,7 +16,12 @@ import pytest
 import torch
 
 from tests.checkpoint.distributed import check, torchrun, toy_volume
-from tests.integrations.runs import FAULTS, Run, check_killed_then_preempted, digest
+from tests.integrations.runs import (
+    Run,
+    check_killed_then_preempted,
+    digest,
+    launch_reference_and_faulted,
+)
 
 L = pytest.importorskip("lightning")
 
@@ -27,8 +33,8 @@ JOB = Path(__file__).with_name("_lightning_job.py")
 STEPS, FILES, STEPS_PER_EPOCH = 32, 64, 16  # 64 files, 2 ranks x 2 per batch
 
 
-def _launch(out: Path, volume: Path, **kwargs) -> Run:
-    return Run(check(torchrun(2, str(out), str(volume), str(STEPS), script=JOB, **kwargs)))
+def _launch(out: Path, volume: Path, script: Path = JOB, **kwargs) -> Run:
+    return Run(check(torchrun(2, str(out), str(volume), str(STEPS), script=script, **kwargs)))
 
 
 def _fit(
@@ -112,8 +118,7 @@ def test_killed_and_preempted_lightning_run_ends_bitwise_equal_to_an_uninterrupt
     tmp_path,
 ):
     volume = toy_volume(tmp_path, files=FILES)
-    reference = _launch(tmp_path / "reference", volume, timeout=300)
-    job = _launch(tmp_path / "job", volume, max_restarts=2, env={"FAULTS": FAULTS}, timeout=420)
+    reference, job = launch_reference_and_faulted(_launch, tmp_path, volume)
     check_killed_then_preempted(reference, job, STEPS, STEPS_PER_EPOCH)
     assert "Restoring states from the checkpoint path at" in job.text  # Lightning's load
     for run in ("reference", "job"):
@@ -141,3 +146,59 @@ def test_fabric_save_and_load_on_one_device_go_through_the_plugin(tmp_path):
     assert optim.optimizer.state[next(model.parameters())]["step"] == 1
     assert not (tmp_path / "fabric.ckpt").exists()  # the name Fabric gave it, not a file
     io.teardown()
+
+
+FABRIC_JOB = Path(__file__).with_name("_fabric_job.py")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_killed_and_preempted_fabric_loop_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
+    """fabric.save/fabric.load through the plugin on 2 ranks (io.attach(fabric)): every
+    rank saves, the restart loads the newest committed step, and Fabric's path stays
+    unwritten."""
+    volume = toy_volume(tmp_path, files=FILES)
+    launch = functools.partial(_launch, script=FABRIC_JOB)
+    reference, job = launch_reference_and_faulted(launch, tmp_path, volume)
+    check_killed_then_preempted(reference, job, STEPS, STEPS_PER_EPOCH)
+    for run in ("reference", "job"):
+        assert not (tmp_path / run / "fabric-checkpoints").exists()
+
+
+def test_fabric_attached_maybe_save_takes_fabric_state_and_save_keeps_its_filter(tmp_path):
+    io = UnbrokenCheckpointIO(tmp_path / "ckpt", staging_dir=tmp_path / "stage", every_steps=2)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+    io.attach(fabric)
+    model, optim = fabric.setup(torch.nn.Linear(4, 2), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    state = {"model": model, "optim": optim, "note": "plain values stay values"}
+    for step in (1, 2, 3):  # the wrappers as they are: step 2 is due
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        assert io.maybe_save(step, lambda: state) == (step == 2)
+        io.manager.wait()  # the writes above are not the optimizer's: not during a save
+        if step == 2:
+            at_two = model.weight.detach().clone()
+    loaded = fabric.load(io.last_checkpoint())  # no state: the checkpoint, whole
+    assert torch.equal(loaded["model"]["weight"], at_two) and loaded["note"] == state["note"]
+    fabric.save(
+        tmp_path / "x.ckpt", {**state, "step": 5}, filter={"model": lambda k, v: k != "bias"}
+    )
+    io.manager.wait()
+    assert set(fabric.load(tmp_path / "x.ckpt")["model"]) == {"weight"}
+    io.teardown()
+
+
+def test_attach_refuses_a_fabric_made_without_the_plugin_and_a_strategy_that_bypasses_it(
+    tmp_path,
+):
+    io = UnbrokenCheckpointIO(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match=r"this Fabric's checkpoint_io is TorchCheckpointIO"):
+        io.attach(L.Fabric(accelerator="cpu", devices=1))
+
+    class OwnFiles(L.fabric.strategies.SingleDeviceStrategy):  # as FSDP's and DeepSpeed's
+        def save_checkpoint(self, path, state, storage_options=None, filter=None):
+            torch.save(state, path)
+
+    own = L.Fabric(strategy=OwnFiles(torch.device("cpu")), plugins=[io])
+    with pytest.raises(RuntimeError, match=r"OwnFiles writes its checkpoints its own way"):
+        io.attach(own)

@@ -82,6 +82,8 @@ class UnbrokenCheckpointIO(CheckpointIO):
         self.restored_step: int | None = None
         """The step the last ``load_checkpoint`` restored."""
         self._stats: SaveStats | None = None
+        self._fabric: Any = None
+        self._every_rank = False  # the strategy hands every rank's checkpoint to us
 
     @property
     def manager(self) -> CheckpointManager:
@@ -102,12 +104,44 @@ class UnbrokenCheckpointIO(CheckpointIO):
     ) -> None:
         """Save ``checkpoint`` as the step it records (``global_step``, or Fabric's
         ``step``); every rank must call it. A step already committed is not saved again."""
+        self._save(checkpoint, path, storage_options)
+
+    def _save(
+        self, checkpoint: Mapping[str, Any], path: Any, storage_options: Any, filter: Any = None
+    ) -> None:
         if storage_options is not None:
             raise TypeError(
                 "UnbrokenCheckpointIO.save_checkpoint: storage_options are the manager's "
                 "(UnbrokenCheckpointIO(url, storage_options=...)), not per save"
             )
-        self.manager.save(_step_of(checkpoint, path), self._state(checkpoint, path))
+        if not self._every_rank and _world_size() > 1:
+            raise RuntimeError(
+                f"UnbrokenCheckpointIO: a save on {_world_size()} ranks is every rank's, but "
+                "Lightning calls a plugin on rank 0 alone unless told otherwise: give the "
+                "Trainer callbacks=[io.callback], or call io.attach(fabric) for Fabric"
+            )
+        self.manager.save(_step_of(checkpoint, path), self._state(checkpoint, path, filter))
+
+    def attach(self, fabric: Any) -> None:
+        """Make ``fabric.save`` hand every rank's checkpoint to this plugin (under DDP
+        Fabric calls a plugin on rank 0 alone; a save through the manager is every
+        rank's), and let :meth:`maybe_save` take the state as ``fabric.save`` does:
+        modules, optimizers and stateful objects, Fabric's wrappers or not. Call it once,
+        before the first ``fabric.save``, on every rank."""
+        from lightning.fabric.strategies import Strategy as FabricStrategy
+
+        if fabric.strategy.checkpoint_io is not self:
+            raise RuntimeError(
+                "UnbrokenCheckpointIO.attach: this Fabric's checkpoint_io is "
+                f"{type(fabric.strategy.checkpoint_io).__name__}, not this plugin; make it "
+                "with L.Fabric(..., plugins=[io])"
+            )
+
+        def save_checkpoint(strategy, path, state, storage_options=None, filter=None):
+            self._save(state, path, storage_options, filter)
+
+        _save_on_every_rank(fabric.strategy, FabricStrategy, save_checkpoint)
+        self._fabric, self._every_rank = fabric, True
 
     def maybe_save(self, step: int, build: Callable[[], dict[str, Any]]) -> bool:
         """``maybe_save`` with the checkpoint dict built by ``build`` only if it saves."""
@@ -196,13 +230,27 @@ class UnbrokenCheckpointIO(CheckpointIO):
 
     # -- the state a checkpoint dict becomes -----------------------------------------------
 
-    def _split(self, checkpoint: Mapping[str, Any]) -> checkpoint_dict.SplitCheckpoint:
-        module = self.callback.trainer.lightning_module if self.callback.trainer else None
-        buffers = [b for b in module.buffers()] if module is not None else []
+    def _split(
+        self, checkpoint: Mapping[str, Any], filter: Any = None
+    ) -> checkpoint_dict.SplitCheckpoint:
+        if self._fabric is not None:  # Fabric's state: modules and optimizers, maybe wrapped
+            from lightning.fabric.wrappers import _unwrap_objects
+
+            state = _unwrap_objects(dict(checkpoint))
+            modules = [v for v in state.values() if isinstance(v, torch.nn.Module)]
+            checkpoint = self._fabric.strategy._convert_stateful_objects_in_state(
+                state, filter or {}
+            )
+        else:
+            module = self.callback.trainer.lightning_module if self.callback.trainer else None
+            modules = [module] if module is not None else []
+        buffers = [b for module in modules for b in module.buffers()]
         return checkpoint_dict.split(checkpoint, copy_now=buffers)
 
-    def _state(self, checkpoint: Mapping[str, Any], path: Any) -> dict[str, Any]:
-        made = self._split(checkpoint)
+    def _state(
+        self, checkpoint: Mapping[str, Any], path: Any, filter: Any = None
+    ) -> dict[str, Any]:
+        made = self._split(checkpoint, filter)
         return {TENSORS: _entry(made, TENSORS, path), TREE: _entry(made, TREE, path)}
 
 
@@ -267,7 +315,8 @@ class UnbrokenCallback(OnExceptionCheckpoint):
                 "UnbrokenCheckpointIO; pass plugins=[io] and callbacks=[io.callback]"
             )
         self.trainer = trainer
-        _save_on_every_rank(trainer.strategy)
+        _save_on_every_rank(trainer.strategy, Strategy, _trainer_save)
+        self.io._every_rank = True
         self.io.manager  # noqa: B018 - made here: every rank, the process group up
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -301,21 +350,25 @@ def _dump(trainer: Any) -> dict[str, Any]:
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
-def _save_on_every_rank(strategy: Strategy) -> None:
-    """Lightning's base ``Strategy.save_checkpoint`` calls the plugin on rank 0 only (its
-    file is rank 0's to write); unbroken's save is every rank's. Strategies that save in
-    a way of their own (FSDP, DeepSpeed) are refused: they bypass the plugin."""
-    if type(strategy).save_checkpoint is not Strategy.save_checkpoint:
+def _save_on_every_rank(strategy: Any, base: type, save_checkpoint: Callable) -> None:
+    """Lightning's and Fabric's base ``Strategy.save_checkpoint`` call the plugin on rank
+    0 only (its file is rank 0's to write); unbroken's save is every rank's. Strategies
+    that save in a way of their own (FSDP, DeepSpeed) are refused: they bypass the plugin."""
+    if type(strategy).save_checkpoint is not base.save_checkpoint:
         raise RuntimeError(
             f"UnbrokenCheckpointIO: {type(strategy).__name__} writes its checkpoints its "
             "own way; the plugin supports strategies that save through CheckpointIO "
             "(single device, DDP)"
         )
+    strategy.save_checkpoint = types.MethodType(save_checkpoint, strategy)
 
-    def save_checkpoint(self: Strategy, checkpoint: Any, filepath: Any, storage_options=None):
-        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-    strategy.save_checkpoint = types.MethodType(save_checkpoint, strategy)  # type: ignore
+def _trainer_save(self: Strategy, checkpoint: Any, filepath: Any, storage_options=None) -> None:
+    self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+
+def _world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 def _take_sigterm_from_lightning(trainer: Any) -> None:
