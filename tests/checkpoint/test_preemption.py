@@ -280,16 +280,29 @@ def _signal_the_loader_job(out: Path, agent: int, whom: str) -> None:
         os.kill(pid, signal.SIGTERM)
 
 
+LOADER_STEPS = 80
+
+
+@pytest.fixture(scope="module")
+def loader_reference(tmp_path_factory) -> tuple[Path, set[str]]:
+    """The toy volume and the digests of an uninterrupted 80-step run of the loader job
+    over it: every run below with a signal must end there. Run once for the module."""
+    root = tmp_path_factory.mktemp("loader-reference")
+    volume = toy_volume(root)
+    reference = _finish(_launch(root / "reference", LOADER_STEPS, 0, volume=volume))
+    assert len(_digests(reference)) == 2, reference  # each rank its own generator
+    return volume, _digests(reference)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("whom", ["agent", "every process"])
 def test_sigterm_with_loader_workers_commits_the_step_reached_and_resumes_there(
-    tmp_path, whom
+    tmp_path, whom, loader_reference
 ):
     """Issue 29.1 and 29.2: with DataLoader workers, torchrun's killpg killed them and
     torch's SIGCHLD handler raised before any save; with Slurm's delivery, torchrun's
     copy of the signal ended the save half-way. Either way nothing was committed."""
-    volume, steps = toy_volume(tmp_path), 80
-    reference = _finish(_launch(tmp_path / "reference", steps, 0, volume=volume))
+    (volume, reference), steps = loader_reference, LOADER_STEPS
     proc = _launch(tmp_path / "job", steps, 1, volume=volume)
     _signal_the_loader_job(tmp_path / "job", proc.pid, whom)
     first = _finish(proc, ok=False)
@@ -300,13 +313,12 @@ def test_sigterm_with_loader_workers_commits_the_step_reached_and_resumes_there(
         shutil.rmtree(stage)
     second = _finish(_launch(tmp_path / "job", steps, 0, volume=volume))
     assert _last(second, "RESTORED", 0, 0) == reached == _last(second, "RESTORED", 1, 0)
-    assert len(_digests(reference)) == 2 and _digests(second) == _digests(reference), second
+    assert _digests(second) == reference, second
 
 
 @pytest.mark.multiprocess
-def test_sigterm_to_one_rank_with_loader_workers_loses_no_step(tmp_path):
-    volume, steps = toy_volume(tmp_path), 80
-    reference = _finish(_launch(tmp_path / "reference", steps, 0, volume=volume))
+def test_sigterm_to_one_rank_with_loader_workers_loses_no_step(tmp_path, loader_reference):
+    (volume, reference), steps = loader_reference, LOADER_STEPS
     proc = _launch(tmp_path / "job", steps, 1, volume=volume)
     _signal_the_loader_job(tmp_path / "job", proc.pid, "one rank")
     out = _finish(proc)
@@ -314,11 +326,11 @@ def test_sigterm_to_one_rank_with_loader_workers_loses_no_step(tmp_path):
     assert 0 < restored < steps, out
     for rank in (0, 1):
         assert _last(out, "STEP", rank, 0) == restored, out
-    assert _digests(out) == _digests(reference), out
+    assert _digests(out) == reference, out
 
 
 @pytest.mark.multiprocess
-def test_after_a_peers_sigkill_the_survivor_ends_at_once(tmp_path):
+def test_after_a_peers_sigkill_the_survivor_ends_at_once(tmp_path, loader_reference):
     """Issue 29.3: torchrun SIGTERMs the survivors of a crash; they took it for a
     preemption, blocked in a collective with the dead rank (whose orphaned DataLoader
     workers held its sockets open) and ended only by the 10 s watchdog. Now the dead
@@ -326,8 +338,7 @@ def test_after_a_peers_sigkill_the_survivor_ends_at_once(tmp_path):
     signal without the interpreter's teardown; the restarted job ends as a clean one.
     (How soon: bench/restart_after_kill.py; the parts: test_worker_signals.py and the
     tests below.)"""
-    volume, steps = toy_volume(tmp_path), 80
-    reference = _finish(_launch(tmp_path / "reference", steps, 0, volume=volume))
+    (volume, reference), steps = loader_reference, LOADER_STEPS
     proc = _launch(tmp_path / "job", steps, 1, volume=volume)
     victim = _pids(tmp_path / "job", 1)
     _pids(tmp_path / "job", 0)
@@ -335,7 +346,7 @@ def test_after_a_peers_sigkill_the_survivor_ends_at_once(tmp_path):
     os.kill(victim[0], signal.SIGKILL)
     out = _finish(proc)
     assert "no maybe_save acted on it" not in out, out  # the 10 s watchdog
-    assert _last(out, "RESTORED", 0, 1) == 0 and _digests(out) == _digests(reference), out
+    assert _last(out, "RESTORED", 0, 1) == 0 and _digests(out) == reference, out
 
 
 _ENDINGS = """
