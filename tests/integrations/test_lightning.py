@@ -39,9 +39,10 @@ def _launch(out: Path, volume: Path, script: Path = JOB, **kwargs) -> Run:
 
 def _fit(
     tmp_path, volume, steps: int, *, every: int = 4, theirs: bool = False, **module_args
-) -> tuple[str, dict]:
+) -> tuple[str, dict, int]:
     """One fit in this process, resumed from ``tmp_path/ckpt`` if anything is committed;
-    the digest of the weights and optimizer state, and the samples of each step."""
+    the digest of the weights and optimizer state, the samples of each step, and the
+    epoch Lightning counts at the end."""
     L.seed_everything(0, verbose=False)
     model, seen = Regressor(**module_args), {}
     model.seen = lambda step, ids: seen.__setitem__(step, ids)
@@ -58,22 +59,23 @@ def _fit(
         trainer.fit(model, train_dataloaders=loader, ckpt_path="last")
     else:
         trainer.fit(model, datamodule=Volume(str(volume), batch_size=4), ckpt_path="last")
-    return digest(model, trainer.optimizers[0]), seen
+    return digest(model, trainer.optimizers[0]), seen, trainer.current_epoch
 
 
 def test_a_fit_stopped_and_resumed_from_last_equals_an_uninterrupted_one(tmp_path, monkeypatch):
     volume = toy_volume(tmp_path, files=FILES)  # 16 steps an epoch of 4 samples
-    reference, seen = _fit(tmp_path / "reference", volume, 22)
-    _, first = _fit(tmp_path / "job", volume, 7)  # stops mid-epoch; its last step is saved
+    reference, seen, epoch = _fit(tmp_path / "reference", volume, 22)
+    _, first, _ = _fit(tmp_path / "job", volume, 7)  # stops mid-epoch; its last step is saved
 
     def refuse(*args, **kwargs):
         raise AssertionError("the load unpickled something")
 
     for module, name in ((pickle, "load"), (pickle, "loads"), (torch, "load")):
         monkeypatch.setattr(module, name, refuse)
-    resumed, rest = _fit(tmp_path / "job", volume, 22)  # Lightning loads through the plugin
+    resumed, rest, resumed_epoch = _fit(tmp_path / "job", volume, 22)  # through the plugin
     assert min(rest) == 8 and {**first, **rest} == seen
     assert resumed == reference
+    assert resumed_epoch == epoch  # the save at the fit's end is mid-epoch, as at any step
     assert sorted(i for s in range(1, 17) for i in seen[s]) == list(range(FILES))
     assert not (tmp_path / "job" / "checkpoints").exists()  # Lightning's default folder
 
@@ -90,9 +92,9 @@ def test_with_a_torch_loader_a_resume_sees_samples_twice_and_says_how_many(tmp_p
     """What docs/integrations.md states for a loader that is not ub.DataLoader: Lightning
     starts its epoch again, reshuffled from the restored RNG. Measured: samples of the
     interrupted epoch trained on twice, and as many never reached."""
-    _, seen = _fit(tmp_path / "reference", None, 22, theirs=True)
-    _, first = _fit(tmp_path / "job", None, 7, theirs=True)
-    _, rest = _fit(tmp_path / "job", None, 22, theirs=True)
+    _, seen, _ = _fit(tmp_path / "reference", None, 22, theirs=True)
+    _, first, _ = _fit(tmp_path / "job", None, 7, theirs=True)
+    _, rest, _ = _fit(tmp_path / "job", None, 22, theirs=True)
     assert min(rest) == 8  # the model resumed after step 7
     epoch = [i for step in range(1, 17) for i in seen[step]]
     interrupted = [i for step in range(1, 8) for i in first[step]]

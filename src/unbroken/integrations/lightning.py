@@ -331,10 +331,17 @@ class UnbrokenCallback(OnExceptionCheckpoint):
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
     ) -> None:
-        self.io.maybe_save(trainer.global_step, lambda: _dump(trainer))
+        if 0 <= trainer.max_steps <= trainer.global_step:  # the fit's last step
+            # Saved here, mid-epoch like every other save: by on_train_end Lightning has
+            # counted the epoch done, and a longer fit resumed from that state would start
+            # the next epoch (current_epoch one ahead of an uninterrupted run).
+            self.io.manager.save(trainer.global_step, self.io._state(_dump(trainer), None))
+        else:
+            self.io.maybe_save(trainer.global_step, lambda: _dump(trainer))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """The last step too (a no-op if committed already), and wait for it."""
+        """The last step too (a no-op if saved already: a fit that ran to max_steps), and
+        wait for it."""
         self.io.manager.save(trainer.global_step, self.io._state(_dump(trainer), None))
         self.io.manager.wait()
 
