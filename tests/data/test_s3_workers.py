@@ -36,6 +36,6 @@ def test_workers_read_s3_natively_and_every_sample_is_the_source(s3_server, tmp_
         ds, batch_size=4, num_workers=2, timeout=120, collate_fn=list,
         multiprocessing_context=start,
     )  # fmt: skip
-    for epoch in range(2):  # cold (fetched by the workers), then warm (from the cache)
+    for epoch in range(2):  # cold (fetched ahead by this process or by a worker), then warm
         seen = {path: digest for batch in loader for path, digest in batch}
         assert seen == source, f"epoch {epoch}"

@@ -23,6 +23,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from unbroken._util.world import require_group
 from unbroken.data.cache.cache import LocalCache, default_cache_dir
 from unbroken.data.delivery import Delivery
+from unbroken.data.fill_ahead import FillAhead
 from unbroken.data.index import FileIndex, check_max_age, load_or_build_index
 from unbroken.data.metrics import WorkerCounters
 from unbroken.data.order import epoch_order
@@ -144,6 +145,14 @@ class VolumeDataset(IterableDataset):
     def partition(self, start: int, batch_size: int, drop_last: bool = True) -> Partition:
         return Partition(len(self.index), start, batch_size, self.world_size, drop_last)
 
+    def batch_indices(
+        self, epoch: int, start: int, batch_size: int, drop_last: bool = True
+    ) -> list[np.ndarray]:
+        """Sample indices of each of this rank's batches, from global position ``start``."""
+        part = self.partition(start, batch_size, drop_last)
+        order = self.order(epoch)
+        return [order[slice(*part.batch_range(k, self.rank))] for k in range(part.num_batches)]
+
     # -- serving ----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
@@ -172,9 +181,8 @@ class VolumeDataset(IterableDataset):
     ) -> Iterator[Delivery]:
         """This worker's batches of this rank, from global position ``start`` of ``epoch``."""
         part = self.partition(start, batch_size, drop_last)
-        order = self.order(epoch)
-        mine = worker_batches(part.num_batches, worker, num_workers)
-        batches = [(k, order[slice(*part.batch_range(k, self.rank))]) for k in mine]
+        every = self.batch_indices(epoch, start, batch_size, drop_last)
+        batches = [(k, every[k]) for k in worker_batches(part.num_batches, worker, num_workers)]
         local = self._per_process()
         counters = local.counters
         samples = self._decoded(epoch, np.concatenate([b for _, b in batches] or [[]]), counters)
@@ -189,6 +197,27 @@ class VolumeDataset(IterableDataset):
                 generation=generation,
                 stats=counters.take(local.cache_snapshot()),
             )
+
+    def fill_ahead(
+        self,
+        epoch: int,
+        start: int,
+        *,
+        batch_size: int,
+        drop_last: bool,
+        lead: int,
+        threads: int | None = None,
+    ) -> FillAhead:
+        """Start fetching this rank's files of ``epoch`` into the cache, ``lead`` batches
+        ahead of the loop, on ``threads`` threads (default ``prefetch_threads``); see
+        ``fill_ahead.py``. The caller advances and closes it."""
+        cache = self._per_process().cache
+        if cache.limit is not None and len(self.index):  # keep the lead within a quarter
+            mean = max(1, self.index.total_bytes // len(self.index))
+            lead = max(1, min(lead, cache.limit // 4 // (mean * batch_size)))
+        batches = self.batch_indices(epoch, start, batch_size, drop_last)
+        threads = threads or self.prefetch_threads
+        return FillAhead(cache, batches, self.index.__getitem__, lead=lead, threads=threads)
 
     def _decoded(self, epoch: int, indices: np.ndarray, counters: WorkerCounters) -> Iterator[Any]:
         """Decoded samples of ``indices`` in order; ``_SKIP`` for a skipped one.

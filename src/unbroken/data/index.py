@@ -123,6 +123,11 @@ class FileIndex:
         return Entry(self._keys[i], self._sizes[i], etag)
 
     @property
+    def total_bytes(self) -> int:
+        """Bytes of all the files together."""
+        return sum(self._sizes)
+
+    @property
     def entries(self) -> list[Entry]:
         """All entries (materialised: for tests and small volumes)."""
         return [self[i] for i in range(len(self))]

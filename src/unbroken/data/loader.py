@@ -24,6 +24,7 @@ from torch.utils.data._utils.collate import default_collate
 from unbroken._util.worker_sigterm import defer_sigterm_in_this_worker
 from unbroken.data.dataset import VolumeDataset
 from unbroken.data.delivery import Delivery
+from unbroken.data.fill_ahead import FillAhead
 from unbroken.data.metrics import LoaderMetrics
 from unbroken.data.order import mix_seed
 from unbroken.data.partition import Partition
@@ -46,6 +47,10 @@ class DataLoader(torch.utils.data.DataLoader):
     persist across epochs (the cache and its read-ahead stay warm), pinned memory
     when CUDA is present, and the loader's own RNG for worker seeds, so iterating it
     never moves the training loop's ``torch`` RNG.
+
+    With workers, this process also fetches the rank's next files into the node cache
+    (``fill_ahead=True``, the default then), so that workers read local files instead
+    of receiving each file's bytes from this process over the fork relay.
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class DataLoader(torch.utils.data.DataLoader):
         persistent_workers: bool | None = None,
         prefetch_factor: int | None = None,
         generator: torch.Generator | None = None,
+        fill_ahead: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(dataset, VolumeDataset):
@@ -95,6 +101,8 @@ class DataLoader(torch.utils.data.DataLoader):
             pin_memory = torch.cuda.is_available()
         if prefetch_factor is None and num_workers > 0:
             prefetch_factor = 2
+        if fill_ahead is None:
+            fill_ahead = num_workers > 0
         if generator is None:
             generator = torch.Generator()
             generator.manual_seed(mix_seed(dataset.seed, 0x10AD) & 0x7FFFFFFFFFFFFFFF)
@@ -124,6 +132,10 @@ class DataLoader(torch.utils.data.DataLoader):
         self._restart_requested = False
         self._iter_id = 0
         self._generation = 0
+        self.fill_ahead = bool(fill_ahead)
+        """Whether this process fills the cache ahead of the workers (``fill_ahead.py``):
+        on by default with workers, so that a worker's miss is a local read."""
+        self._filler: FillAhead | None = None
 
     def __len__(self) -> int:
         """Batches per rank in a whole epoch."""
@@ -140,9 +152,12 @@ class DataLoader(torch.utils.data.DataLoader):
         epoch, start = self._take_next_start()
         while True:
             it = self._start(epoch, start)
+            filler = self._filler
             try:
                 yield from self._batches(it, iter_id, epoch)
             finally:
+                if self._filler is filler:  # not a newer iterator's
+                    self._stop_filling()
                 if not self._persistent_workers_on():
                     _shutdown(it)
             if not self._restart_requested:
@@ -167,6 +182,9 @@ class DataLoader(torch.utils.data.DataLoader):
                 return
             self._accept(d, epoch, expected)
             self.metrics.add(d.stats)
+            if self._filler is not None:
+                self._filler.advance(expected + 1)
+                self.metrics.add(self._filler.take_stats())
             self.metrics.record_wait(wait, counted_batch=d.batch is not None)
             note_data_wait(wait, self.metrics)
             self._consumed = d.position
@@ -181,6 +199,7 @@ class DataLoader(torch.utils.data.DataLoader):
         return epoch, start
 
     def _start(self, epoch: int, start: int) -> Iterator[Delivery]:
+        self._stop_filling()  # a superseded iterator's, if it was never closed
         self._generation += 1
         self._plan.copy_(torch.tensor([self._generation, epoch, start], dtype=torch.int64))
         self.epoch = epoch
@@ -188,7 +207,26 @@ class DataLoader(torch.utils.data.DataLoader):
         self._consumed = start
         self._next_start = (epoch + 1, 0)
         self._restart_requested = False
-        return super().__iter__()
+        it = super().__iter__()  # forks the workers, if new: no filling thread is forked
+        if self.fill_ahead and self.num_workers > 0:
+            self._filler = self.volume.fill_ahead(
+                epoch, start, batch_size=self.batch_size, drop_last=self.drop_last,
+                lead=self._fill_lead(), threads=self.volume.prefetch_threads * self.num_workers,
+            )  # fmt: skip
+        return it
+
+    def _fill_lead(self) -> int:
+        """Batches ahead of the loop to fill: what the workers hold queued and being
+        made, plus their read-ahead, plus one round of slack."""
+        workers = self.num_workers
+        read_ahead = -(-self.volume.prefetch_depth // self.batch_size)
+        return workers * ((self.prefetch_factor or 2) + 1 + read_ahead + 1)
+
+    def _stop_filling(self) -> None:
+        filler, self._filler = self._filler, None
+        if filler is not None:
+            filler.close()
+            self.metrics.add(filler.take_stats())
 
     def _accept(self, d: Any, epoch: int, expected: int) -> None:
         """A batch must be the next one of the current plan, or the position is wrong."""
