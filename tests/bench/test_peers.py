@@ -83,7 +83,9 @@ def test_table_shows_every_row_its_error_and_the_resume_columns():
     unbroken = next(line for line in lines if line.startswith("unbroken"))
     assert unbroken.split()[1:5] == ["600", "900", "1.0", "0.50"] and "50.0 MB" in unbroken
     assert "exact" in unbroken and "no state" in lines[1]
-    assert "3.2" in next(line for line in lines if line.startswith("MosaicML"))
+    streaming = next(line for line in lines if line.startswith("MosaicML")).split()
+    assert streaming[streaming.index("3.2") + 1] == "4.2"  # raw files to epoch 1's end
+    assert unbroken.split()[5:7] == ["-", "1.0"]  # nothing to convert: epoch 1 alone
     assert "error: ValueError: boom" in next(line for line in lines if line.startswith("LitData"))
     assert len({len(line) for line in lines[:4]}) == 1  # aligned
 
