@@ -50,6 +50,7 @@ class Volume:
                 "timeout",
                 "persistent_workers",
                 "multiprocessing_context",
+                "fill_ahead",
             )
             if k in kw
         }

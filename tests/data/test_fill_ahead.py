@@ -11,7 +11,7 @@ import pytest
 from tests.data.helpers import flatten
 from unbroken.data import DataLoader
 from unbroken.data.cache.cache import LocalCache
-from unbroken.data.fill_ahead import FillAhead
+from unbroken.data.fill_ahead import GIVE_UP_AFTER, FillAhead
 
 
 def _cached(cache: LocalCache, entries) -> int:
@@ -95,7 +95,7 @@ def test_workers_read_what_the_training_process_fetched(make_volume, backend, fi
 @pytest.mark.multiprocess
 def test_a_loop_that_stops_early_stops_the_fill(make_volume):
     vol = make_volume(48)
-    loader = vol.loader(batch_size=2, num_workers=2, timeout=60)
+    loader = vol.loader(batch_size=2, num_workers=2, fill_ahead=True, timeout=60)
     it = iter(loader)
     next(it)
     assert loader._filler is not None
@@ -109,32 +109,85 @@ def test_resume_mid_epoch_with_fill_ahead_serves_the_rest_exactly(make_volume):
     vol = make_volume(40)
     whole = vol.loader(batch_size=2, num_workers=2, timeout=60)
     expected = [s for b in whole for s in flatten(b)]
-    first = vol.loader(batch_size=2, num_workers=2, timeout=60, cache_dir=str(vol.tmp / "c1"))
+    first = vol.loader(
+        batch_size=2, num_workers=2, fill_ahead=True, timeout=60, cache_dir=str(vol.tmp / "c1")
+    )
     it = iter(first)
     head = [s for _ in range(7) for s in flatten(next(it))]
     state = first.state_dict()
     it.close()
-    second = vol.loader(batch_size=2, num_workers=2, timeout=60, cache_dir=str(vol.tmp / "c2"))
+    second = vol.loader(
+        batch_size=2, num_workers=2, fill_ahead=True, timeout=60, cache_dir=str(vol.tmp / "c2")
+    )
     second.load_state_dict(state)
     assert head + [s for b in second for s in flatten(b)] == expected
 
 
-def test_a_bounded_cache_keeps_the_lead_within_a_quarter_of_it(make_volume):
+def test_a_bounded_cache_keeps_the_lead_within_the_ranks_share_of_a_quarter(
+    make_volume, monkeypatch
+):
     vol = make_volume(40)
     ds = vol.dataset(cache_limit=32)  # 40 files of 1-2 bytes, mean 1: 4 batches of 2
-    fill = ds.fill_ahead(0, 0, batch_size=2, drop_last=True, lead=50)
-    fill.close()
-    assert fill.lead == 4
+
+    def lead(hold: int = 0) -> int | None:
+        fill = ds.fill_ahead(0, 0, batch_size=2, drop_last=True, lead=50, hold=hold)
+        if fill is None:
+            return None
+        fill.close()
+        return fill.lead
+
+    assert lead() == 4
+    assert lead(hold=4) is None, "a fill that can only evict what the workers hold"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks share the node's cache
+    assert lead() == 2
     unbounded = vol.dataset(cache_dir=str(vol.tmp / "unbounded"))
-    fill = unbounded.fill_ahead(0, 0, batch_size=2, drop_last=True, lead=50)
+    fill = unbounded.fill_ahead(0, 0, batch_size=2, drop_last=True, lead=50, hold=40)
     fill.close()
     assert fill.lead == 50
+
+
+def test_a_fill_behind_the_loop_skips_what_the_loop_has_received(make_volume, tmp_path):
+    vol = make_volume(12)
+    ds = vol.dataset()
+    cache = LocalCache(vol.store, str(tmp_path / "fill-cache"))
+    batches = [np.arange(k, k + 3) for k in range(0, 12, 3)]
+    entries = [ds.index[i] for i in range(12)]
+    fill = FillAhead(cache, batches, ds.index.__getitem__, lead=1, threads=2)
+    try:
+        _wait_for(lambda: _cached(cache, entries) == 3)  # batch 0 only
+        fill.advance(3)  # the loop has batches 0-2 already (the workers fetched them)
+        _wait_for(lambda: _cached(cache, entries) == 6)
+    finally:
+        fill.close()
+    assert [cache.contains(e) for e in entries] == [True] * 3 + [False] * 6 + [True] * 3
+
+
+def test_the_fill_gives_up_after_failures_in_a_row(make_volume, tmp_path, caplog):
+    vol = make_volume(12)
+    ds = vol.dataset(shuffle=False)
+    for entry in ds.index.entries:
+        vol.store.delete(entry.key)  # the remote lost everything
+    cache = LocalCache(vol.store, str(tmp_path / "fill-cache"))
+    fill = FillAhead(cache, [np.arange(12)], ds.index.__getitem__, lead=1, threads=1)
+    _wait_for(lambda: not any(t.is_alive() for t in fill._threads))
+    assert fill.take_stats() == {"fill_failed": GIVE_UP_AFTER}
+    assert "stopped for this epoch" in caplog.text
+
+
+def test_on_by_default_only_where_workers_would_relay(make_volume, backend):
+    vol = make_volume(8, backend)
+    ds = vol.dataset()
+    native = backend == "s3"  # the test S3 server is read natively (obstore)
+    assert DataLoader(ds, batch_size=2, num_workers=2).fill_ahead is native
+    spawned = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context="spawn")
+    assert spawned.fill_ahead is False  # spawn-started workers run obstore themselves
+    assert DataLoader(ds, batch_size=2, num_workers=0).fill_ahead is False
 
 
 @pytest.mark.multiprocess
 def test_closing_a_superseded_iterator_leaves_the_newer_ones_fill(make_volume):
     vol = make_volume(48)
-    loader = vol.loader(batch_size=2, num_workers=1, timeout=60)
+    loader = vol.loader(batch_size=2, num_workers=1, fill_ahead=True, timeout=60)
     old = iter(loader)
     next(old)
     new = iter(loader)

@@ -127,6 +127,11 @@ class VolumeDataset(IterableDataset):
     # -- what the volume holds ------------------------------------------------------
 
     @property
+    def store(self) -> Store:
+        """The store the volume is read from (the one this dataset was made with)."""
+        return self._store
+
+    @property
     def url(self) -> str:
         return redact(self._store.url)
 
@@ -206,15 +211,27 @@ class VolumeDataset(IterableDataset):
         batch_size: int,
         drop_last: bool,
         lead: int,
+        hold: int = 0,
         threads: int | None = None,
-    ) -> FillAhead:
+    ) -> FillAhead | None:
         """Start fetching this rank's files of ``epoch`` into the cache, ``lead`` batches
         ahead of the loop, on ``threads`` threads (default ``prefetch_threads``); see
-        ``fill_ahead.py``. The caller advances and closes it."""
+        ``fill_ahead.py``. The caller advances and closes it.
+
+        With a ``cache_limit`` the lead is cut to this rank's share of a quarter of it
+        (the ranks of a node share one cache); None (no fill) where that share holds
+        no more than the ``hold`` batches the workers have in hand already: filling
+        would then only evict what they read next.
+        """
         cache = self._per_process().cache
-        if cache.limit is not None and len(self.index):  # keep the lead within a quarter
-            mean = max(1, self.index.total_bytes // len(self.index))
-            lead = max(1, min(lead, cache.limit // 4 // (mean * batch_size)))
+        if cache.limit is not None and len(self.index):
+            ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+            batch_bytes = max(1, self.index.total_bytes // len(self.index)) * batch_size
+            room = cache.limit // 4 // ranks_here // batch_bytes
+            if room <= hold:
+                log.debug("no fill ahead: the cache limit leaves room for %d batches", room)
+                return None
+            lead = min(lead, room)
         batches = self.batch_indices(epoch, start, batch_size, drop_last)
         threads = threads or self.prefetch_threads
         return FillAhead(cache, batches, self.index.__getitem__, lead=lead, threads=threads)

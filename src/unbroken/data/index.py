@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import fnmatch
+import functools
 import hashlib
 import itertools
 import json
@@ -122,7 +123,7 @@ class FileIndex:
         etag = self._etags[i] if self._has_etag[i] else None
         return Entry(self._keys[i], self._sizes[i], etag)
 
-    @property
+    @functools.cached_property
     def total_bytes(self) -> int:
         """Bytes of all the files together."""
         return sum(self._sizes)

@@ -24,7 +24,7 @@ from torch.utils.data._utils.collate import default_collate
 from unbroken._util.worker_sigterm import defer_sigterm_in_this_worker
 from unbroken.data.dataset import VolumeDataset
 from unbroken.data.delivery import Delivery
-from unbroken.data.fill_ahead import FillAhead
+from unbroken.data.fill_ahead import FillAhead, pays_off
 from unbroken.data.metrics import LoaderMetrics
 from unbroken.data.order import mix_seed
 from unbroken.data.partition import Partition
@@ -102,7 +102,9 @@ class DataLoader(torch.utils.data.DataLoader):
         if prefetch_factor is None and num_workers > 0:
             prefetch_factor = 2
         if fill_ahead is None:
-            fill_ahead = num_workers > 0
+            fill_ahead = num_workers > 0 and pays_off(
+                dataset.store, kwargs.get("multiprocessing_context")
+            )
         if generator is None:
             generator = torch.Generator()
             generator.manual_seed(mix_seed(dataset.seed, 0x10AD) & 0x7FFFFFFFFFFFFFFF)
@@ -209,18 +211,20 @@ class DataLoader(torch.utils.data.DataLoader):
         self._restart_requested = False
         it = super().__iter__()  # forks the workers, if new: no filling thread is forked
         if self.fill_ahead and self.num_workers > 0:
+            hold, lead = self._fill_window()
             self._filler = self.volume.fill_ahead(
                 epoch, start, batch_size=self.batch_size, drop_last=self.drop_last,
-                lead=self._fill_lead(), threads=self.volume.prefetch_threads * self.num_workers,
+                lead=lead, hold=hold, threads=self.volume.prefetch_threads * self.num_workers,
             )  # fmt: skip
         return it
 
-    def _fill_lead(self) -> int:
-        """Batches ahead of the loop to fill: what the workers hold queued and being
-        made, plus their read-ahead, plus one round of slack."""
+    def _fill_window(self) -> tuple[int, int]:
+        """(hold, lead) in batches: what the workers hold queued and being made; and how
+        far ahead of the loop to fill: that, their read-ahead, and one round of slack."""
         workers = self.num_workers
+        hold = workers * ((self.prefetch_factor or 2) + 1)
         read_ahead = -(-self.volume.prefetch_depth // self.batch_size)
-        return workers * ((self.prefetch_factor or 2) + 1 + read_ahead + 1)
+        return hold, hold + workers * (read_ahead + 1)
 
     def _stop_filling(self) -> None:
         filler, self._filler = self._filler, None

@@ -13,7 +13,8 @@ Metrics, each logged at the training step it was read at:
 - ``checkpoint_blocked_seconds``: seconds blocked in saves since the last log;
 - ``checkpoint_commit_seconds``: the newest commit's save-to-commit time;
 - ``checkpoint_upload_mb_per_s``: its bytes over its upload time;
-- ``cache_hit_ratio``: the loader's cache hits over hits and misses, so far;
+- ``cache_hit_ratio``: the share of the samples read so far that needed no remote fetch
+  by this rank (its workers' and its fill-ahead's fetches are the misses);
 - ``checkpoint_interval_seconds``: with ``every_seconds="auto"``, the interval chosen;
 - ``goodput``: the job's goodput so far (rank 0's timeline, earlier attempts included).
 """
@@ -197,9 +198,10 @@ class MlflowSink:
                 values["checkpoint_upload_mb_per_s"] = commit["nbytes"] / 1e6 / up
         metrics = rec.loader_metrics
         if metrics is not None:
-            hits, misses = metrics.counters.get("hits", 0), metrics.counters.get("misses", 0)
-            if hits + misses:
-                values["cache_hit_ratio"] = hits / (hits + misses)
+            counters = metrics.counters
+            reads = counters.get("samples", 0) + counters.get("skipped", 0)
+            if reads:  # misses: remote fetches by any process of this rank (fill included)
+                values["cache_hit_ratio"] = max(0.0, 1.0 - counters.get("misses", 0) / reads)
         goodput = self._running_goodput()
         if goodput is not None:
             values["goodput"] = goodput

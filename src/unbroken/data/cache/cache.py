@@ -274,7 +274,7 @@ class LocalCache:
                     with self._local_write(entry):
                         _write_all(fd, data)
             finally:
-                os.close(fd)
+                self.layout.close_temp(fd)
             if entry.size > self.small_file:
                 self.store.download(entry.key, tmp, sync=False)  # a copy: see module doc
                 self._check_size(entry, os.path.getsize(tmp))

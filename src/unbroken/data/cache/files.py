@@ -113,11 +113,20 @@ class CacheLayout:
         path = self.temp_path(name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            return path, os.open(path, flags, 0o644)
+            fd = os.open(path, flags, 0o644)
         except FileExistsError:
             self.crash_seen = True
             self._remove_temps_of(name)  # we hold its lock: every temp of it is stale
-            return path, os.open(path, flags, 0o644)
+            fd = os.open(path, flags, 0o644)
+        # a child forked while this is open closes its copy: kept, it would hold the
+        # file's blocks on disk after an eviction, past what the ledger counts
+        self._held.add(fd)
+        return path, fd
+
+    def close_temp(self, fd: int) -> None:
+        """Close a temp file's fd from :meth:`create_temp`."""
+        self._held.discard(fd)
+        os.close(fd)
 
     def _remove_temps_of(self, name: str) -> None:
         """Remove ``name``'s temp file and any download temp beside it (``..<name>...``)."""
