@@ -320,6 +320,11 @@ def curve_points(results: list[dict], x: str) -> dict[str, list[tuple[float, flo
     return {row: sorted(points) for row, points in curves.items()}
 
 
+def _rate_cell(rate: float | None) -> str:
+    """A point whose run failed says so (its traceback is in peers-last-run.log)."""
+    return "failed" if rate is None else f"{rate:.0f}"
+
+
 def scaling_table(scaling: dict[str, list[dict]]) -> str:
     """Epoch 1 images/s of each row at each point of both curves, one line a row (pure)."""
     lines = []
@@ -330,7 +335,7 @@ def scaling_table(scaling: dict[str, list[dict]]) -> str:
         xs = sorted({point[0] for points in curves.values() for point in points})
         head = [f"epoch 1 img/s by {key}", *(f"{v:g}{unit}" for v in xs)]
         body = [
-            [LABELS.get(row, row), *(f"{dict(points).get(v, float('nan')):.0f}" for v in xs)]
+            [LABELS.get(row, row), *(_rate_cell(dict(points).get(v)) for v in xs)]
             for row, points in curves.items()
         ]
         widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]

@@ -145,5 +145,5 @@ def test_scaling_table_lists_each_row_at_each_point_and_skips_failures():
     stock = next(line for line in lines if line.startswith("stock"))
     assert stock.split()[-2:] == ["100", "180"]
     unbroken = next(line for line in lines if line.startswith("unbroken"))
-    assert unbroken.split()[-2:] == ["300", "nan"]  # the failed point is not a number
+    assert unbroken.split()[-2:] == ["300", "failed"]  # a failed point says so
     assert any(line.startswith("epoch 1 img/s by latency") and "20 ms" in line for line in lines)
