@@ -61,11 +61,22 @@ def test_auto_saves_at_the_interval_it_chose_and_logs_it(tmp_path, monkeypatch):
     mgr = ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st",
                                every_seconds="auto", mtbf=2.0, keep_last=None)  # fmt: skip
     assert mgr.config.every_steps is None  # "auto" sets the cadence by itself
-    _loop(mgr, 60, 0.01)
     pilot = mgr._autopilot
-    expected = auto_interval(pilot.save_cost(), pilot.commit_seconds, 2.0)
+    choices = []  # (the figures it chose from, what it chose); a commit may land after
+    choose = pilot.interval
+
+    def recorded() -> float:
+        inputs = (pilot.save_cost(), pilot.commit_seconds, pilot.current_mtbf())
+        choices.append((inputs, choose()))
+        return choices[-1][1]
+
+    monkeypatch.setattr(pilot, "interval", recorded)
+    _loop(mgr, 60, 0.01)
     mgr.close()
-    assert pilot.saves >= 2 and pilot.chosen == pytest.approx(expected)
+    assert pilot.saves >= 2 and choices
+    (cost, commit, mtbf), chosen = choices[-1]
+    assert cost is not None and mtbf == 2.0
+    assert chosen == pilot.chosen == pytest.approx(auto_interval(cost, commit, mtbf))
     intervals = [
         e.info["seconds"]
         for by_rank in read_log(ub.open_store(str(tmp_path / "ck"))).values()
