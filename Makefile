@@ -40,17 +40,17 @@ slow: install
 
 # Quick versions of every benchmark (see bench/README.md for the full-size runs).
 bench: install
-	$(PY) bench/store.py --quick
-	$(PY) bench/checkpoint.py --quick
-	$(PY) bench/save_cpu.py --quick
-	$(PY) bench/data.py --quick
-	$(PY) bench/integrations.py --quick
-	$(PY) bench/store.py --s3 --quick
-	$(PY) bench/data.py --s3 --quick
-	$(PY) bench/checkpoint.py --s3 --quick
+	$(PY) -m bench.storage.store --quick
+	$(PY) -m bench.checkpoint.saves --quick
+	$(PY) -m bench.checkpoint.save_cpu --quick
+	$(PY) -m bench.data.epochs --quick
+	$(PY) -m bench.peers.frameworks --quick
+	$(PY) -m bench.storage.store --s3 --quick
+	$(PY) -m bench.data.epochs --s3 --quick
+	$(PY) -m bench.checkpoint.saves --s3 --quick
 
 # What the full runs behind docs/benchmarks.md need beyond `install`: the checkpoint peers
 # (s3torchconnector, torch still pinned) and the data peers' own virtualenv.
 bench-deps: install
 	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" -e ".[test,s3,mlflow,plot,hf,lightning,bench]"
-	$(PY) bench/peers.py --setup
+	$(PY) -m bench.peers.loaders --setup

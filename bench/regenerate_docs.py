@@ -2,7 +2,7 @@
 
 A doc names each benchmark it quotes beside the output, in a block of this shape::
 
-    <!-- bench: bench/peers.py --profile both --plot docs/img -->
+    <!-- bench: python -m bench.peers.loaders --profile both --plot docs/img -->
     ```text
     (what that command printed, the JSON line left out)
     ```
@@ -14,7 +14,7 @@ its output into the block, under a first line saying when, on what machine and h
 it took: each block its own, since ``--only`` reruns some and leaves the others as they
 were. Plots come from the commands themselves (``--plot``).
 
-    python bench/regenerate_docs.py [docs/benchmarks.md] [--only peers.py] [--list]
+    python -m bench.regenerate_docs [docs/benchmarks.md] [--only bench.peers] [--list]
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import shlex
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common.paths import ROOT, child_env
+
 BLOCK = re.compile(
     r"(?P<open><!-- bench: (?P<command>.+?) -->\n)(?P<body>.*?)(?P<close><!-- /bench -->)",
     re.DOTALL,
@@ -79,11 +80,11 @@ def stamp(started: datetime.datetime, seconds: float) -> str:
 def run(command: str) -> str | None:
     """The table ``command`` printed under its stamp, or None (said on stderr) if it failed."""
     argv = shlex.split(command)
-    if argv and argv[0].endswith(".py"):
-        argv = [sys.executable, *argv]
+    if argv and argv[0] == "python":
+        argv = [sys.executable, *argv[1:]]
     print(f"running: {command}", file=sys.stderr, flush=True)
     started = datetime.datetime.now(datetime.timezone.utc)
-    done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    done = subprocess.run(argv, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
         print(f"`{command}` failed (exit {done.returncode}): its block is unchanged",
               file=sys.stderr)  # fmt: skip

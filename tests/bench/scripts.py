@@ -1,23 +1,21 @@
-"""Run a script of bench/ as a user would: a fresh interpreter, the repo's src on the path."""
+"""Run a benchmark of bench/ as a user would: a fresh interpreter, ``python -m`` from the root."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+from bench.common.paths import ROOT, child_env, module_argv
 
 
-def run_bench_script(name: str, *args: str, timeout: float) -> tuple[str, str]:
-    """(stdout, stderr) of ``bench/<name> args``; fails the test on a nonzero exit."""
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+def run_bench_script(module: str, *args: str, timeout: float) -> tuple[str, str]:
+    """(stdout, stderr) of ``python -m <module> args``; fails the test on a nonzero exit."""
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", name), *args],
+        module_argv(module, *args, python=sys.executable),
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=child_env(),
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

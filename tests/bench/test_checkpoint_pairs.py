@@ -1,4 +1,4 @@
-"""bench/checkpoint_pairs.py: the pair arithmetic, the CLI, and a quick run on real ranks."""
+"""bench/checkpoint/pairs.py: the pair arithmetic, the CLI, and a quick run on real ranks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from _ckpt_pairs import (
+from bench.checkpoint.pairs import parse_args
+from bench.checkpoint.pairs_math import (
     Pair,
     difference,
     estimate,
@@ -16,7 +17,6 @@ from _ckpt_pairs import (
     summarize,
     whole_rounds,
 )
-from checkpoint_pairs import parse_args
 
 from .scripts import run_bench_script
 
@@ -190,13 +190,13 @@ def test_logs_of_two_runs_are_reported_pooled(tmp_path):
     assert last["pairs"] == 5
     assert last["whole_block"]["mean"] == pytest.approx(0.8 + 0.3 * 3 / 5)
     with pytest.raises(SystemExit, match=f"cannot report {paths[0]}, {tmp_path}/missing"):
-        from checkpoint_pairs import report_log
+        from bench.checkpoint.pairs import report_log
 
         report_log([str(paths[0]), str(tmp_path / "missing.jsonl")], skip=1)
 
 
 def test_a_log_that_cannot_be_reported_is_refused_by_name(tmp_path):
-    from checkpoint_pairs import report_log
+    from bench.checkpoint.pairs import report_log
 
     cases = {
         "missing.jsonl": None,
@@ -222,7 +222,7 @@ def _refusal(report_log, path) -> str:
 
 
 def run_pairs(*args: str, timeout: float) -> str:
-    return run_bench_script("checkpoint_pairs.py", *args, timeout=timeout)[0]
+    return run_bench_script("bench.checkpoint.pairs", *args, timeout=timeout)[0]
 
 
 @pytest.mark.slow  # the bench's own run (make bench); its parts are tested above

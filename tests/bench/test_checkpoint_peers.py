@@ -1,4 +1,4 @@
-"""bench/checkpoint_peers.py and bench/gpu_checkpoint.py: their tables, JSON, plots and
+"""bench/peers/checkpoints.py and bench/checkpoint/gpu.py: their tables, JSON, plots and
 arguments, the S3 rows' places on a real server, and the GPU script's exit without CUDA."""
 
 from __future__ import annotations
@@ -6,19 +6,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("matplotlib")
 
-import checkpoint_peers as peers
-import gpu_checkpoint
-from _ckpt_rows import RowContext
-from _ckpt_s3rows import S3Config, S3RowContext, S3TorchSave, aws_env, delete_prefix
-from _s3remote import S3Remote
-from tests.bench.scripts import ROOT
+import bench.checkpoint.gpu as gpu_checkpoint
+import bench.peers.checkpoints as peers
+from bench.checkpoint.rows import RowContext
+from bench.checkpoint.s3rows import S3Config, S3RowContext, S3TorchSave, aws_env, delete_prefix
+from bench.common.paths import ROOT, child_env, module_argv
+from bench.common.s3remote import S3Remote
 
 GiB = float(1 << 30)
 
@@ -196,13 +195,12 @@ def test_between_rows_the_server_is_emptied_and_compacted(s3_server, monkeypatch
 def test_gpu_script_without_cuda_says_so_and_exits_without_a_traceback():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the script would run")
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "gpu_checkpoint.py"), "--params-gb", "0.5"],
+        module_argv("bench.checkpoint.gpu", "--params-gb", "0.5"),
         capture_output=True,
         text=True,
         timeout=120,
-        env=env,
+        env=child_env(),
         cwd=ROOT,
     )
     assert proc.returncode == gpu_checkpoint.NO_CUDA_EXIT

@@ -1,4 +1,4 @@
-"""The pure parts of bench/checkpoint.py: arithmetic of the report, the table, the CLI."""
+"""The pure parts of bench/checkpoint/saves.py: arithmetic of the report, the table, the CLI."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from _ckpt_job import checksum, model_shape
-from _ckpt_measure import (
+from bench.checkpoint.job import checksum, model_shape
+from bench.checkpoint.measure import (
     COLUMNS,
     GiB,
     evaluate,
@@ -21,7 +21,7 @@ from _ckpt_measure import (
     shown_columns,
     split_steps,
 )
-from checkpoint import baseline_loop, parse_args, report
+from bench.checkpoint.saves import baseline_loop, parse_args, report
 
 ENV = {
     "state_bytes": 2e9,
@@ -239,7 +239,7 @@ def test_memory_sampler_sees_a_short_lived_allocation():
     import mmap
     import time
 
-    from _ckpt_measure import MemorySampler
+    from bench.checkpoint.measure import MemorySampler
 
     sampler = MemorySampler().start()
     base = sampler.sample()
@@ -258,7 +258,7 @@ def test_memory_sampler_sees_a_short_lived_allocation():
 
 
 def test_evicted_files_are_read_back_intact(tmp_path):
-    from _ckpt_measure import cold_read_bandwidth, evict_from_page_cache
+    from bench.checkpoint.measure import cold_read_bandwidth, evict_from_page_cache
 
     data = bytes(range(256)) * 4096
     (tmp_path / "d").mkdir()

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from _ckpt_rows import RowContext, TwoTierFloor, local_tensors
+from bench.checkpoint.rows import RowContext, TwoTierFloor, local_tensors
 
 
 def _ctx(tmp_path) -> RowContext:

@@ -1,4 +1,4 @@
-"""bench/checkpoint.py end to end: real gloo ranks, real DCP, the emulated remote."""
+"""bench/checkpoint/saves.py end to end: real gloo ranks, real DCP, the emulated remote."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import os
 
 import pytest
 
-from _ckpt_measure import COLUMNS, shown_columns
+from bench.checkpoint.measure import COLUMNS, shown_columns
 
 from .scripts import run_bench_script
 
 
 def run_bench(*args: str, timeout: float) -> tuple[str, str]:
-    return run_bench_script("checkpoint.py", *args, timeout=timeout)
+    return run_bench_script("bench.checkpoint.saves", *args, timeout=timeout)
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:

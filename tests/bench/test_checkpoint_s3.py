@@ -1,4 +1,4 @@
-"""bench/checkpoint.py --s3: the table, the limits, the targets and the JSON line; and a
+"""bench/checkpoint/saves.py --s3: the table, the limits, the targets and the JSON line; and a
 tiny real run against the SeaweedFS server (seconds)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("obstore")
 pytest.importorskip("boto3")
 
-import _ckpt_s3 as s3
-from checkpoint import _parser, s3_config
+import bench.checkpoint.s3 as s3
+from bench.checkpoint.saves import _parser, s3_config
 
 
 def _m(mbps: float, server: float = 0.2, client: float = 0.2, machine: float | None = None):
@@ -68,7 +68,7 @@ def test_s3_options_parse():
 
 
 def test_a_tiny_real_profile_commits_restores_and_measures_every_column(s3_server, tmp_path):
-    from _s3remote import S3Remote
+    from bench.common.s3remote import S3Remote
 
     model, optim = s3.build_state(0.002)
     cfg = s3.S3Config(params_gb=0.002, profiles=("loopback",), reps=1, work_dir=str(tmp_path))

@@ -1,4 +1,4 @@
-"""bench/data.py's table: the compared columns by default, every one with --all-columns."""
+"""bench/data/epochs.py's table: the compared columns by default, every one with --all-columns."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("PIL")
 
-import data
+import bench.data.epochs as data
 
 
 def _epoch(images: int, rate: float, cpu_ms: float) -> data.Epoch:
@@ -90,8 +90,8 @@ def test_a_tiny_s3_run_prints_each_profile_and_the_json(tmp_path):
     from .scripts import run_bench_script
 
     out, _ = run_bench_script(
-        "data.py", "--s3", "--quick", "--profile", "both", "--files", "96", "--batch-size", "8",
-        "--bench-dir", str(tmp_path), timeout=600,
+        "bench.data.epochs", "--s3", "--quick", "--profile", "both", "--files", "96",
+        "--batch-size", "8", "--bench-dir", str(tmp_path), timeout=600,
     )  # fmt: skip
     summary = json.loads(out.strip().splitlines()[-1])
     for profile in ("loopback", "far"):

@@ -1,13 +1,13 @@
-"""bench/peers.py's accounting and table: pure functions, no peers venv needed."""
+"""bench/peers/loaders.py's accounting and table: pure functions, no peers venv needed."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import _peer_accounting as acc
-import _peer_setup
-import peers
+import bench.peers.accounting as acc
+import bench.peers.loaders as peers
+import bench.peers.setup as _peer_setup
 
 SOURCE = {"a.jpg": acc.crc_of(b"a"), "b.jpg": acc.crc_of(b"b"), "c.jpg": acc.crc_of(b"c")}
 

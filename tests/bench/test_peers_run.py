@@ -1,4 +1,4 @@
-"""A tiny real run of bench/peers.py: stock and unbroken rows (no peers venv needed)."""
+"""A tiny real run of bench/peers/loaders.py: stock and unbroken rows (no peers venv needed)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from .scripts import run_bench_script
 @pytest.mark.slow
 def test_quick_run_prints_table_and_json_with_measured_resume(tmp_path):
     stdout, _ = run_bench_script(
-        "peers.py", "--files", "128", "--rows", "stock,unbroken", "--profile", "loopback",
-        "--bench-dir", str(tmp_path), timeout=600,
+        "bench.peers.loaders", "--files", "128", "--rows", "stock,unbroken",
+        "--profile", "loopback", "--bench-dir", str(tmp_path), timeout=600,
     )  # fmt: skip
     summary = json.loads(stdout.strip().splitlines()[-1])
     rows = {r["row"]: r for r in summary["profiles"]["loopback"]}

@@ -1,21 +1,27 @@
-"""bench/regenerate_docs.py puts each command's fresh table in its block, and nothing else."""
+"""bench.regenerate_docs puts each command's fresh table in its block, and nothing else."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-import regenerate_docs
+import bench.regenerate_docs as regenerate_docs
+from bench.common.paths import ROOT, child_env, module_argv
 
-SCRIPT = os.path.join(os.path.dirname(regenerate_docs.__file__), "regenerate_docs.py")
+
+def _regenerate(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        module_argv("bench.regenerate_docs", *args, python=sys.executable),
+        cwd=ROOT, env=child_env(), **kw,
+    )  # fmt: skip
 
 
 def _doc(tmp_path, table_script: str, failing_script: str) -> str:
     return (
         "# Results\n\n"
-        f"<!-- bench: {table_script} --rows 2 -->\n```text\nold table\n```\n<!-- /bench -->\n\n"
-        f"<!-- bench: {failing_script} -->\n```text\nkept\n```\n<!-- /bench -->\n"
+        f"<!-- bench: python {table_script} --rows 2 -->\n"
+        "```text\nold table\n```\n<!-- /bench -->\n\n"
+        f"<!-- bench: python {failing_script} -->\n```text\nkept\n```\n<!-- /bench -->\n"
     )
 
 
@@ -36,7 +42,7 @@ def test_only_the_named_block_is_rerun_and_json_is_left_out(tmp_path):
     table, failing = _scripts(tmp_path)
     doc = tmp_path / "benchmarks.md"
     doc.write_text(_doc(tmp_path, table, failing))
-    subprocess.run([sys.executable, SCRIPT, str(doc), "--only", "table.py"], check=True)
+    _regenerate(str(doc), "--only", "table.py", check=True)
     text = doc.read_text()
     assert "row 0  0\nrow 1  10\n```" in text
     assert "old table" not in text and '{"rows"' not in text
@@ -49,7 +55,7 @@ def test_a_failing_benchmark_keeps_its_block_and_the_others_still_land(tmp_path)
     table, failing = _scripts(tmp_path)
     doc = tmp_path / "benchmarks.md"
     doc.write_text(_doc(tmp_path, table, failing))
-    done = subprocess.run([sys.executable, SCRIPT, str(doc)], capture_output=True, text=True)
+    done = _regenerate(str(doc), capture_output=True, text=True)
     assert done.returncode != 0 and "failing.py" in done.stderr
     text = doc.read_text()
     assert "```text\nkept\n```" in text  # the failed one's old output stays
@@ -59,6 +65,6 @@ def test_a_failing_benchmark_keeps_its_block_and_the_others_still_land(tmp_path)
 def test_blocks_lists_commands_in_order(tmp_path):
     table, failing = _scripts(tmp_path)
     assert regenerate_docs.blocks(_doc(tmp_path, table, failing)) == [
-        f"{table} --rows 2",
-        failing,
+        f"python {table} --rows 2",
+        f"python {failing}",
     ]

@@ -6,7 +6,7 @@ import os
 import time
 
 import unbroken as ub
-from _s3remote import S3Remote
+from bench.common.s3remote import S3Remote
 
 
 def test_far_profile_keeps_bytes_and_adds_latency(s3_server):

@@ -1,4 +1,4 @@
-"""bench/save_cpu.py end to end (quick): every row saves, every figure is a real number."""
+"""bench.checkpoint.save_cpu end to end (quick): every row saves, every figure is a real number."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import save_cpu
+import bench.checkpoint.save_cpu as save_cpu
 
 
 def test_quick_run_reports_cpu_per_gib_for_every_row(capsys, tmp_path):

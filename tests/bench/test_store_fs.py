@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-from _store_fs import StoreFileSystem
+from bench.storage.store_fs import StoreFileSystem
 from tests.conftest import BACKENDS
 from tests.link_names import private_link
 

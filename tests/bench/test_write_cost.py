@@ -1,4 +1,4 @@
-"""bench/write_cost.py: the arithmetic of its report, its memory kinds, and a quick run."""
+"""bench.checkpoint.write_cost: the arithmetic of its report, its memory kinds, and a quick run."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from write_cost import GiB, buffer, parse_args, report
+from bench.checkpoint.write_cost import GiB, buffer, parse_args, report
 
 from .scripts import run_bench_script
 
@@ -48,7 +48,9 @@ def test_bad_arguments_are_refused(argv, capsys):
 @pytest.mark.slow  # the bench's own run (make bench)
 @pytest.mark.multiprocess
 def test_quick_run_reports_every_kind_of_memory(tmp_path):
-    out, _ = run_bench_script("write_cost.py", "--quick", "--dir", str(tmp_path), timeout=120)
+    out, _ = run_bench_script(
+        "bench.checkpoint.write_cost", "--quick", "--dir", str(tmp_path), timeout=120
+    )
     last = json.loads(out.strip().splitlines()[-1])
     assert set(last["core_s_per_gib"]) == {"shared", "private_4k", "private_huge"}
     assert last["rounds"] == 2

@@ -336,7 +336,7 @@ def test_after_a_peers_sigkill_the_survivor_ends_at_once(tmp_path, loader_refere
     workers held its sockets open) and ended only by the 10 s watchdog. Now the dead
     rank's workers die with it, the collective fails, and the survivor ends by the
     signal without the interpreter's teardown; the restarted job ends as a clean one.
-    (How soon: bench/restart_after_kill.py; the parts: test_worker_signals.py and the
+    (How soon: bench/checkpoint/restart_after_kill.py; the parts: test_worker_signals.py and the
     tests below.)"""
     (volume, reference), steps = loader_reference, LOADER_STEPS
     proc = _launch(tmp_path / "job", steps, 1, volume=volume)

@@ -2,7 +2,7 @@
 
 Why not shared memory: a checkpoint's staging buffers are copied into and written out
 with O_DIRECT on every save, and the kernel pins, maps and describes each page of every
-write. Measured on these machines with ``bench/write_cost.py`` (two compute-bound
+write. Measured on these machines with ``bench/checkpoint/write_cost.py`` (two compute-bound
 processes beside one O_DIRECT writer, core-seconds they lose per GiB written, two runs):
 from shared memory 0.173 and 0.138, from private memory 0.106 and 0.078 with 4 KiB pages,
 0.119 and 0.115 with huge pages advised; the writer's own CPU per GiB 0.07 from either

@@ -1,0 +1,1 @@
+"""The input pipeline's benchmark: cold and warm epochs against the stock loader."""

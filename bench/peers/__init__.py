@@ -1,0 +1,2 @@
+"""unbroken beside the libraries users would pick instead: data loaders, checkpointers,
+and the frameworks' own saves."""
