@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -14,9 +16,11 @@ from torch import nn
 
 import unbroken as ub
 from tests.link_names import private_link
+from unbroken._util.procs import process_start_ticks
 from unbroken.checkpoint.catalog import verify_checkpoint
 from unbroken.checkpoint.errors import CheckpointMismatchError, SaveFailedError
 from unbroken.checkpoint.format.manifest import step_dir
+from unbroken.checkpoint.format.writers import WRITER_NAME, writer_identity
 from unbroken.storage.base import temp_name
 
 from .manager_util import (
@@ -101,6 +105,38 @@ def test_maybe_save_cadence_and_retention(tmp_path):
     # upload in flight (this job agreed on every save it wrote), so the newer one goes too.
     staged = sorted(os.listdir(tmp_path / "staging"))
     assert staged == [step_dir(10)], staged
+
+
+def test_retention_leaves_a_partial_step_that_another_live_job_claims(tmp_path):
+    """Another job on the URL may be uploading an older step and commit it a moment
+    later: retention removes a partial step only when its claim is stale or this job's."""
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone_ticks = process_start_ticks(gone.pid)
+    gone.wait()
+    try:
+        me = writer_identity()
+        claims = {
+            1: dict(me, pid=alive.pid, ticks=process_start_ticks(alive.pid), job="other"),
+            3: dict(me, pid=gone.pid, ticks=gone_ticks, job="other"),
+        }
+        for step, claim in claims.items():
+            partial = tmp_path / "durable" / step_dir(step)
+            partial.mkdir(parents=True)
+            (partial / "__0_0.distcp").write_bytes(b"half")
+            (partial / WRITER_NAME).write_text(json.dumps(claim))
+        state = make_state()
+        with manager(tmp_path, keep_last=1) as mgr:
+            assert mgr.save(4, state)
+            mgr.wait()
+        present = sorted(n for n in os.listdir(tmp_path / "durable") if n != "_goodput")
+        assert present == [step_dir(1), step_dir(4)], (
+            "a live job's step went, or a dead one's stayed"
+        )
+        assert (tmp_path / "durable" / step_dir(1) / "__0_0.distcp").read_bytes() == b"half"
+    finally:
+        alive.kill()
+        alive.wait()
 
 
 def test_a_committed_step_is_never_saved_again(tmp_path):

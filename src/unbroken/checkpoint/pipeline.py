@@ -52,6 +52,7 @@ from unbroken.checkpoint.format.writers import (
     WRITER_NAME,
     claim_step,
     describe_writer,
+    other_holder,
     writer_identity,
 )
 from unbroken.checkpoint.json_values import rank_values
@@ -553,6 +554,21 @@ class SavePipeline:
         self.index.add(manifest)
         return ("ok", manifest.to_json())
 
+    def _partial_is_ours(self, step: int) -> bool:
+        """A partial step retention may remove: no other live writer claims it, and it
+        is still uncommitted (another job on this URL may have committed it since the
+        listing; its checkpoint is never ours to delete)."""
+        name = step_dir(step)
+        holder = other_holder(self.durable, name)
+        if holder is None and not self.durable.exists(f"{name}/{MANIFEST}"):
+            return True
+        log.info(
+            "retention: left %s alone: %s",
+            self.durable.url_for(name),
+            f"claimed by {holder}, which may still be saving it" if holder else "committed",
+        )
+        return False
+
     def _claim_holder(self, step: int) -> str:
         """Who the step's claim names now (the job whose upload replaced ours, if it
         took the claim over), as well as it can be read."""
@@ -605,13 +621,17 @@ class SavePipeline:
             )
 
     def _prune_durable(self) -> None:
+        checkpoints = self.index.checkpoints()
+        partial = {c.step for c in checkpoints if not c.committed}
         doomed = plan_deletions(
-            self.index.checkpoints(),
+            checkpoints,
             keep_last=self.config.keep_last,
             keep_every_steps=self.config.keep_every_steps,
         )
         for step in doomed:
             name = step_dir(step)
+            if step in partial and not self._partial_is_ours(step):
+                continue
             self.durable.delete(f"{name}/{MANIFEST}")  # uncommit first, then the rest
             self.durable.delete(name)
             self.index.forget(step)

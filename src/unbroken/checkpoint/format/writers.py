@@ -85,6 +85,24 @@ def judge_claim(other: Any, mine: dict[str, Any]) -> str:
     return UNPROVEN
 
 
+def other_holder(store: Store, step_prefix: str) -> str | None:
+    """Who else may still be saving this uncommitted step, described; None where its
+    files are this job's to remove (its own claim, a stale one, or no claim at all).
+
+    Retention removes the partial steps older than the newest commit: a crashed save's
+    leftovers. Another job on the same URL may be uploading one of them right now, and
+    commit it a moment later; its claim says so, and then the step is left alone."""
+    try:
+        other = json.loads(store.read_bytes(f"{step_prefix}/{WRITER_NAME}"))
+    except ObjectNotFoundError:
+        return None
+    except ValueError:
+        other = None
+    if judge_claim(other, writer_identity()) in (OURS, STALE):
+        return None
+    return describe_writer(other)
+
+
 def claim_step(store: Store, step_prefix: str, step: int, *, seen_before: bool = True) -> None:
     """Claim the step for this job before any of its files are uploaded.
 
