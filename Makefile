@@ -12,6 +12,10 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0"
 	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" -e ".[test,s3,mlflow,plot,hf,lightning]"
+	# boto3 for the benchmarks' stock rows: the release of the botocore s3fs allowed
+	# (boto3 and botocore share version numbers), so pip has nothing to search.
+	$(PY) -m pip install $(PIP_FLAGS) "torch==2.13.0" \
+		"boto3==$$($(PY) -c 'import botocore; print(botocore.__version__)')"
 	# Azurite (Azure Blob emulator, npm) for the az:// store tests; skipped without npm.
 	if command -v npm >/dev/null; then npm install --silent --no-audit --no-fund \
 		--prefix .tools azurite@3 || echo "azurite not installed: az:// tests skip"; fi

@@ -90,9 +90,10 @@ class _Server:
         }
 
     def client(self) -> Any:
-        import boto3
+        """A plain botocore S3 client (botocore comes with s3fs; boto3 need not)."""
+        import botocore.session
 
-        return boto3.client(
+        return botocore.session.get_session().create_client(
             "s3",
             endpoint_url=self.endpoint_url,
             aws_access_key_id="testing",
