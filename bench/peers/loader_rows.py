@@ -12,6 +12,7 @@ A row's imports (streaming, litdata, torchdata) stay in its own process.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import os
@@ -547,10 +548,26 @@ def main() -> None:
         result = measure(spec)
     except Exception as exc:
         result = {"row": spec["row"], "error": failure(exc)[len("error: ") :]}
+        keep_failed(spec)
     finally:
         if spec.get("clean", True):
             shutil.rmtree(spec["work"], ignore_errors=True)
     print("ROW " + json.dumps(result), flush=True)
+
+
+def keep_failed(spec: dict) -> str | None:
+    """A failed row's files (a peer's local shards, its cache) moved to
+    ``spec["failed_dir"]``, the newest failure of each row only, so a wrong sample can be
+    compared with its source afterwards. The path is said on stderr (the run's log)."""
+    if not spec.get("failed_dir") or not os.path.isdir(spec["work"]):
+        return None
+    for old in glob.glob(os.path.join(spec["failed_dir"], f"{spec['row']}-*")):
+        shutil.rmtree(old, ignore_errors=True)
+    os.makedirs(spec["failed_dir"], exist_ok=True)
+    kept = os.path.join(spec["failed_dir"], os.path.basename(spec["work"]))
+    shutil.move(spec["work"], kept)
+    print(f"the failed row's files are kept in {kept}", file=sys.stderr, flush=True)
+    return kept
 
 
 if __name__ == "__main__":

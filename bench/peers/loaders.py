@@ -231,6 +231,7 @@ class Bench:
             "batch_size": self.args.batch_size,
             "workers": workers,
             "work": os.path.join(self.work, f"{row}-{time.monotonic_ns()}"),
+            "failed_dir": os.path.join(self.args.bench_dir, "peers-failed"),
             **extra,
         }
 

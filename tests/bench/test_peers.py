@@ -1,6 +1,11 @@
-"""bench/peers/loaders.py's accounting and table: pure functions, no peers venv needed."""
+"""bench/peers/loaders.py's accounting and table (pure functions), and what a failed row
+leaves; no peers venv needed."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,6 +13,7 @@ import torch
 import bench.peers.accounting as acc
 import bench.peers.loaders as peers
 import bench.peers.setup as _peer_setup
+from bench.common.paths import ROOT, child_env, module_argv
 
 SOURCE = {"a.jpg": acc.crc_of(b"a"), "b.jpg": acc.crc_of(b"b"), "c.jpg": acc.crc_of(b"c")}
 
@@ -147,3 +153,26 @@ def test_scaling_table_lists_each_row_at_each_point_and_skips_failures():
     unbroken = next(line for line in lines if line.startswith("unbroken"))
     assert unbroken.split()[-2:] == ["300", "failed"]  # a failed point says so
     assert any(line.startswith("epoch 1 img/s by latency") and "20 ms" in line for line in lines)
+
+
+def test_a_failed_row_keeps_its_files_the_newest_failure_only(tmp_path):
+    """A peer that returned a wrong sample leaves its local copy to compare afterwards."""
+    failed = tmp_path / "failed"
+    for n in range(2):
+        work = tmp_path / f"no_such_row-{n}"
+        work.mkdir()
+        (work / "shard.00000.mds").write_bytes(b"shard %d" % n)
+        spec = tmp_path / "spec.json"
+        spec.write_text(json.dumps({"row": "no_such_row", "work": str(work),
+                                    "failed_dir": str(failed)}))  # fmt: skip
+        done = subprocess.run(
+            module_argv("bench.peers.loader_rows", str(spec), python=sys.executable),
+            capture_output=True, text=True, timeout=120, env=child_env(), cwd=ROOT,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout.split("ROW ", 1)[1])
+        assert "no_such_row" in result["error"]
+        assert f"kept in {failed / work.name}" in done.stderr
+        assert not work.exists()
+    assert sorted(p.name for p in failed.iterdir()) == ["no_such_row-1"]  # the newest only
+    assert (failed / "no_such_row-1" / "shard.00000.mds").read_bytes() == b"shard 1"
