@@ -47,6 +47,15 @@ def raw_bytes(data: bytes, path: str) -> bytes:
     return data
 
 
+def _ranks_on_this_node() -> int:
+    """torchrun's LOCAL_WORLD_SIZE (the ranks sharing this node's cache); 1 without it,
+    or where it is not a positive number (a launcher that sets it otherwise)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 class VolumeDataset(IterableDataset):
     """Raw files under ``url`` (a path or any fsspec URL), one sample per file.
 
@@ -225,7 +234,7 @@ class VolumeDataset(IterableDataset):
         """
         cache = self._per_process().cache
         if cache.limit is not None and len(self.index):
-            ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+            ranks_here = _ranks_on_this_node()
             batch_bytes = max(1, self.index.total_bytes // len(self.index)) * batch_size
             room = cache.limit // 4 // ranks_here // batch_bytes
             if room <= hold:
