@@ -140,6 +140,8 @@ def test_a_bounded_cache_keeps_the_lead_within_the_ranks_share_of_a_quarter(
     assert lead(hold=4) is None, "a fill that can only evict what the workers hold"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks share the node's cache
     assert lead() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")  # not torchrun's: counted as one rank
+    assert lead() == 4
     unbounded = vol.dataset(cache_dir=str(vol.tmp / "unbounded"))
     fill = unbounded.fill_ahead(0, 0, batch_size=2, drop_last=True, lead=50, hold=40)
     fill.close()
