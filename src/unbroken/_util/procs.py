@@ -41,3 +41,19 @@ def process_alive(pid: int, started: str | None) -> bool:
         return False
     now = process_start_ticks(pid)
     return started is None or now is None or now == str(started)
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return found

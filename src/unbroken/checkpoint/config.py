@@ -67,6 +67,12 @@ class CheckpointConfig:
     leaves a tenth of the tmpfs free. None: on where the tmpfs can hold that (off, with
     one warning, where it cannot: Docker's default /dev/shm is 64 MB); True: that
     failing is an error; False: the disk staging tier only."""
+    save_helper: bool = True
+    """Upload each save whose node copy is in the memory tier from a helper process of
+    this rank's own, where the durable tier is an object store: the uploads' threads
+    and HTTP client then take no turn of the training process's interpreter. The helper
+    ends with its process; a helper that dies fails the save it was uploading, and the
+    next save starts a new one. False: the uploads run on threads of this process."""
     timeout: float = 1800.0
     """Seconds a background collective may wait for a peer before failing the save."""
     retry: RetryPolicy | None = None
@@ -119,6 +125,10 @@ class CheckpointConfig:
                 f"CheckpointManager: when_busy must be 'skip' or 'wait', got {self.when_busy!r}"
             )
         check_seconds("CheckpointManager: timeout", self.timeout, zero=False)
+        if not isinstance(self.save_helper, bool):
+            raise ValueError(
+                f"CheckpointManager: save_helper must be True or False, got {self.save_helper!r}"
+            )
         if self.memory_tier not in (None, True, False):
             raise ValueError(
                 "CheckpointManager: memory_tier must be None (on where it fits), True or "

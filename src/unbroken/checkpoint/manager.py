@@ -151,6 +151,7 @@ class CheckpointManager:
                 keep_last=config.keep_last,
                 keep_every_steps=config.keep_every_steps,
                 upload_streams=config.upload_streams,
+                save_helper=config.save_helper,
             ),
             on_done=self._on_done,
             memory=self.memory_tier,

@@ -59,6 +59,8 @@ from unbroken.checkpoint.json_values import rank_values
 from unbroken.checkpoint.local_writes import LOCAL_LOAN, LocalWrites
 from unbroken.checkpoint.memory_tier import MemoryTier
 from unbroken.checkpoint.retention import plan_deletions
+from unbroken.checkpoint.save_helper.client import SaveHelper
+from unbroken.checkpoint.save_helper.uploads import start_helper, upload_from_helper
 from unbroken.checkpoint.save_job import (
     SaveJob,
     describe,
@@ -136,6 +138,9 @@ class PipelineConfig:
     """Parallel uploads per rank."""
     lower_priority: bool = True
     """Renice the worker thread and lower its I/O priority."""
+    save_helper: bool = True
+    """Upload a save whose node copy is in the memory tier from a process of its own
+    (``save_helper/``), where the durable tier is an object store."""
 
 
 class SavePipeline:
@@ -177,6 +182,12 @@ class SavePipeline:
         """The step this run is at: its last commit, or what the manager restored. Its
         copy is the one the staging tier keeps (``staging_tier.tidy``)."""
         self._idle = threading.Condition(self._lock)
+        self.helper: SaveHelper | None = None
+        """The process that uploads saves whose node copy is in the memory tier (None:
+        the uploads run on threads here). Started by the worker thread at the first such
+        save: the kernel ends it with the thread that started it (PR_SET_PDEATHSIG), and
+        the worker lives as long as the pipeline."""
+        self._helper_tried = False
         self._thread = threading.Thread(target=self._loop, name="unbroken-ckpt", daemon=True)
         self._thread.start()
 
@@ -226,6 +237,8 @@ class SavePipeline:
         """Finish every job and its retention, then stop the worker."""
         self._queue.put(None)
         self._thread.join()
+        if self.helper is not None:
+            self.helper.close()
         self._release_staging()
 
     # -- worker side -----------------------------------------------------------------
@@ -319,6 +332,8 @@ class SavePipeline:
             staging_tier.tidy(root, self.current_step, writing=step)
         root = self._local_root(int(job.staged.stats.get("bytes", 0)), name)
         job.local_root = root
+        # The helper reads the node copy's files in memory: they are whole before it starts.
+        helper = self._helper() if self.memory is not None and root == self.memory.path else None
         local_dir = os.path.join(root, name)
         t1 = time.monotonic()
         job.seconds["staging"] = t1 - t0
@@ -327,7 +342,7 @@ class SavePipeline:
         # sync=False: the durable tier is what must survive. Where the durable store can
         # send a shard from memory before its local file is whole, the shard is laid out
         # only, and written to the staging tier while it uploads (LocalWrites).
-        from_memory = self.durable.sends_from_memory
+        from_memory = self.durable.sends_from_memory and helper is None
         writer = TierWriter(
             local_dir,
             sync=False,
@@ -371,7 +386,11 @@ class SavePipeline:
                 for loan in memory.values():
                     loan.give_back()  # not held through retries: the next save needs them
                 claim_step(self.durable, name, step, seen_before=self.index.claimed_before(step))
-            etags = self._upload(local_dir, name, records, memory, local)
+            if helper is not None:
+                job.helper_pid = helper.pid
+                etags = upload_from_helper(helper, local_dir, name, records, self.config)
+            else:
+                etags = self._upload(local_dir, name, records, memory, local)
         except Exception as e:
             problem, exc = f"uploading to {self.durable.url_for(name)}: {describe(e)}", e
         finally:
@@ -413,6 +432,12 @@ class SavePipeline:
                 "step %d: could not copy the manifest to the staging tier: %s", step, describe(e)
             )
         return manifest
+
+    def _helper(self) -> SaveHelper | None:
+        if not self._helper_tried:
+            self._helper_tried = True
+            self.helper = start_helper(self.durable, self.memory, self.config)
+        return self.helper
 
     def _claim_quickly(self, name: str, step: int) -> bool:
         """Claim the step before any rank uploads (format/writers.py), in at most two

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from unbroken._util.procs import children
+
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
 """Every launch carries torchrun's restart workaround (see docs/launch.md)."""
 
@@ -53,22 +55,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def children(pid: int) -> list[int]:
-    """The live child processes of ``pid`` (Linux /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry))
-    return found
 
 
 @dataclass(frozen=True)
@@ -191,8 +177,11 @@ def supervise(args: argparse.Namespace, run: Run, tmp: str, kills: int, pace: fl
                 bar.n = step
                 bar.refresh()
             end_zone = step >= args.steps - args.every_steps
-            if len(run.kills) < kills and kill_at is None and not end_zone and (
-                step >= resumed + args.every_steps
+            if (
+                len(run.kills) < kills
+                and kill_at is None
+                and not end_zone
+                and (step >= resumed + args.every_steps)
             ):
                 kill_at = time.monotonic() + random.uniform(0, 1.5 * args.every_steps * pace)
             if kill_at is not None and time.monotonic() >= kill_at:
@@ -261,8 +250,10 @@ def report(args: argparse.Namespace, reference: Run, crashed: Run) -> bool:
     print("\n== data pipeline (last attempt, rank 0)")
     lookups = r["cache_hits"] + r["cache_misses"]
     ratio = r["cache_hits"] / lookups if lookups else 0.0
-    print(f"  waited for data: {r['fetch_seconds']:.2f} s over {r['batches']} batches "
-          f"({r['fetch_seconds'] / max(r['batches'], 1) * 1e3:.1f} ms per batch)")
+    print(
+        f"  waited for data: {r['fetch_seconds']:.2f} s over {r['batches']} batches "
+        f"({r['fetch_seconds'] / max(r['batches'], 1) * 1e3:.1f} ms per batch)"
+    )
     print(f"  local cache: {ratio:.0%} hits, {r['bytes_fetched'] / 1e6:.1f} MB fetched "
           "from the remote")  # fmt: skip
 
@@ -279,8 +270,10 @@ def report(args: argparse.Namespace, reference: Run, crashed: Run) -> bool:
     for k in crashed.kills:
         print(f"    attempt {lane_of(b, k.t) + 1} killed at {k.t - t0:.1f} s (the timeline's "
               f"axis), step {k.step}: {why_lost(k, args.every_steps)}")  # fmt: skip
-    print(f"  final model and optimizer bitwise equal to the reference: "
-          f"{'yes' if equal else 'NO'} (weights {r['weights']}, reference {ref['weights']})")
+    print(
+        f"  final model and optimizer bitwise equal to the reference: "
+        f"{'yes' if equal else 'NO'} (weights {r['weights']}, reference {ref['weights']})"
+    )
     return equal
 
 
@@ -289,19 +282,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoints", help="where the crashed run checkpoints (default: "
                    "checkpoints/ in the demo's directory, kept after it ends)")  # fmt: skip
     p.add_argument("--steps", type=int, default=80, help="training steps (default: %(default)s)")
-    p.add_argument("--every-steps", type=int, default=10,
-                   help="save every N steps (default: %(default)s)")
-    p.add_argument("--kills", type=int, default=3,
-                   help="times a random rank is SIGKILLed (default: %(default)s)")
-    p.add_argument("--files", type=int, default=1024,
-                   help="images in the made volume (default: %(default)s)")
-    p.add_argument("--step-seconds", type=float, default=0.05,
-                   help="extra seconds per step, standing in for a larger model "
-                   "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="of the kill moments (default: a random one, printed)")
-    p.add_argument("--plot", default="unbroken-demo-timeline.png",
-                   help="the timeline picture, empty for none (default: %(default)s)")
+    p.add_argument(
+        "--every-steps", type=int, default=10, help="save every N steps (default: %(default)s)"
+    )
+    p.add_argument(
+        "--kills",
+        type=int,
+        default=3,
+        help="times a random rank is SIGKILLed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--files", type=int, default=1024, help="images in the made volume (default: %(default)s)"
+    )
+    p.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.05,
+        help="extra seconds per step, standing in for a larger model (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="of the kill moments (default: a random one, printed)",
+    )
+    p.add_argument(
+        "--plot",
+        default="unbroken-demo-timeline.png",
+        help="the timeline picture, empty for none (default: %(default)s)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 

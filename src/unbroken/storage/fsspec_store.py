@@ -37,7 +37,9 @@ class FsspecStore(Store):
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(url, retry=retry)
-        self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.options = dict(storage_options or {})
+        """The storage options it was opened with (another process opens it from them)."""
+        self.fs, root = fsspec.core.url_to_fs(url, **self.options)
         self.root = root.rstrip("/")
         self._object_store = not _has_real_dirs(self.fs)
 

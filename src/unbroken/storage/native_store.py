@@ -60,6 +60,11 @@ class NativeStore(Store):
         self._forked: Any = None
         self._relay_token = fork_relay.register(self)
 
+    @property
+    def options(self) -> dict[str, Any]:
+        """The storage options it was opened with (another process opens it from them)."""
+        return dict(self._options)
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_forked": None}
 
