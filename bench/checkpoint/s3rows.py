@@ -213,6 +213,18 @@ class S3Unbroken(OnS3, Unbroken):
     key, title = "s3_unbroken", "unbroken"
 
 
-S3_ROWS: list[type[Row]] = [S3TorchSave, S3DcpSave, S3DcpAsync, S3DcpSaveFsspec, S3Unbroken]
+class S3UnbrokenThreads(S3Unbroken):
+    """unbroken with its uploads on threads of the training process (``save_helper=False``),
+    beside the default, whose save helper uploads from a process of its own."""
+
+    key, title = "s3_unbroken_threads", "unbroken, uploads on threads"
+
+    def _manager_options(self) -> dict[str, Any]:
+        return {"save_helper": False}
+
+
+S3_ROWS: list[type[Row]] = [
+    S3TorchSave, S3DcpSave, S3DcpAsync, S3DcpSaveFsspec, S3Unbroken, S3UnbrokenThreads,
+]  # fmt: skip
 ROW_CLASSES.update({cls.key: cls for cls in S3_ROWS})
 ROW_TITLES.update({cls.key: cls.title for cls in S3_ROWS})

@@ -77,7 +77,6 @@ def test_a_save_to_a_remote_uploads_from_the_helper_and_restores_bitwise(tmp_pat
     state = make_state(0)
     train(state, range(1, 3))
     mgr = ub.CheckpointManager(emulated(tmp_path), staging_dir=tmp_path / "s", storage_options=FAST)
-    assert helpers_of(os.getpid()) == []  # nothing runs before the first save
     mgr.save(2, state)
     mgr.wait()
     helpers = helpers_of(os.getpid())

@@ -1,7 +1,8 @@
-"""A save to S3 (the real SeaweedFS server, native backend) uploads each shard from the
-host buffers while the same shard is written to the staging tier, not after it: the
-commit waits for the longer of the two, not their sum. A failed local write still fails
-the save (nothing committed), and the next save commits."""
+"""A save to S3 (the real SeaweedFS server, native backend) on the disk tier uploads each
+shard from the host buffers while the same shard is written to the staging tier, not
+after it: the commit waits for the longer of the two, not their sum. A failed local
+write still fails the save (nothing committed), and the next save commits. (On the
+memory tier the save helper uploads the memory copy's files: test_save_helper.py.)"""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _job() -> dict:
 def _manager(tmp_path, name, url, server) -> ub.CheckpointManager:
     return ub.CheckpointManager(
         url, staging_dir=tmp_path / name, every_steps=None, goodput=False, mlflow=False,
-        storage_options=server.storage_options,
+        storage_options=server.storage_options, memory_tier=False,
     )  # fmt: skip
 
 

@@ -184,9 +184,9 @@ class SavePipeline:
         self._idle = threading.Condition(self._lock)
         self.helper: SaveHelper | None = None
         """The process that uploads saves whose node copy is in the memory tier (None:
-        the uploads run on threads here). Started by the worker thread at the first such
-        save: the kernel ends it with the thread that started it (PR_SET_PDEATHSIG), and
-        the worker lives as long as the pipeline."""
+        the uploads run on threads here). Started by the worker thread as it starts: the
+        kernel ends it with the thread that started it (PR_SET_PDEATHSIG), and the
+        worker lives as long as the pipeline."""
         self._helper_tried = False
         self._thread = threading.Thread(target=self._loop, name="unbroken-ckpt", daemon=True)
         self._thread.start()
@@ -247,6 +247,7 @@ class SavePipeline:
         name_native_thread()
         if self.config.lower_priority:
             lower_thread_priority()
+        self._helper()  # starts while the job restores and trains its first steps
         while True:
             job = self._queue.get()
             if job is None:
