@@ -24,6 +24,8 @@ from tests.checkpoint.manager_util import assert_same, make_state, snapshot, tra
 from unbroken._util.procs import children
 from unbroken.checkpoint.errors import SaveFailedError
 from unbroken.checkpoint.save_helper import messages
+from unbroken.checkpoint.save_helper.client import SaveHelper
+from unbroken.storage.spec import store_spec
 
 JOB = Path(__file__).with_name("save_helper_job.py")
 FAST = {"latency": 0.0}
@@ -158,6 +160,52 @@ def test_the_helper_ends_with_its_training_process(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_helper_that_cannot_start_leaves_the_uploads_to_this_process(
+    tmp_path, monkeypatch, caplog
+):
+    """An interpreter that cannot run the helper (here one that exits at once) costs one
+    warning: every save still commits, uploaded on this process's threads, and no later
+    save tries another helper."""
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    state = make_state(0)
+    url = emulated(tmp_path)
+    mgr = ub.CheckpointManager(url, staging_dir=tmp_path / "s", storage_options=FAST)
+    with caplog.at_level("WARNING", logger="unbroken"):
+        for step in (2, 4):
+            train(state, range(step - 1, step + 1))
+            mgr.save(step, state)
+            mgr.wait()
+    assert mgr.stats.committed == 2 and mgr.stats.failed == 0
+    warned = [r.getMessage() for r in caplog.records if "from now on" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    assert "ended as it started (exit status 1)" in warned[0]
+    assert url.removeprefix("emulated::") in warned[0]
+    expected = snapshot(state)
+    mgr.close()
+    other = make_state(3)
+    restored(url, tmp_path / "elsewhere", other).close()
+    assert_same(snapshot(other), expected)
+
+
+def test_a_helper_killed_before_it_answered_is_replaced_once(tmp_path):
+    """A kill says nothing about the next helper: the one killed before it answered its
+    ``open`` is replaced, and the upload goes on from the new one."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_bytes(b"x" * 1000)
+    helper = SaveHelper(store_spec(ub.storage.LocalStore(str(tmp_path / "d"))))
+    try:
+        first = helper.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        helper._greet()  # the window where poll() had not yet seen the death
+        assert helper.started == 2 and helper.pid != first
+        etags = helper.upload([(str(tmp_path / "f"), "k/f")], streams=1)
+        assert set(etags) == {"k/f"}
+        assert (tmp_path / "d" / "k" / "f").read_bytes() == b"x" * 1000
+    finally:
+        helper.close()
 
 
 def test_save_helper_false_keeps_the_uploads_in_this_process(tmp_path):

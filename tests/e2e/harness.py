@@ -174,6 +174,18 @@ class Agent:
             return False
         return True
 
+    def helpers(self) -> list[psutil.Process]:
+        """The save helpers of this agent's ranks (each rank's upload process)."""
+        found = []
+        for rank in self.workers():
+            try:
+                for p in rank.children():
+                    if "unbroken.checkpoint.save_helper" in " ".join(p.cmdline()):
+                        found.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
     def kill(self) -> None:
         """The whole node at once: the agent and every rank under it."""
         kill_tree(self.proc.pid)
@@ -290,6 +302,8 @@ class CrashLog:
     """(rank, step, tier) of each start after the first."""
     restart_seconds: list[float] = field(default_factory=list)
     """From each kill to every rank's start of the next attempt (restored, ready)."""
+    helper_kills: int = 0
+    """Save helpers killed mid-upload (no restart follows: that save fails)."""
 
     def phases(self) -> dict[str, int]:
         return {p: sum(k.phase == p for k in self.kills) for p in PHASES}
@@ -306,13 +320,19 @@ def kill_at_random_moments(
     span: int,
     jitter: float,
     world_size: int = 2,
+    moments: dict[int, str] | None = None,
 ) -> CrashLog:
     """Kill one rank of ``agent`` ``kills`` times. Each attempt (once every rank announced
     its start) first commits a step past the one it restored (so every kill loses work a
     restore must bring back), trains on to a random step at most ``span`` further, runs
     for a random fraction of ``jitter`` seconds more, and a random rank dies. The job must
-    log every step (``--log-every 1``); each kill records the save phase it hit."""
-    log = CrashLog()
+    log every step (``--log-every 1``); each kill records the save phase it hit.
+
+    ``moments`` names attempts whose kill is aimed (the others are random): "helper" also
+    kills a rank's save helper mid-upload first (that save fails, the job goes on),
+    "memory commit" kills the rank once a step is committed in the durable tier and not
+    yet in the node's memory tier (the window of the node's commit)."""
+    log, moments = CrashLog(), moments or {}
     for attempt in range(kills):
         line, restored = agent.wait_for_starts(world_size * (attempt + 1))
         agent.wait_until(
@@ -322,15 +342,70 @@ def kill_at_random_moments(
         now = agent.last_step(after=line)
         if now >= steps - 1:
             break  # nothing left to interrupt
-        agent.wait_for_step(rng.randint(now + 1, min(steps - 1, now + span)), line)
-        time.sleep(rng.uniform(0.0, jitter))
         started = agent.lines[line][0]
+        moment = moments.get(attempt, "random")
+        if moment == "helper":
+            log.helper_kills += kill_a_helper(agent, rng, durable, staging, started, world_size)
+        if moment == "memory commit":
+            wait_for(agent, lambda t=started: node_commit_pending(durable, staging, t))
+        else:
+            agent.wait_for_step(rng.randint(now + 1, min(steps - 1, now + span)), line)
+            time.sleep(rng.uniform(0.0, jitter))
         phase = save_phase(durable, staging, started, world_size)
         committed = committed_steps(durable)
         if agent.proc.poll() is not None or not agent.kill_one_rank(rng):
             break  # the job had already finished
         log.kills.append(Kill(time.time(), phase, committed))
     return log
+
+
+def wait_for(agent: Agent, found, timeout: float = 120) -> bool:
+    """Poll ``found()`` every 2 ms (a commit's window is tens of ms) until it holds; False
+    if the job ended or ``timeout`` passed first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and agent.proc.poll() is None:
+        if found():
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def node_commit_pending(durable: Path, staging: list[Path], since: float) -> bool:
+    """A step committed in the durable tier since ``since`` whose copy in a node's memory
+    tier has no manifest yet: the node's commit is under way."""
+    memory = node_tiers(staging)[len(staging) :]
+    for step, path in step_dirs(durable).items():
+        try:
+            if os.stat(path / MANIFEST).st_mtime < since:
+                continue
+        except FileNotFoundError:
+            continue
+        for tier in memory:
+            copy = tier / step_dir(step)
+            if copy.is_dir() and not (copy / MANIFEST).exists():
+                return True
+    return False
+
+
+def kill_a_helper(
+    agent: Agent,
+    rng: random.Random,
+    durable: Path,
+    staging: list[Path],
+    since: float,
+    world_size: int,
+) -> int:
+    """SIGKILL one rank's save helper while a save uploads; 1 if one was killed."""
+    if not wait_for(agent, lambda: save_phase(durable, staging, since, world_size) == "upload"):
+        return 0
+    helpers = agent.helpers()
+    if not helpers:
+        return 0
+    try:
+        rng.choice(helpers).send_signal(signal.SIGKILL)
+    except psutil.NoSuchProcess:
+        return 0
+    return 1
 
 
 def read_result(path: Path) -> dict:

@@ -50,7 +50,9 @@ def launch(script, volume, tmp_path, name, steps, every, *, remote=None, **agent
     return Agent(script, args, env=env, durable=run / "durable", **agent)
 
 
-def crash_run(request, tmp_path, script, *, kills, steps, every, span, jitter) -> CrashLog:
+def crash_run(
+    request, tmp_path, script, *, kills, steps, every, span, jitter, moments=None
+) -> CrashLog:
     seed = int(os.environ.get("UNBROKEN_E2E_SEED", random.randrange(1 << 30)))
     volume = request.getfixturevalue(EXAMPLES[script][0])
     started = time.monotonic()
@@ -65,7 +67,7 @@ def crash_run(request, tmp_path, script, *, kills, steps, every, span, jitter) -
     try:
         log = kill_at_random_moments(
             crashed, kills, random.Random(seed), durable=run / "durable",
-            staging=[run / "staging"], steps=steps, span=span, jitter=jitter,
+            staging=[run / "staging"], steps=steps, span=span, jitter=jitter, moments=moments,
         )  # fmt: skip
         crashed.finish(timeout=900)
         reference.finish(timeout=300)
@@ -76,7 +78,8 @@ def crash_run(request, tmp_path, script, *, kills, steps, every, span, jitter) -
               read_result(tmp_path / "reference" / "result.json"))  # fmt: skip
     print(
         f"{script} (seed {seed}): {len(log.kills)} kills in {time.monotonic() - started:.0f}s, "
-        f"by phase {log.phases()}, restored {[s for _, s, _ in log.restores]}, "
+        f"by phase {log.phases()}, {log.helper_kills} save helpers killed, "
+        f"restored {[s for _, s, _ in log.restores]}, "
         f"kill to restored: {sum(log.restart_seconds) / max(1, len(log.kills)):.1f}s on average"
     )
     return log
@@ -96,10 +99,16 @@ def crash_run(request, tmp_path, script, *, kills, steps, every, span, jitter) -
 def test_random_kills_end_bitwise_equal_to_an_uninterrupted_run(
     request, tmp_path, script, kills, steps
 ):
+    """The first attempt also loses a save helper mid-upload; the second kill comes in the
+    node's commit (the durable tier has the step, the memory tier not yet)."""
+    moments = {0: "helper", 1: "memory commit"}
     log = crash_run(
-        request, tmp_path, script, kills=kills, steps=steps, every=4, span=15, jitter=0.4
-    )
+        request, tmp_path, script, kills=kills, steps=steps, every=4, span=15, jitter=0.4,
+        moments=moments,
+    )  # fmt: skip
     assert len(log.kills) == kills, log
+    assert log.helper_kills == 1, log
+    assert log.kills[1].phase == "commit", log
 
 
 @pytest.mark.slow
@@ -107,7 +116,10 @@ def test_random_kills_end_bitwise_equal_to_an_uninterrupted_run(
 @pytest.mark.parametrize("script", sorted(EXAMPLES))
 def test_soak_many_random_kills(request, tmp_path, script):
     kills = int(os.environ.get("UNBROKEN_SOAK_KILLS", "50"))
+    aimed, kinds = random.Random(kills), ["random", "random", "helper", "memory commit"]
+    moments = {attempt: aimed.choice(kinds) for attempt in range(kills)}
     log = crash_run(
-        request, tmp_path, script, kills=kills, steps=20 * kills, every=4, span=15, jitter=0.4
-    )
+        request, tmp_path, script, kills=kills, steps=20 * kills, every=4, span=15, jitter=0.4,
+        moments=moments,
+    )  # fmt: skip
     assert len(log.kills) == kills, f"the job ended after {len(log.kills)} kills: {log}"

@@ -25,16 +25,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from unbroken._util.priority import lower_thread_priority
 from unbroken._util.thread_names import name_native_thread
-from unbroken._version import __version__
 from unbroken.checkpoint import staging_tier
 from unbroken.checkpoint.collectives import Group
+from unbroken.checkpoint.commit import commit_step, conflict_fields, generator_digests
 from unbroken.checkpoint.durable_index import DurableIndex
+from unbroken.checkpoint.durable_prune import prune_durable
 from unbroken.checkpoint.errors import OtherJobError, SaveFailedError
 from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
@@ -43,23 +43,13 @@ from unbroken.checkpoint.format.manifest import (
     committed_by,
     crc32c_bytes,
     step_dir,
-    verify_committed_files,
-    write_manifest,
 )
 from unbroken.checkpoint.format.planners import PinnedSavePlanner
 from unbroken.checkpoint.format.writer import TierWriter
-from unbroken.checkpoint.format.writers import (
-    WRITER_NAME,
-    claim_step,
-    describe_writer,
-    other_holder,
-    writer_identity,
-)
-from unbroken.checkpoint.json_values import rank_values
+from unbroken.checkpoint.format.writers import claim_step
 from unbroken.checkpoint.local_writes import LOCAL_LOAN, LocalWrites
 from unbroken.checkpoint.memory_tier import MemoryTier
-from unbroken.checkpoint.retention import plan_deletions
-from unbroken.checkpoint.save_helper.client import SaveHelper
+from unbroken.checkpoint.save_helper.client import SaveHelper, SaveHelperUnusable
 from unbroken.checkpoint.save_helper.uploads import start_helper, upload_from_helper
 from unbroken.checkpoint.save_job import (
     SaveJob,
@@ -83,27 +73,6 @@ MANIFEST = MANIFEST_NAME
 _CLAIM_RETRY = RetryPolicy(max_attempts=2, base_delay=0.05, max_delay=0.05)
 
 
-def _rank_values_entry(values: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict:
-    """``rank_values`` for the manifest where a rank's plain values differ from rank 0's."""
-    own = rank_values(values, per_rank)
-    return {"rank_values": own} if own else {}
-
-
-def _generator_digests(rng: dict[str, Any]) -> dict[str, int]:
-    """A checksum of each of the state's generators in this rank's RNG record."""
-    return {name: crc32c_bytes(text.encode()) for name, text in rng.get("generators", {}).items()}
-
-
-def _shared_generators_entry(per_rank: list[dict[str, int]]) -> dict:
-    """``shared_generators``: the generators every rank held in the same state (of two or
-    more ranks; one rank cannot tell a shared one from its own): a rank added on a later
-    restore gets those, and keeps its own state of the others."""
-    if len(per_rank) < 2:
-        return {}
-    shared = sorted(n for n, d in per_rank[0].items() if all(r.get(n) == d for r in per_rank))
-    return {"shared_generators": shared} if shared else {}
-
-
 class _PhaseFailed(Exception):
     """A phase failed on some rank; ``args[0]`` says where and why, ``conflict`` (the
     fields of an OtherJobError, as every rank got them) that another job is the cause."""
@@ -111,19 +80,6 @@ class _PhaseFailed(Exception):
     def __init__(self, message: str, conflict: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.conflict = conflict
-
-
-def _conflict(exc: BaseException | None) -> dict[str, Any] | None:
-    """An OtherJobError's fields, to travel to every rank (it does not pickle itself)."""
-    if not isinstance(exc, OtherJobError):
-        return None
-    return {
-        "message": str(exc),
-        "step": exc.step,
-        "url": exc.url,
-        "this_job": exc.this_job,
-        "other_job": exc.other_job,
-    }
 
 
 @dataclass
@@ -285,7 +241,7 @@ class SavePipeline:
 
     def _agree(self, problem: str | None, what: str, exc: BaseException | None) -> None:
         """Raise on every rank if ``problem`` is set on any rank (``exc``: this rank's)."""
-        gathered = self._together(what, self.group.all_gather, (problem, _conflict(exc)))
+        gathered = self._together(what, self.group.all_gather, (problem, conflict_fields(exc)))
         conflict = next((c for _, c in gathered if c is not None), None)
         if conflict is not None:
             raise _PhaseFailed(conflict["message"], conflict) from exc
@@ -387,10 +343,8 @@ class SavePipeline:
                 for loan in memory.values():
                     loan.give_back()  # not held through retries: the next save needs them
                 claim_step(self.durable, name, step, seen_before=self.index.claimed_before(step))
-            if helper is not None:
-                job.helper_pid = helper.pid
-                etags = upload_from_helper(helper, local_dir, name, records, self.config)
-            else:
+            etags = self._upload_from_helper(helper, job, local_dir, name, records)
+            if etags is None:
                 etags = self._upload(local_dir, name, records, memory, local)
         except Exception as e:
             problem, exc = f"uploading to {self.durable.url_for(name)}: {describe(e)}", e
@@ -411,14 +365,16 @@ class SavePipeline:
         gathered = self._together(
             f"uploading step {step}",
             g.all_gather,
-            (records, problem, etags, job.values, _generator_digests(job.rng), _conflict(exc)),
+            (records, problem, etags, job.values, generator_digests(job.rng), conflict_fields(exc)),
         )
         t3 = time.monotonic()
         job.seconds["upload"] = t3 - t2
 
         outcome: tuple[str, Any] | None = None
         if g.is_coordinator:
-            outcome = self._commit(job, gathered)
+            outcome = commit_step(
+                self.durable, self.index, step, g.world_size, job.values, gathered
+            )
         outcome = self._together(f"committing step {step}", g.broadcast, outcome)
         job.seconds["commit"] = time.monotonic() - t3
         if outcome[0] == "conflict":
@@ -433,6 +389,33 @@ class SavePipeline:
                 "step %d: could not copy the manifest to the staging tier: %s", step, describe(e)
             )
         return manifest
+
+    def _upload_from_helper(
+        self,
+        helper: SaveHelper | None,
+        job: SaveJob,
+        local_dir: str,
+        name: str,
+        records: list[FileRecord],
+    ) -> dict[str, str | None] | None:
+        """The helper's upload of the step's files; None where this rank has no helper,
+        or its helper cannot start (then no later save tries one: the threads here take
+        the uploads, as with ``save_helper=False``)."""
+        if helper is None:
+            return None
+        job.helper_pid = helper.pid
+        try:
+            return upload_from_helper(helper, local_dir, name, records, self.config)
+        except SaveHelperUnusable as e:
+            log.warning(
+                "checkpoint uploads to %s run in the training process from now on: %s",
+                redact(self.durable.url),
+                e,
+            )
+            self.helper = None
+            job.helper_pid = None
+            helper.close()
+            return None
 
     def _helper(self) -> SaveHelper | None:
         if not self._helper_tried:
@@ -519,110 +502,6 @@ class SavePipeline:
                 f.result()
         return etags
 
-    def _commit(self, job: SaveJob, gathered: list[Any]) -> tuple[str, Any]:
-        """Coordinator: write the manifest if every rank's files are durable; ("conflict",
-        an OtherJobError's fields) when another job saves to the URL."""
-        conflict = next((c for *_, c in gathered if c is not None), None)
-        if conflict is not None:
-            return ("conflict", conflict)
-        bad = [f"rank {r}: {p}" for r, (_, p, *_) in enumerate(gathered) if p]
-        if bad:
-            return ("error", f"step {job.step} not committed: " + "; ".join(bad))
-        files: dict[str, FileRecord] = {}
-        etags: dict[str, str | None] = {}
-        for rank, (records, _, rank_etags, *_) in enumerate(gathered):
-            etags.update(rank_etags)
-            for rec in records:
-                if rec.name in files:
-                    return ("error", f"step {job.step}: rank {rank} wrote {rec.name} twice")
-                files[rec.name] = rec
-        manifest = Manifest(
-            step=job.step,
-            world_size=self.group.world_size,
-            files=files,
-            library_version=__version__,
-            torch_version=torch.__version__,
-            created=time.time(),
-            extra={
-                "values": job.values,
-                "rng_files": "rng/rank-{rank:05d}.json",
-                "writer": writer_identity(),
-                **_rank_values_entry(job.values, [g[3] for g in gathered]),
-                **_shared_generators_entry([g[4] for g in gathered]),
-            },
-        )
-        try:
-            write_manifest(self.durable, manifest)
-        except OtherJobError as e:
-            conflict = _conflict(e)
-            assert conflict is not None
-            conflict["message"] += self._overwritten_note(manifest, etags)
-            return ("conflict", conflict)
-        except Exception as e:
-            return ("error", f"step {job.step}: writing the commit record failed: {describe(e)}")
-        changed = verify_committed_files(self.durable, manifest, etags)
-        if changed:  # another job's upload landed over ours: un-commit (the record is ours)
-            self.durable.delete(f"{step_dir(job.step)}/{MANIFEST}")
-            me, other = describe_writer(writer_identity()), self._claim_holder(job.step)
-            where = self.durable.url_for(step_dir(job.step))
-            return (
-                "conflict",
-                {
-                    "message": f"two jobs are saving to one URL: step {job.step} not "
-                    f"committed: {', '.join(changed)} at {where} were replaced by the upload "
-                    f"of {other} while this job ({me}) committed. Give each job its own URL.",
-                    "step": job.step,
-                    "url": where,
-                    "this_job": me,
-                    "other_job": other,
-                },
-            )
-        self.index.add(manifest)
-        return ("ok", manifest.to_json())
-
-    def _partial_is_ours(self, step: int) -> bool:
-        """A partial step retention may remove: no other live writer claims it, and it
-        is still uncommitted (another job on this URL may have committed it since the
-        listing; its checkpoint is never ours to delete)."""
-        name = step_dir(step)
-        holder = other_holder(self.durable, name)
-        if holder is None and not self.durable.exists(f"{name}/{MANIFEST}"):
-            return True
-        log.info(
-            "retention: left %s alone: %s",
-            self.durable.url_for(name),
-            f"claimed by {holder}, which may still be saving it" if holder else "committed",
-        )
-        return False
-
-    def _claim_holder(self, step: int) -> str:
-        """Who the step's claim names now (the job whose upload replaced ours, if it
-        took the claim over), as well as it can be read."""
-        try:
-            holder = json.loads(self.durable.read_bytes(f"{step_dir(step)}/{WRITER_NAME}"))
-        except Exception:
-            return "another writer"
-        if holder == writer_identity():
-            return "another writer"
-        return describe_writer(holder)
-
-    def _overwritten_note(self, manifest: Manifest, etags: dict[str, str | None]) -> str:
-        """For the job that lost a commit: did its uploads replace the winner's files?"""
-        try:
-            mine = [
-                n for n, tag in etags.items()
-                if tag is not None
-                and self.durable.info(f"{step_dir(manifest.step)}/{n}").etag == tag
-            ]  # fmt: skip
-        except Exception:
-            return ""
-        if not mine:
-            return ""
-        return (
-            f". This job's uploads replaced {', '.join(sorted(mine))} of that step: its "
-            "checksums will not match and restore will fall back past it"
-        )
-
     def _after_commit(self, manifest: Manifest) -> None:
         """Retention on both tiers (best effort; a failure here never fails the save)."""
         self.current_step = manifest.step
@@ -630,7 +509,12 @@ class SavePipeline:
             staging_tier.tidy(root, self.current_step)
         if self.group.is_coordinator:
             try:
-                self._prune_durable()
+                prune_durable(
+                    self.durable,
+                    self.index,
+                    keep_last=self.config.keep_last,
+                    keep_every_steps=self.config.keep_every_steps,
+                )
             except Exception as e:
                 log.warning(
                     "retention on %s failed (nothing committed was lost): %s",
@@ -645,20 +529,3 @@ class SavePipeline:
                 manifest.step,
                 describe(e),
             )
-
-    def _prune_durable(self) -> None:
-        checkpoints = self.index.checkpoints()
-        partial = {c.step for c in checkpoints if not c.committed}
-        doomed = plan_deletions(
-            checkpoints,
-            keep_last=self.config.keep_last,
-            keep_every_steps=self.config.keep_every_steps,
-        )
-        for step in doomed:
-            name = step_dir(step)
-            if step in partial and not self._partial_is_ours(step):
-                continue
-            self.durable.delete(f"{name}/{MANIFEST}")  # uncommit first, then the rest
-            self.durable.delete(name)
-            self.index.forget(step)
-            log.info("retention: deleted %s", self.durable.url_for(name))

@@ -27,6 +27,12 @@ class SaveHelperDied(StoreError):
     transient = False
 
 
+class SaveHelperUnusable(StoreError):
+    """The helper could not start or open the store: the rank uploads on its own threads."""
+
+    transient = False
+
+
 class SaveHelper:
     """One helper process per rank; a request at a time; a new process after a death."""
 
@@ -86,22 +92,45 @@ class SaveHelper:
             theirs.close()
         self._sock, self._greeted = ours, False
         self.started += 1
-        messages.send(ours, self._hello)  # it reads this while we go on; answered first
+        try:  # it reads this while we go on; answered first
+            messages.send(ours, self._hello)
+        except messages.PeerGone:
+            pass  # it ended already: the greeting's read says how
 
     def _ask(self, request: dict[str, Any], what: str) -> dict[str, Any]:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._replace()
             assert self._sock is not None and self._proc is not None
+            if not self._greeted:
+                self._greet()
             try:
-                if not self._greeted:
-                    self._check(messages.receive(self._sock), "starting")
-                    self._greeted = True
                 messages.send(self._sock, request)
                 answer = messages.receive(self._sock)
             except messages.PeerGone:
                 raise self._died(what) from None
         return self._check(answer, what)
+
+    def _greet(self) -> None:
+        """Read the helper's answer to ``open``; SaveHelperUnusable if it has none. A
+        helper killed by a signal before it answered (not one that exited) is replaced
+        once: the kill says nothing about the next one."""
+        for attempt in range(2):
+            assert self._sock is not None
+            try:
+                self._check(messages.receive(self._sock), "opening the store")
+            except messages.PeerGone:
+                pid, code = self._end()
+                if attempt == 0 and code < 0:
+                    self._replace()
+                    continue
+                raise SaveHelperUnusable(
+                    f"the save helper process (pid {pid}) ended as it started ({_how(code)})"
+                ) from None
+            except StoreError as e:
+                raise SaveHelperUnusable(str(e)) from None
+            self._greeted = True
+            return
 
     def _replace(self) -> None:
         """A new helper for one that died between requests (its death was reported)."""
@@ -110,16 +139,8 @@ class SaveHelper:
         self._start()
 
     def _died(self, what: str) -> SaveHelperDied:
-        assert self._proc is not None
-        pid = self._proc.pid
-        try:
-            code = self._proc.wait(5.0)
-        except subprocess.TimeoutExpired:  # its socket broke and it lives on: end it
-            self._proc.kill()
-            code = self._proc.wait()
-        how = f"exit status {code}"
-        if code < 0:
-            how = f"killed by {signal.Signals(-code).name}"
+        pid, code = self._end()
+        how = _how(code)
         log.warning(
             "the save helper (pid %d) died while %s (%s); a new one takes the next save",
             pid,
@@ -131,9 +152,23 @@ class SaveHelper:
             "fails, the next one starts a new helper"
         )
 
+    def _end(self) -> tuple[int, int]:
+        """The helper's pid and exit code, once it has ended (killed if it lingers)."""
+        assert self._proc is not None
+        try:
+            code = self._proc.wait(5.0)
+        except subprocess.TimeoutExpired:  # its socket broke and it lives on: end it
+            self._proc.kill()
+            code = self._proc.wait()
+        return self._proc.pid, code
+
     @staticmethod
     def _check(answer: dict[str, Any], what: str) -> dict[str, Any]:
         if answer.get("ok"):
             return answer
         # the helper's store retried already: what comes back is final
         raise StoreError(f"{answer.get('error', 'no reason given')} (in the save helper, {what})")
+
+
+def _how(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
