@@ -44,7 +44,9 @@ def kill_tree(pid: int) -> None:
 
 def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    # what the caller's path had stays after ours (packages installed with --target)
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), *inherited])
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")

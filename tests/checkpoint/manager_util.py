@@ -10,16 +10,17 @@ import torch
 from torch import nn
 
 
-def make_state(seed: int = 0, *, lr: float = 0.05) -> dict:
+def make_state(seed: int = 0, *, lr: float = 0.05, device: str = "cpu") -> dict:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 10), nn.BatchNorm1d(10), nn.ReLU(), nn.Linear(10, 3))
+    model.to(device)
     optim = torch.optim.Adam(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
     return {
         "model": model,
         "optim": optim,
         "sched": sched,
-        "ema": torch.zeros(4),
+        "ema": torch.zeros(4, device=device),
         "epoch": 0,
         "meta": {"name": "run", "tags": [1, 2]},
     }
@@ -27,8 +28,9 @@ def make_state(seed: int = 0, *, lr: float = 0.05) -> dict:
 
 def train(state: dict, steps: range) -> None:
     model, optim, sched = state["model"], state["optim"], state["sched"]
+    device = next(model.parameters()).device
     for step in steps:
-        x = torch.randn(8, 6)
+        x = torch.randn(8, 6, device=device)
         loss = model(nn.functional.dropout(x, 0.1)).pow(2).mean()
         optim.zero_grad()
         loss.backward()
@@ -39,15 +41,15 @@ def train(state: dict, steps: range) -> None:
 
 
 def snapshot(state: dict) -> dict:
-    """Every value of ``state`` as plain tensors/values, for exact comparison."""
-    out = {f"model.{k}": v.clone() for k, v in state["model"].state_dict().items()}
+    """Every value of ``state`` as plain CPU tensors/values, for exact comparison."""
+    out = {f"model.{k}": v.cpu().clone() for k, v in state["model"].state_dict().items()}
     osd = state["optim"].state_dict()
     for pid, st in osd["state"].items():
         for k, v in st.items():
-            out[f"optim.{pid}.{k}"] = torch.as_tensor(v).clone()
+            out[f"optim.{pid}.{k}"] = torch.as_tensor(v).cpu().clone()
     out["optim.lr"] = [g["lr"] for g in osd["param_groups"]]
     out["sched"] = state["sched"].state_dict()
-    out["ema"] = state["ema"].clone()
+    out["ema"] = state["ema"].cpu().clone()
     out["epoch"] = state["epoch"]
     out["meta"] = state["meta"]
     return out
@@ -62,8 +64,13 @@ def assert_same(a: dict, b: dict) -> None:
             assert a[k] == b[k], (k, a[k], b[k])
 
 
-def rng_draws() -> list[float]:
-    return [random.random(), float(np.random.rand()), float(torch.rand(()))]
+def rng_draws(*, cuda: bool = False) -> list[float]:
+    """A draw from every generator a job's restore must bring back; ``cuda``: CUDA's too
+    (captured only in a process that has initialized CUDA, as a job on the GPU has)."""
+    draws = [random.random(), float(np.random.rand()), float(torch.rand(()))]
+    if cuda:
+        draws.append(float(torch.rand((), device="cuda")))
+    return draws
 
 
 def flip_payload_byte(step_path, key: str = "model.0.weight") -> None:

@@ -2,8 +2,9 @@
 
 ``python memory_job.py URL STAGING OUT {kill,sigterm,close}``: ``kill`` SIGKILLs itself
 once step 4 is committed, ``sigterm`` trains on until a SIGTERM's save ends it (exit 143),
-``close`` ends cleanly. OUT gets what step 4 held (``expected.pt``) and the RNG draws that
-follow it (``draws.json``), for a restarted process to compare with.
+``close`` ends cleanly. The state lives on ``$UNBROKEN_TEST_DEVICE`` (default cpu). OUT
+gets what step 4 held (``expected.pt``) and the RNG draws that follow it
+(``draws.json``), for a restarted process to compare with.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from tests.checkpoint.manager_util import make_state, rng_draws, snapshot, train
 
 
 def main(url: str, staging: str, out: str, end: str) -> None:
-    state = make_state(0)
+    device = os.environ.get("UNBROKEN_TEST_DEVICE", "cpu")
+    state = make_state(0, device=device)
     mgr = ub.CheckpointManager(url, staging_dir=staging, every_steps=2, when_busy="wait")
     mgr.restore(state)
     for step in range(1, 5):
@@ -33,7 +35,7 @@ def main(url: str, staging: str, out: str, end: str) -> None:
     expected = {k: v for k, v in snapshot(state).items() if isinstance(v, torch.Tensor)}
     torch.save(expected, os.path.join(out, "expected.pt"))
     with open(os.path.join(out, "draws.json"), "w") as f:
-        json.dump(rng_draws(), f)
+        json.dump(rng_draws(cuda=device == "cuda"), f)
     print(f"committed 4 tier={mgr.memory_tier.path if mgr.memory_tier else None}", flush=True)
     if end == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
