@@ -32,6 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any
 
 NO_CUDA_EXIT = 3
@@ -64,6 +65,8 @@ TITLES = {
     "torch_save": "torch.save rank 0",
     "dcp_save": "dcp.save",
     "dcp_async": "dcp.async_save (pinned, async staging)",
+    "dcp_async_pinned": "dcp.async_save (pinned, no shm)",
+    "dcp_async_default": "dcp.async_save default",
     "unbroken": "unbroken",
 }
 COLUMNS = [  # (key, title, divisor, digits)
@@ -73,6 +76,10 @@ COLUMNS = [  # (key, title, divisor, digits)
     ("restore_s", "restore to CUDA s", 1.0, 2),
     ("peak_host_gib", "peak host PSS/rank GiB", 1.0, 2),
     ("peak_gpu_gib", "peak GPU GiB", 1.0, 2),
+    ("in_save_s", "in save() s/save", 1.0, 3),
+    ("busy_s", "of it: waiting for the last s/save", 1.0, 3),
+    ("copy_s", "bg copy s/save", 1.0, 3),
+    ("check_s", "of it: check s/save", 1.0, 3),
 ]
 
 
@@ -81,7 +88,14 @@ COLUMNS = [  # (key, title, divisor, digits)
 
 def _row_classes(pinned: bool) -> dict[str, type]:
     """The rows, by key; ``pinned``: dcp.async_save stages into pinned memory (CUDA)."""
-    from bench.checkpoint.rows import DcpAsyncBest, DcpSave, RowContext, TorchSaveRank0, Unbroken
+    from bench.checkpoint.rows import (
+        DcpAsyncBest,
+        DcpAsyncDefault,
+        DcpSave,
+        RowContext,
+        TorchSaveRank0,
+        Unbroken,
+    )
 
     @dataclasses.dataclass
     class LocalDirContext(RowContext):
@@ -110,6 +124,14 @@ def _row_classes(pinned: bool) -> dict[str, type]:
             "use_non_blocking_copy": pinned,
         }
 
+    class GpuDcpAsyncPinned(GpuDcpAsync):
+        """The same without shared memory: pinned private buffers only."""
+
+        OPTIONS = {**GpuDcpAsync.OPTIONS, "use_shared_memory": False}
+
+    class GpuDcpAsyncDefault(OnLocalDir, DcpAsyncDefault):
+        pass
+
     class GpuUnbroken(OnLocalDir, Unbroken):
         pass
 
@@ -117,6 +139,8 @@ def _row_classes(pinned: bool) -> dict[str, type]:
         "torch_save": GpuTorchSave,
         "dcp_save": GpuDcpSave,
         "dcp_async": GpuDcpAsync,
+        "dcp_async_pinned": GpuDcpAsyncPinned,
+        "dcp_async_default": GpuDcpAsyncDefault,
         "unbroken": GpuUnbroken,
     }
 
@@ -239,6 +263,13 @@ def run_row(key: str, rank: int, cfg: GpuConfig, every: int | None) -> dict[str,
         if bad:
             raise RuntimeError(f"{key}: {bad} of {len(got)} tensors differ after the restore")
         del reference
+        stats = getattr(getattr(row, "mgr", None), "stats", None)
+        if stats is not None:  # unbroken: the background copy and its check, per save
+            started = max(1, stats.started)
+            sums = [stats.seconds_blocked, stats.seconds_waited_busy,
+                    stats.seconds_staging_copy, stats.seconds_staging_check]  # fmt: skip
+            names = ["in_save_s", "busy_s", "copy_s", "check_s"]
+            result.update(zip(names, _max([v / started for v in sums])))
         row.close()
     peak = sampler.stop()
     peak_gpu = torch.cuda.max_memory_allocated(device) if cfg.device == "cuda" else 0
@@ -286,6 +317,7 @@ def rank_main(rank: int, cfg: GpuConfig, port: int, out: str) -> None:
                 every = every or results[key]["every"]
             except Exception as e:  # a row that fails is reported, the others still run
                 results[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                traceback.print_exc()
             if rank == 0:
                 print(f"[gpu checkpoint] {TITLES[key]}: {time.monotonic() - t0:.1f} s",
                       file=sys.stderr, flush=True)  # fmt: skip

@@ -215,11 +215,14 @@ def test_gpu_script_arguments_and_table():
     results = {
         "baseline": {"loop_s": 8.0, "peak_host_gib": 3.0, "peak_gpu_gib": 12.0},
         "unbroken": {"loop_s": 9.0, "blocked_s": 0.01, "commit_s": 2.0, "restore_s": 1.0,
-                     "peak_host_gib": 6.0, "peak_gpu_gib": 12.5},
+                     "peak_host_gib": 6.0, "peak_gpu_gib": 12.5, "in_save_s": 0.02,
+                     "busy_s": 0.0, "copy_s": 0.07, "check_s": 0.008},
         "dcp_async": {"error": "RuntimeError: pinned"},
     }  # fmt: skip
     gpu_checkpoint.add_extra(results, saves=4)
     table = gpu_checkpoint.format_table(results, cfg.rows)
     ub = next(line for line in table.splitlines() if line.startswith("unbroken"))
-    assert ub.split()[1:] == ["0.010", "0.250", "2.00", "1.00", "6.00", "12.50"]
+    assert ub.split()[1:] == [
+        "0.010", "0.250", "2.00", "1.00", "6.00", "12.50", "0.020", "0.000", "0.070", "0.008"
+    ]  # fmt: skip
     assert "dcp.async_save (pinned, async staging): n/a: RuntimeError: pinned" in table

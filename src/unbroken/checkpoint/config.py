@@ -156,6 +156,12 @@ class SaveStats:
     seconds_waited_busy: float = 0.0
     seconds_in_wait: float = 0.0
     """Time spent in wait() (the caller asked to block)."""
+    seconds_staging_copy: float = 0.0
+    """The staging copies' background part (overlapped with training; the optimizer
+    step waits for what is left of it), checks included."""
+    seconds_staging_check: float = 0.0
+    """Of ``seconds_staging_copy``, the check that no source was written while it was
+    copied (a comparison on CPU, fingerprints on a GPU)."""
     last_commit_seconds: float | None = None
     """From save() to committed, for the newest committed save."""
     last_phase_seconds: dict[str, float] = field(default_factory=dict)

@@ -313,6 +313,9 @@ class CheckpointManager:
         """Worker thread: account for a finished job."""
         with self._lock:
             self.stats.last_phase_seconds = dict(job.seconds)
+            copy = job.staged.stats if job.staged is not None else {}
+            self.stats.seconds_staging_copy += copy.get("background_seconds", 0.0)
+            self.stats.seconds_staging_check += copy.get("verify_seconds", 0.0)
             self.stats.bytes_direct += job.direct_bytes
             self.stats.bytes_from_memory += job.memory_bytes
             self.stats.bytes_checksummed_in_copy += job.checksummed_in_copy_bytes
