@@ -17,6 +17,14 @@ checkpoint benchmark's model and Adam state):
 - ``unbroken``: ``CheckpointManager.save`` then ``wait()``: staging copy, the local tier
   (O_DIRECT, crc32c), upload to the emulated remote (standard profile) and commit.
 
+``--s3``: the same against the real S3 server on loopback (SeaweedFS, started here), the
+rows the memcpy floor, ``raw put`` (the state's bytes, one file in shared memory,
+uploaded as one object by the native store: what any client's upload costs), and
+unbroken with its save helper and with the uploads on threads (``save_helper=False``).
+On a machine whose cores also run the server, a save's cost to training is mostly the
+server's CPU: the column ``server`` says how much of the machine's it is, and
+``helper`` what the save helper process took.
+
 Columns are medians over ``--saves`` saves after one warm-up: CPU seconds per GiB of
 the whole machine (``/proc/stat``, kernel threads included, less what the machine was
 busy with before the row), that as a multiple of the memcpy floor's, and wall seconds;
@@ -37,11 +45,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.distributed.checkpoint as dcp
 
 import unbroken as ub
 from bench.checkpoint.measure import cpu_clocks
+from bench.common.proc_cpu import process_cpu_seconds
+from bench.common.s3remote import S3Remote
 from unbroken.storage.link import discard_link
 
 GiB = 1 << 30
@@ -55,6 +66,10 @@ class Sample:
     system: float
     machine: float
     wall: float
+    server: float = 0.0
+    """CPU seconds of the S3 server (``--s3``)."""
+    helper: float = 0.0
+    """CPU seconds of this process's children that are not the server (the save helper)."""
 
 
 def machine_busy() -> float:
@@ -69,7 +84,25 @@ def idle_rate(seconds: float = 1.0) -> float:
     return (machine_busy() - before) / seconds
 
 
-def measure(save: Callable[[int], None], index: int, background: float) -> Sample:
+def children_cpu(skip: int | None) -> float:
+    """CPU seconds of this process's live children so far, but ``skip`` (the server)."""
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        if child.pid == skip:
+            continue
+        try:
+            total += process_cpu_seconds(child.pid)
+        except (psutil.Error, OSError):
+            pass
+    return total
+
+
+def measure(
+    save: Callable[[int], None], index: int, background: float, remote: S3Remote | None = None
+) -> Sample:
+    server_pid = remote.server.proc.pid if remote else None
+    s0 = remote.server_cpu_seconds() if remote else 0.0
+    c0 = children_cpu(server_pid)
     r0, m0, t0 = resource.getrusage(resource.RUSAGE_SELF), machine_busy(), time.perf_counter()
     save(index)
     wall = time.perf_counter() - t0
@@ -79,6 +112,8 @@ def measure(save: Callable[[int], None], index: int, background: float) -> Sampl
         system=r1.ru_stime - r0.ru_stime,
         machine=max(0.0, m1 - m0 - background * wall),
         wall=wall,
+        server=(remote.server_cpu_seconds() - s0) if remote else 0.0,
+        helper=max(0.0, children_cpu(server_pid) - c0),
     )
 
 
@@ -139,16 +174,71 @@ def rows(
     }, lambda: (mgr.close(), discard_link(link))
 
 
-def table(results: dict[str, dict[str, float]], all_columns: bool = False) -> str:
-    """CPU per GiB saved, beside the memcpy floor's; user and system split with all_columns."""
+def s3_rows(
+    state: dict[str, torch.Tensor], work: str, remote: S3Remote
+) -> tuple[dict[str, Callable[[int], None]], Callable[[], object]]:
+    """``rows`` against the real S3 server: the floor, a raw put, unbroken two ways."""
+    floor = {k: torch.empty_like(t) for k, t in state.items()}
+
+    def memcpy(_i: int) -> None:
+        for k, t in state.items():
+            floor[k].copy_(t)
+
+    raw_file = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else work, f"raw-{os.getpid()}")
+    with open(raw_file, "wb") as f:
+        for t in state.values():
+            f.write(memoryview(t.numpy()).cast("B"))
+    store = ub.open_store(f"s3://{remote.new_root()}", **remote.storage_options)
+
+    def raw_put(i: int) -> None:
+        store.upload(raw_file, f"raw/{i}")
+
+    managers = {
+        name: ub.CheckpointManager(
+            f"s3://{remote.new_root()}",
+            staging_dir=os.path.join(work, f"staging-{n}"),
+            every_steps=None,
+            keep_last=1,
+            storage_options=remote.storage_options,
+            save_helper=helper,
+        )
+        for n, (name, helper) in enumerate([("unbroken", True), ("unbroken threads", False)])
+    }
+
+    def saving(mgr: ub.CheckpointManager) -> Callable[[int], None]:
+        def save(i: int) -> None:
+            mgr.save(i + 1, state)
+            mgr.wait()
+
+        return save
+
+    def close() -> None:
+        for mgr in managers.values():
+            mgr.close()
+        os.unlink(raw_file)
+
+    funcs = {"memcpy floor": memcpy, "raw put": raw_put}
+    funcs.update({name: saving(mgr) for name, mgr in managers.items()})
+    return funcs, close
+
+
+def table(
+    results: dict[str, dict[str, float]], all_columns: bool = False, s3: bool = False
+) -> str:
+    """CPU per GiB saved, beside the memcpy floor's; user and system split with all_columns;
+    with ``s3``, the server's share and the save helper's."""
     floor = results["memcpy floor"]["machine"]
-    head = f"{'row':<14} {'CPU s per GiB':>13} {'x memcpy floor':>14} {'wall s':>8}"
+    head = f"{'row':<16} {'CPU s per GiB':>13} {'x memcpy floor':>14} {'wall s':>8}"
+    if s3:
+        head += f" {'of it: server':>13} {'helper':>7}"
     if all_columns:
         head += f" {'user s/GiB':>10} {'system s/GiB':>12}"
     lines = [head]
     for name, r in results.items():
         times = f"{r['machine'] / floor:>13.1f}x" if floor else f"{'n/a':>14}"
-        line = f"{name:<14} {r['machine']:>13.3f} {times} {r['wall']:>8.2f}"
+        line = f"{name:<16} {r['machine']:>13.3f} {times} {r['wall']:>8.2f}"
+        if s3:
+            line += f" {r['server']:>13.3f} {r['helper']:>7.3f}"
         if all_columns:
             line += f" {r['user']:>10.3f} {r['system']:>12.3f}"
         lines.append(line)
@@ -167,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small state, one save: seconds")
     p.add_argument("--work-dir", default=None, help="where the files go (a temp dir)")
     p.add_argument("--all-columns", action="store_true", help="also user and system CPU")
+    p.add_argument("--s3", action="store_true", help="against the real S3 server on loopback")
     a = p.parse_args(argv)
     gib = 0.0625 if a.quick and a.gib == 1.5 else a.gib
     saves = 1 if a.quick else a.saves
@@ -177,25 +268,29 @@ def main(argv: list[str] | None = None) -> int:
     size_gib = state_bytes(state) / GiB
     work = tempfile.mkdtemp(prefix="unbroken-save-cpu-", dir=a.work_dir)
     results: dict[str, dict[str, float]] = {}
+    remote = S3Remote.profile("loopback") if a.s3 else None
     try:
-        funcs, close = rows(state, work)
+        funcs, close = s3_rows(state, work, remote) if remote else rows(state, work)
         try:
             for name, save in funcs.items():
                 save(0)  # warm-up: buffers, first-use costs
                 background = idle_rate()
-                samples = [measure(save, i + 1, background) for i in range(saves)]
+                samples = [measure(save, i + 1, background, remote) for i in range(saves)]
                 results[name] = {
                     f: statistics.median(getattr(s, f) for s in samples) / size_gib
                     if f != "wall"
                     else statistics.median(s.wall for s in samples)
-                    for f in ("user", "system", "machine", "wall")
+                    for f in ("user", "system", "machine", "wall", "server", "helper")
                 }
         finally:
             close()
     finally:
+        if remote:
+            remote.close()
         shutil.rmtree(work, ignore_errors=True)
-    print(f"state: {size_gib:.2f} GiB in {len(state)} tensors; medians of {saves} save(s)")
-    print(table(results, a.all_columns))
+    where = f", durable tier {remote.describe()}" if remote else ""
+    print(f"state: {size_gib:.2f} GiB in {len(state)} tensors; medians of {saves} save(s){where}")
+    print(table(results, a.all_columns, s3=remote is not None))
     floor = results["memcpy floor"]["machine"]
     summary = {
         "gib": round(size_gib, 3),
@@ -207,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         },
         "unbroken_over_floor": round(results["unbroken"]["machine"] / floor, 2) if floor else None,
     }
+    if remote:
+        summary.update({f"{_key(k)}_server_cpu_s_per_gib": round(v["server"], 4)
+                        for k, v in results.items()})  # fmt: skip
     print(json.dumps(summary))
     return 0
 

@@ -42,3 +42,19 @@ def test_state_is_about_the_size_asked_for():
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         save_cpu.main(["--gib", "0"])
+
+
+def test_s3_quick_run_splits_off_the_servers_cpu(capsys, tmp_path):
+    """Against the real S3 server: the raw put and both unbroken rows save, the server's
+    CPU is measured (it stores every byte, so it is never zero), and only the row with
+    the save helper has a helper's CPU."""
+    assert save_cpu.main(["--s3", "--quick", "--work-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    for row in ("raw_put", "unbroken", "unbroken_threads"):
+        assert summary[f"{row}_server_cpu_s_per_gib"] > 0.0, row
+    assert "of it: server" in out and "SeaweedFS" in out
+    lines = {line.split("  ")[0].strip(): line.split() for line in out.splitlines()}
+    assert float(lines["unbroken"][-1]) > 0.0  # the helper uploaded
+    assert float(lines["unbroken threads"][-1]) == 0.0
+    assert list(tmp_path.iterdir()) == []
