@@ -1,7 +1,9 @@
 """Run by test_preemption.py under torchrun: a DDP job as users write it, with the default
 ub.DataLoader (worker processes) and no preemption code of its own.
 
-argv: checkpoints, staging root, out dir, steps, volume dir. Each rank prints
+argv: checkpoints, staging root, out dir, steps, volume dir (``$CKPT_URL`` with
+``$CKPT_OPTIONS``, JSON storage options, in place of the checkpoints path: an object
+store, whose uploads go through each rank's save helper). Each rank prints
 ``STEP rank attempt step`` and, at the end, ``DONE rank attempt digest`` (weights and the
 samples seen); ``pids-<rank>-<attempt>`` lists the rank's pid and its workers' pids once
 the manager (and its SIGTERM handler) and the loader's workers are in place.
@@ -9,6 +11,7 @@ the manager (and its SIGTERM handler) and the loader's workers are in place.
 
 import faulthandler
 import hashlib
+import json
 import os
 import signal
 import sys
@@ -39,10 +42,11 @@ optim = torch.optim.SGD(model.parameters(), lr=0.01)
 loader = ub.DataLoader(ub.VolumeDataset(volume, decode=decode, seed=0), batch_size=2)
 state = {"model": model, "optim": optim, "loader": loader, "seen": []}
 mgr = ub.CheckpointManager(
-    ckpt,
+    os.environ.get("CKPT_URL", ckpt),
     staging_dir=os.path.join(stage, str(rank)),
     every_steps=10_000,
     preemption=preemption,
+    storage_options=json.loads(os.environ.get("CKPT_OPTIONS", "null")),
 )
 step = mgr.restore(state) or 0
 print(f"RESTORED {rank} {attempt} {step}", flush=True)

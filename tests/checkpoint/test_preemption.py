@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -312,6 +314,44 @@ def test_sigterm_with_loader_workers_commits_the_step_reached_and_resumes_there(
     for stage in (tmp_path / "job" / "stage").iterdir():  # a fresh node: empty local disk
         shutil.rmtree(stage)
     second = _finish(_launch(tmp_path / "job", steps, 0, volume=volume))
+    assert _last(second, "RESTORED", 0, 0) == reached == _last(second, "RESTORED", 1, 0)
+    assert _digests(second) == reference, second
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_every_process_of_a_job_on_s3_commits_through_its_save_helpers(
+    tmp_path, loader_reference, s3_server
+):
+    """Slurm's delivery with the durable tier on S3: each rank's save helper (a child of
+    the rank, like its loader workers) gets the SIGTERM too, ignores it, and uploads the
+    step reached; a fresh node resumes there from S3 alone, bitwise."""
+    (volume, reference), steps = loader_reference, LOADER_STEPS
+    env = {
+        "CKPT_URL": f"s3://{s3_server.new_root()}",
+        "CKPT_OPTIONS": json.dumps(s3_server.storage_options),
+    }
+    proc = _launch(tmp_path / "job", steps, 1, volume=volume, env=env)
+    ranks = [_pids(tmp_path / "job", rank)[0] for rank in (0, 1)]
+    deadline, helpers = time.monotonic() + 60, []
+    while len(helpers) < 2 and time.monotonic() < deadline:  # one per rank, with its manager
+        helpers = [
+            child.pid
+            for rank in ranks
+            for child in psutil.Process(rank).children()
+            if "unbroken.checkpoint.save_helper" in " ".join(child.cmdline())
+        ]
+        time.sleep(0.05)
+    assert len(helpers) == 2, helpers
+    for helper in helpers:  # Slurm signals every process of the step: the helpers too
+        os.kill(helper, signal.SIGTERM)
+    _signal_the_loader_job(tmp_path / "job", proc.pid, "every process")
+    first = _finish(proc, ok=False)
+    reached = _last(first, "STEP", 0, 0)
+    assert 0 < reached < steps and reached == _last(first, "STEP", 1, 0), first
+    assert "save helper" not in first, first  # no helper died, no save failed
+    for stage in (tmp_path / "job" / "stage").iterdir():  # a fresh node: empty local disk
+        shutil.rmtree(stage)
+    second = _finish(_launch(tmp_path / "job", steps, 0, volume=volume, env=env))
     assert _last(second, "RESTORED", 0, 0) == reached == _last(second, "RESTORED", 1, 0)
     assert _digests(second) == reference, second
 
