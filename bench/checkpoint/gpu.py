@@ -74,7 +74,7 @@ COLUMNS = [  # (key, title, divisor, digits)
     ("extra_s", "extra wall s/save", 1.0, 3),
     ("commit_s", "to commit s", 1.0, 2),
     ("restore_s", "restore to CUDA s", 1.0, 2),
-    ("peak_host_gib", "peak host PSS/rank GiB", 1.0, 2),
+    ("peak_host_gib", "peak host memory/rank GiB", 1.0, 2),
     ("peak_gpu_gib", "peak GPU GiB", 1.0, 2),
     ("in_save_s", "in save() s/save", 1.0, 3),
     ("busy_s", "of it: waiting for the last s/save", 1.0, 3),
@@ -222,7 +222,7 @@ def run_row(key: str, rank: int, cfg: GpuConfig, every: int | None) -> dict[str,
     ctx = RowContext(model, optim, rank, every, row_dir, os.path.join(cfg.dir, f"{key}-work"), {})
     if cfg.device == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    sampler = MemorySampler().start()
+    sampler = MemorySampler(tier_share=dist.get_world_size()).start()  # ranks of one node
     row = _row_classes(cfg.device == "cuda")[key](ctx) if key != "baseline" else None
     if row is not None:
         row.save(0)  # warm-up: buffers, helper processes, first-use costs

@@ -187,7 +187,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         model, optim, rank, every, row_dir, os.path.join(cfg.work_dir, key), cfg.remote_options
     )
     gc.collect()
-    sampler = MemorySampler().start()
+    sampler = MemorySampler(tier_share=dist.get_world_size()).start()  # ranks of one node
     rss0 = sampler.sample()
     try:
         row = ROW_CLASSES[key](ctx)

@@ -2,7 +2,10 @@
 
 Memory is the proportional set size (PSS) of a rank and the helper processes it starts
 during a row (DCP's checkpoint process, background uploaders): shared-memory staging
-buffers count once, not once per process that maps them.
+buffers count once, not once per process that maps them. Files in unbroken's memory
+tier are shared memory that no process maps (written and read with system calls), so
+PSS does not see them: the sampler adds the rank's share of the bytes that appeared
+under the memory tier's root since it started.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import psutil
+
+from unbroken.checkpoint.memory_tier import default_root, tree_bytes
 
 GiB = float(1 << 30)
 
@@ -45,16 +50,21 @@ class MemorySampler:
     missed; the staging copies of a large state last far longer than that.
     """
 
-    def __init__(self, interval: float = 0.05) -> None:
+    def __init__(self, interval: float = 0.05, *, tier_share: int = 1) -> None:
+        """``tier_share``: the ranks on this node, which share its memory tier."""
         self._proc = psutil.Process()
         self._exclude = {c.pid for c in self._proc.children(recursive=True)}
         self._interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._tier_root = default_root()
+        self._tier_before = tree_bytes(self._tier_root)
+        self._tier_share = max(1, tier_share)
         self.peak = 0
 
     def sample(self) -> int:
-        value = tree_pss(self._proc, self._exclude)
+        tier = max(0, tree_bytes(self._tier_root) - self._tier_before) // self._tier_share
+        value = tree_pss(self._proc, self._exclude) + tier
         self.peak = max(self.peak, value)
         return value
 

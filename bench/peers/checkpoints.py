@@ -56,7 +56,7 @@ COLUMNS = [  # (result key, title, divisor, digits)
     ("in_row_extra_s", "extra in run s/save", 1.0, 3),
     ("commit_s", "to commit s", 1.0, 2),
     ("restore_durable_s", "restore from S3 s", 1.0, 2),
-    ("peak_pss", "peak PSS/rank GiB", GiB, 2),
+    ("peak_pss", "peak memory/rank GiB", GiB, 2),
 ]
 
 
@@ -501,12 +501,13 @@ def _table(args: argparse.Namespace, remote: S3Remote, put_bps: float, vacuum: V
         "than with no saves, per save; extra in run: its save steps and the steps with a "
         "save in flight against its own quiet steps, per save (immune to drift between "
         "runs); to commit: one save at rest until every byte is durable; restore from S3: "
-        "into the live model, checked byte for byte; peak PSS: "
-        "the largest rank with its helper processes (the model itself included)",
+        "into the live model, checked byte for byte; peak memory: the largest rank's PSS "
+        "with its helper processes (the model itself included), plus its share of "
+        "unbroken's memory-tier files (shared memory no process maps)",
         "",
     ]
     if not cfg.isolate:
-        head.insert(-1, "rows share their rank processes (--no-isolate): a row's peak PSS "
+        head.insert(-1, "rows share their rank processes (--no-isolate): a row's peak memory "
                     "includes heap that earlier rows left behind")  # fmt: skip
     base, spread = baseline_loop(results)
     if spread is not None:

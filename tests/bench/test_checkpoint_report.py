@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -255,6 +256,25 @@ def test_memory_sampler_sees_a_short_lived_allocation():
     peak = sampler.stop()
     assert peak - base >= 200 << 20
     assert sampler.sample() - base < 100 << 20  # freed again
+
+
+def test_memory_sampler_counts_the_rank_share_of_memory_tier_files():
+    """unbroken's memory tier is shared memory no process maps: PSS would not see it."""
+    import os
+
+    from bench.checkpoint.measure import MemorySampler
+
+    root = os.environ["UNBROKEN_MEMORY_DIR"]  # this test's own (tests/conftest.py)
+    (Path(root) / "left-before").write_bytes(b"x" * (8 << 20))  # another job's: not ours
+    sampler = MemorySampler(tier_share=2)
+    base = sampler.sample()
+    tier = Path(root) / "job" / "step-000000000001"
+    tier.mkdir(parents=True)
+    (tier / "__0_0.distcp").write_bytes(b"x" * (64 << 20))
+    grown = sampler.sample() - base
+    assert 28 << 20 <= grown <= 36 << 20, grown  # half of 64 MiB: two ranks share the node
+    (tier / "__0_0.distcp").unlink()
+    assert sampler.sample() - base < 2 << 20
 
 
 def test_evicted_files_are_read_back_intact(tmp_path):
