@@ -223,8 +223,19 @@ class S3UnbrokenThreads(S3Unbroken):
         return {"save_helper": False}
 
 
+class S3UnbrokenDisk(S3Unbroken):
+    """unbroken with the node's copy on the staging disk (``memory_tier=False``): the
+    restore from the node then reads the disk tier instead of the memory tier."""
+
+    key, title = "s3_unbroken_disk", "unbroken, disk tier"
+
+    def _manager_options(self) -> dict[str, Any]:
+        return {"memory_tier": False}
+
+
 S3_ROWS: list[type[Row]] = [
     S3TorchSave, S3DcpSave, S3DcpAsync, S3DcpSaveFsspec, S3Unbroken, S3UnbrokenThreads,
+    S3UnbrokenDisk,
 ]  # fmt: skip
 ROW_CLASSES.update({cls.key: cls for cls in S3_ROWS})
 ROW_TITLES.update({cls.key: cls.title for cls in S3_ROWS})

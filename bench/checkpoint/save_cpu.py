@@ -19,8 +19,10 @@ checkpoint benchmark's model and Adam state):
 
 ``--s3``: the same against the real S3 server on loopback (SeaweedFS, started here), the
 rows the memcpy floor, ``raw put`` (the state's bytes, one file in shared memory,
-uploaded as one object by the native store: what any client's upload costs), and
-unbroken with its save helper and with the uploads on threads (``save_helper=False``).
+uploaded as one object by the native store: what any client's upload costs), unbroken
+with its save helper, with the uploads on threads (``save_helper=False``), and with the
+node's copy on the disk tier (``memory_tier=False``: no helper, the upload leaves from
+the host buffers as the shard is written).
 On a machine whose cores also run the server, a save's cost to training is mostly the
 server's CPU: the column ``server`` says how much of the machine's it is, and
 ``helper`` what the save helper process took.
@@ -174,6 +176,14 @@ def rows(
     }, lambda: (mgr.close(), discard_link(link))
 
 
+UNBROKEN_S3_ROWS = [
+    ("unbroken", True, None),  # the defaults: the memory tier, the save helper
+    ("unbroken threads", False, None),
+    ("unbroken disk", True, False),  # memory_tier=False: the disk tier, no helper
+]
+"""``--s3``'s unbroken rows: (name, save_helper, memory_tier)."""
+
+
 def s3_rows(
     state: dict[str, torch.Tensor], work: str, remote: S3Remote
 ) -> tuple[dict[str, Callable[[int], None]], Callable[[], object]]:
@@ -201,8 +211,9 @@ def s3_rows(
             keep_last=1,
             storage_options=remote.storage_options,
             save_helper=helper,
+            memory_tier=memory,
         )
-        for n, (name, helper) in enumerate([("unbroken", True), ("unbroken threads", False)])
+        for n, (name, helper, memory) in enumerate(UNBROKEN_S3_ROWS)
     }
 
     def saving(mgr: ub.CheckpointManager) -> Callable[[int], None]:

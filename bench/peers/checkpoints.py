@@ -56,6 +56,7 @@ COLUMNS = [  # (result key, title, divisor, digits)
     ("in_row_extra_s", "extra in run s/save", 1.0, 3),
     ("commit_s", "to commit s", 1.0, 2),
     ("restore_durable_s", "restore from S3 s", 1.0, 2),
+    ("restore_local_s", "restore from node s", 1.0, 2),
     ("peak_pss", "peak memory/rank GiB", GiB, 2),
 ]
 
@@ -97,8 +98,6 @@ def format_table(results: dict[str, dict], order: Sequence[str]) -> str:
             notes.append(f"  {title}: n/a: {r['error']}")
             continue
         body.append([title, *(_cell(r.get(k), d, n) for k, _, d, n in COLUMNS)])
-        if r.get("restore_local_s") is not None:
-            notes.append(f"  {title}: restore from its local tier {r['restore_local_s']:.2f} s")
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def fmt(line: list[str]) -> str:
@@ -501,7 +500,9 @@ def _table(args: argparse.Namespace, remote: S3Remote, put_bps: float, vacuum: V
         "than with no saves, per save; extra in run: its save steps and the steps with a "
         "save in flight against its own quiet steps, per save (immune to drift between "
         "runs); to commit: one save at rest until every byte is durable; restore from S3: "
-        "into the live model, checked byte for byte; peak memory: the largest rank's PSS "
+        "into the live model, checked byte for byte; restore from node: the same from the "
+        "node's own copy (unbroken: its memory tier, or its disk tier where that row says "
+        "so); peak memory: the largest rank's PSS "
         "with its helper processes (the model itself included), plus its share of "
         "unbroken's memory-tier files (shared memory no process maps)",
         "",

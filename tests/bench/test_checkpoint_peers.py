@@ -49,11 +49,12 @@ def test_table_shows_extra_per_save_against_the_baseline_and_why_a_row_failed():
     lines = table.splitlines()
     assert all(title in lines[0] for _, title, *_ in peers.COLUMNS)
     ub = next(line for line in lines if line.startswith("unbroken "))
-    assert ub.split()[1:] == ["0.100", "0.500", "1.000", "3.00", "2.00", "2.00"]
+    assert ub.split()[1:] == ["0.100", "0.500", "1.000", "3.00", "2.00", "1.50", "2.00"]
+    dcp = next(line for line in lines if line.startswith("dcp.async_save"))
+    assert dcp.split()[-2] == "n/a"  # no copy on the node to restore from
     fsspec = next(line for line in lines if line.startswith("dcp.save (FsspecWriter"))
-    assert fsspec.split()[-6:] == ["n/a"] * 6
+    assert fsspec.split()[-7:] == ["n/a"] * 7
     assert "  dcp.save (FsspecWriter, s3fs): n/a: ClientError: boom" in lines
-    assert "  unbroken: restore from its local tier 1.50 s" in lines
 
 
 def test_summary_ratios_and_json_line():

@@ -51,10 +51,11 @@ def test_s3_quick_run_splits_off_the_servers_cpu(capsys, tmp_path):
     assert save_cpu.main(["--s3", "--quick", "--work-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])
-    for row in ("raw_put", "unbroken", "unbroken_threads"):
+    for row in ("raw_put", "unbroken", "unbroken_threads", "unbroken_disk"):
         assert summary[f"{row}_server_cpu_s_per_gib"] > 0.0, row
     assert "of it: server" in out and "SeaweedFS" in out
     lines = {line.split("  ")[0].strip(): line.split() for line in out.splitlines()}
     assert float(lines["unbroken"][-1]) > 0.0  # the helper uploaded
     assert float(lines["unbroken threads"][-1]) == 0.0
+    assert float(lines["unbroken disk"][-1]) == 0.0  # no helper on the disk tier
     assert list(tmp_path.iterdir()) == []
