@@ -200,7 +200,7 @@ def run_row(key: str, rank: int, cfg: GpuConfig, every: int | None) -> dict[str,
     import torch
     import torch.distributed as dist
 
-    from bench.checkpoint.measure import GiB, MemorySampler
+    from bench.checkpoint.measure import GiB, MemorySampler, ranks_on_node
     from bench.checkpoint.rows import RowContext, local_tensors
 
     device = torch.device(cfg.device, rank) if cfg.device == "cuda" else torch.device("cpu")
@@ -222,7 +222,7 @@ def run_row(key: str, rank: int, cfg: GpuConfig, every: int | None) -> dict[str,
     ctx = RowContext(model, optim, rank, every, row_dir, os.path.join(cfg.dir, f"{key}-work"), {})
     if cfg.device == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    sampler = MemorySampler(tier_share=dist.get_world_size()).start()  # ranks of one node
+    sampler = MemorySampler(tier_share=ranks_on_node()).start()
     row = _row_classes(cfg.device == "cuda")[key](ctx) if key != "baseline" else None
     if row is not None:
         row.save(0)  # warm-up: buffers, helper processes, first-use costs

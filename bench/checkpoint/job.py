@@ -29,6 +29,7 @@ from bench.checkpoint.measure import (
     cpu_clocks,
     evict_from_page_cache,
     excess_over_median,
+    ranks_on_node,
 )
 from bench.checkpoint.rows import BASELINES, ROWS, RowContext, local_tensors
 
@@ -187,7 +188,7 @@ def run_row(key: str, rank: int, cfg: Config) -> dict[str, Any]:
         model, optim, rank, every, row_dir, os.path.join(cfg.work_dir, key), cfg.remote_options
     )
     gc.collect()
-    sampler = MemorySampler(tier_share=dist.get_world_size()).start()  # ranks of one node
+    sampler = MemorySampler(tier_share=ranks_on_node()).start()
     rss0 = sampler.sample()
     try:
         row = ROW_CLASSES[key](ctx)

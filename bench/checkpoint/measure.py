@@ -43,6 +43,24 @@ def tree_pss(root: psutil.Process, exclude: set[int]) -> int:
     return total
 
 
+def ranks_on_node() -> int:
+    """The ranks that share this node's memory tier: torchrun's LOCAL_WORLD_SIZE, else
+    the world (the benchmarks start every rank on this machine)."""
+    import torch.distributed as dist
+
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 0:
+        return int(local)
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _entries(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
 class MemorySampler:
     """Samples this process tree's PSS in a thread; ``peak`` is the highest sample.
 
@@ -58,13 +76,19 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tier_root = default_root()
-        self._tier_before = tree_bytes(self._tier_root)
+        self._tiers_before = set(_entries(self._tier_root))
         self._tier_share = max(1, tier_share)
         self.peak = 0
 
+    def tier_bytes(self) -> int:
+        """Bytes of the memory-tier directories made since the sampler started: not the
+        ones already there (another job's, or a dead one's that the row's manager may
+        sweep meanwhile), so a sweep does not hide the row's own."""
+        new = [e for e in _entries(self._tier_root) if e not in self._tiers_before]
+        return sum(tree_bytes(os.path.join(self._tier_root, e)) for e in new)
+
     def sample(self) -> int:
-        tier = max(0, tree_bytes(self._tier_root) - self._tier_before) // self._tier_share
-        value = tree_pss(self._proc, self._exclude) + tier
+        value = tree_pss(self._proc, self._exclude) + self.tier_bytes() // self._tier_share
         self.peak = max(self.peak, value)
         return value
 

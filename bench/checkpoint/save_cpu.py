@@ -203,33 +203,37 @@ def s3_rows(
     def raw_put(i: int) -> None:
         store.upload(raw_file, f"raw/{i}")
 
-    managers = {
-        name: ub.CheckpointManager(
-            f"s3://{remote.new_root()}",
-            staging_dir=os.path.join(work, f"staging-{n}"),
-            every_steps=None,
-            keep_last=1,
-            storage_options=remote.storage_options,
-            save_helper=helper,
-            memory_tier=memory,
-        )
-        for n, (name, helper, memory) in enumerate(UNBROKEN_S3_ROWS)
-    }
+    current: dict[str, ub.CheckpointManager] = {}
+    """The running row's manager: made at its warm-up save, once the row before has closed
+    its own (and with it its save helper, which would count in this row's CPU)."""
 
-    def saving(mgr: ub.CheckpointManager) -> Callable[[int], None]:
+    def saving(n: int, name: str, helper: bool, memory: bool | None) -> Callable[[int], None]:
         def save(i: int) -> None:
-            mgr.save(i + 1, state)
-            mgr.wait()
+            if name not in current:
+                for other in current.values():
+                    other.close()
+                current.clear()
+                current[name] = ub.CheckpointManager(
+                    f"s3://{remote.new_root()}",
+                    staging_dir=os.path.join(work, f"staging-{n}"),
+                    every_steps=None,
+                    keep_last=1,
+                    storage_options=remote.storage_options,
+                    save_helper=helper,
+                    memory_tier=memory,
+                )
+            current[name].save(i + 1, state)
+            current[name].wait()
 
         return save
 
     def close() -> None:
-        for mgr in managers.values():
+        for mgr in current.values():
             mgr.close()
         os.unlink(raw_file)
 
     funcs = {"memcpy floor": memcpy, "raw put": raw_put}
-    funcs.update({name: saving(mgr) for name, mgr in managers.items()})
+    funcs.update({row[0]: saving(n, *row) for n, row in enumerate(UNBROKEN_S3_ROWS)})
     return funcs, close
 
 

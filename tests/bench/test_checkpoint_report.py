@@ -265,9 +265,12 @@ def test_memory_sampler_counts_the_rank_share_of_memory_tier_files():
     from bench.checkpoint.measure import MemorySampler
 
     root = os.environ["UNBROKEN_MEMORY_DIR"]  # this test's own (tests/conftest.py)
-    (Path(root) / "left-before").write_bytes(b"x" * (8 << 20))  # another job's: not ours
+    dead = Path(root) / "a-dead-jobs-tier"
+    dead.mkdir()
+    (dead / "shard").write_bytes(b"x" * (8 << 20))
     sampler = MemorySampler(tier_share=2)
     base = sampler.sample()
+    (dead / "shard").unlink()  # swept by the row's manager: not the row's to count
     tier = Path(root) / "job" / "step-000000000001"
     tier.mkdir(parents=True)
     (tier / "__0_0.distcp").write_bytes(b"x" * (64 << 20))

@@ -283,3 +283,11 @@ def test_frames_cross_whole_from_threads():
         sender.start()
         assert messages.receive(b) == big
         sender.join()
+
+
+def test_how_a_helper_ended_is_said_for_any_signal():
+    from unbroken.checkpoint.save_helper.client import _how
+
+    assert _how(0) == "exit status 0" and _how(3) == "exit status 3"
+    assert _how(-signal.SIGKILL) == "killed by SIGKILL"
+    assert _how(-40) == "killed by signal 40"  # a real-time signal: no name in the enum

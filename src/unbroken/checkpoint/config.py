@@ -161,7 +161,7 @@ class SaveStats:
     step waits for what is left of it), checks included."""
     seconds_staging_check: float = 0.0
     """Of ``seconds_staging_copy``, the check that no source was written while it was
-    copied (a comparison on CPU, fingerprints on a GPU)."""
+    copied (each source compared with its buffer; for CUDA sources, on the device)."""
     last_commit_seconds: float | None = None
     """From save() to committed, for the newest committed save."""
     last_phase_seconds: dict[str, float] = field(default_factory=dict)

@@ -122,7 +122,10 @@ class SaveHelper:
             except messages.PeerGone:
                 pid, code = self._end()
                 if attempt == 0 and code < 0:
-                    self._replace()
+                    try:
+                        self._replace()
+                    except OSError as e:  # no new process at all: the threads take over
+                        raise SaveHelperUnusable(f"no new save helper process ({e})") from None
                     continue
                 raise SaveHelperUnusable(
                     f"the save helper process (pid {pid}) ended as it started ({_how(code)})"
@@ -171,4 +174,9 @@ class SaveHelper:
 
 
 def _how(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:  # a real-time signal has no name
+        return f"killed by signal {-code}"

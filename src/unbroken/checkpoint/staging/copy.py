@@ -23,10 +23,8 @@ the whole copy has ended, still on the background thread (``verify``, which says
 what that guarantees).
 
 CUDA sources are copied with ``non_blocking=True`` on a side stream that first waits for
-the work already queued on the current stream and fingerprints them; the background
-thread then waits on an event, checks versions and fingerprints the sources once more
-on that stream (``verify``): nothing crosses the host link twice. That path needs CUDA;
-the fingerprints themselves are tested on CPU tensors.
+the work already queued on the current stream; the background thread then waits on an
+event and checks versions. That path needs CUDA and cannot run on a CPU-only machine.
 """
 
 from __future__ import annotations
@@ -43,12 +41,7 @@ import torch
 from unbroken._util.priority import lower_thread_priority
 from unbroken._util.thread_names import name_native_thread
 from unbroken.checkpoint.format.manifest import crc32c_bytes
-from unbroken.checkpoint.staging.verify import (
-    changed_on_device,
-    device_fingerprints,
-    same_bytes_cpu,
-    source_bytes,
-)
+from unbroken.checkpoint.staging.verify import differing_on_device, same_bytes_cpu, source_bytes
 
 DEFAULT_CHUNK_BYTES = 32 * 2**20
 CHECKSUM_SLICE_BYTES = 4 * 2**20
@@ -121,25 +114,10 @@ def copy_now(
     return [leaf.name for leaf in leaves if leaf.changed()], events
 
 
-@dataclass
-class Fingerprints:
-    """One device's sources, fingerprinted on the copy's side stream before its copies."""
-
-    device: torch.device
-    leaves: list[Leaf]
-    before: torch.Tensor
-
-
 def _enqueue_cuda(
-    leaves: Sequence[Leaf],
-    streams: dict[torch.device, object],
-    *,
-    fence_current: bool,
-    fingerprints: list[Fingerprints] | None = None,
+    leaves: Sequence[Leaf], streams: dict[torch.device, object], *, fence_current: bool
 ) -> list[object]:
-    """Queue non-blocking device-to-host copies on each device's side stream; their events.
-    With ``fingerprints``, each device's sources are fingerprinted on that stream before
-    the first copy (``verify.device_fingerprints``), appended there."""
+    """Queue non-blocking device-to-host copies on each device's side stream; their events."""
     events = []
     by_device: dict[torch.device, list[Leaf]] = {}
     for leaf in leaves:
@@ -149,10 +127,6 @@ def _enqueue_cuda(
         current = torch.cuda.current_stream(device)
         stream.wait_stream(current)  # sources as of now, after the queued work
         with torch.cuda.stream(stream):
-            checked = [leaf for leaf in group if leaf.nbytes] if fingerprints is not None else []
-            if checked:
-                before = device_fingerprints([leaf.src for leaf in checked])
-                fingerprints.append(Fingerprints(device, checked, before))  # type: ignore[union-attr]
             for leaf in group:
                 leaf.dst.copy_(leaf.src, non_blocking=True)
         done = torch.cuda.Event()
@@ -202,8 +176,6 @@ class CopyJob:
     _abort: threading.Event = field(default_factory=threading.Event)
     events: list[object] = field(default_factory=list)
     """CUDA events the job waits for: the copies queued by ``copy_now`` and its own."""
-    fingerprints: list[Fingerprints] = field(default_factory=list)
-    """Its CUDA sources' fingerprints from before their copies, by device."""
     _seal_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
@@ -215,9 +187,7 @@ class CopyJob:
         cuda = [leaf for leaf in self.leaves if leaf.src.is_cuda]
         if cuda:
             with torch.no_grad():
-                self.events += _enqueue_cuda(
-                    cuda, self.streams, fence_current=False, fingerprints=self.fingerprints
-                )
+                self.events += _enqueue_cuda(cuda, self.streams, fence_current=False)
         threading.Thread(target=self._run, name="unbroken-staging", daemon=True).start()
 
     def abort(self) -> None:
@@ -261,7 +231,7 @@ class CopyJob:
             if default_threads is not None:
                 torch.set_num_threads(default_threads)
             self._quiesce()
-            self.events, self.fingerprints = [], []
+            self.events = []
             self.seconds = time.perf_counter() - began
             self.finished.set()
 
@@ -287,18 +257,14 @@ class CopyJob:
 
     def _verify(self) -> list[str]:
         """After every copy ended: the first source whose bytes differ from its buffer
-        (CUDA: every one whose fingerprint moved since before its copy), or none.
-        Stopping at the first keeps the step that waits short."""
+        (CUDA: every one), or none. Stopping at the first keeps the step that waits short."""
         began = time.perf_counter()
         try:
-            changed = []
-            for prints in self.fingerprints:
-                with torch.cuda.stream(side_stream(prints.device, self.streams)):
-                    after = device_fingerprints([leaf.src for leaf in prints.leaves])
-                    names = [leaf.name for leaf in prints.leaves]
-                    changed += changed_on_device(names, prints.before, after)
-            if changed:
-                return changed
+            cuda = [(x.name, x.src, x.dst) for x in self.leaves if x.src.is_cuda and x.nbytes]
+            if cuda:
+                changed = differing_on_device(cuda, self._on_side_stream)
+                if changed:
+                    return changed
             for leaf in self.leaves:
                 if leaf.src.is_cuda or not leaf.nbytes:
                     continue
@@ -308,6 +274,9 @@ class CopyJob:
             return []
         finally:
             self.verify_seconds = time.perf_counter() - began
+
+    def _on_side_stream(self, device: torch.device) -> object:
+        return torch.cuda.stream(side_stream(device, self.streams))
 
     def _quiesce(self) -> None:
         """After a failure too: no queued device copy may still read a source we drop."""

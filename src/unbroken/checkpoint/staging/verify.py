@@ -19,24 +19,17 @@ moment, the tensor part written) that stays ahead of the comparison. A counted o
 returned (the step pre-hook seals on the training thread); one through ``.data`` is not.
 
 Cost, in the copy's own background thread: CPU sources one ``memcmp`` of the source with
-its buffer (reads both; about as long as the copy itself, 0.06 s/GiB on one thread here).
-
-CUDA sources are not read back over the host link. The copy's side stream takes a
-fingerprint of every source (``device_fingerprints``) before its first copy and again
-after its last, and the snapshot is abandoned where any differs. That is stricter than
-the comparison above: the buffers are the sources' values at one moment, the start of the
-copies (right after the work queued before ``save()``), and a write that landed during
-the copies is caught even where it came before a tensor's own copy. Its cost is two reads
-of the sources at device-memory speed (about 2 ms per GiB on an H200) instead of the
-snapshot once more over the host link (tens of ms per GiB). What it misses besides an
-undone write: a change that leaves both sums of the fingerprint as they were (odds of
-about 2**-64 for a write of values that are not chosen to collide).
+its buffer (reads both; about as long as the copy itself, 0.06 s/GiB on one thread here);
+CUDA sources send the buffer back to the device in slices on the copy's side stream and
+compare there (the snapshot's bytes once more over the host link, one slice of device
+memory).
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -82,61 +75,34 @@ def same_bytes_cpu(a: torch.Tensor, b: torch.Tensor, aborted: Callable[[], bool]
     return True
 
 
-FINGERPRINT_STRIDE = 0x9E3779B97F4A7C15 - (1 << 64)
-"""The odd multiplier of a word's position in the second sum (the golden ratio's 64-bit
-constant, as a signed int64): a write that moves words around changes that sum."""
-
-
-def _words(flat: torch.Tensor) -> torch.Tensor:
-    """Flat bytes as the widest integers they divide into, int64 where they can be."""
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        size = dtype.itemsize
-        if flat.numel() % size == 0 and flat.data_ptr() % size == 0:
-            return flat.view(dtype)
-    return flat
-
-
-def _wrap(value: int) -> int:
-    """A Python int as the int64 it wraps to."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >> 63 else value
-
-
-def device_fingerprints(
-    sources: Sequence[torch.Tensor], slice_bytes: int = VERIFY_SLICE_BYTES
-) -> torch.Tensor:
-    """Per source, two int64 sums over its bytes read as integers, both wrapping: the
-    plain sum and the sum weighted by position (``FINGERPRINT_STRIDE * i + 1``). Any
-    single changed word changes the first; a permutation changes the second. Queued on
-    the current stream of the sources' device (one device), three or four kernels per
-    source of one slice and no transfer to the host, so queuing it never waits for the
-    device; the result stays there, an ``(n, 2)`` tensor."""
-    if not sources:
-        return torch.empty((0, 2), dtype=torch.int64)
-    device = sources[0].device
-    span = max(1, slice_bytes // 8)
-    largest = max(src.numel() * src.element_size() for src in sources)
-    weights = torch.arange(min(span, max(1, largest)), dtype=torch.int64, device=device)
-    weights.mul_(FINGERPRINT_STRIDE).add_(1)
-    sums: list[torch.Tensor] = []
-    for src in sources:
-        words = _words(source_bytes(src))
-        plain: torch.Tensor | int = 0
-        placed: torch.Tensor | int = 0
-        for begin in range(0, max(1, words.numel()), span):
-            piece = words[begin : begin + span].to(torch.int64)
-            total = piece.sum()
-            # position begin + i weighs FINGERPRINT_STRIDE * (begin + i) + 1
-            weighted = (piece * weights[: piece.numel()]).sum()
-            if begin:
-                weighted = weighted + total * _wrap(FINGERPRINT_STRIDE * begin)
-                total, weighted = total + plain, weighted + placed
-            plain, placed = total, weighted
-        sums += [plain, placed]  # type: ignore[list-item]
-    return torch.stack(sums).view(-1, 2)
-
-
-def changed_on_device(names: Sequence[str], before: torch.Tensor, after: torch.Tensor) -> list[str]:
-    """The names whose fingerprints differ (one transfer of the verdicts)."""
-    differs = (before != after).any(dim=1).cpu().tolist()
-    return [name for name, bad in zip(names, differs) if bad]
+def differing_on_device(
+    pairs: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
+    on_stream: Callable[[torch.device], AbstractContextManager],
+    slice_bytes: int = VERIFY_SLICE_BYTES,
+) -> list[str]:
+    """Names of device sources whose bytes differ from their host buffers: each buffer goes
+    back to its source's device slice by slice, inside ``on_stream(device)`` (the copy's
+    side stream, so after its copies), and is compared there; one transfer of the verdicts
+    per device. ``pairs``: (name, source, host buffer), none of them empty."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    for pair in pairs:
+        by_device.setdefault(pair[1].device, []).append(pair)
+    names: list[str] = []
+    for device, group in by_device.items():
+        with on_stream(device):
+            largest = max(src.numel() * src.element_size() for _, src, _ in group)
+            scratch = torch.empty(min(largest, slice_bytes), dtype=torch.uint8, device=device)
+            flags = []
+            for _, src, dst in group:
+                flat_src, flat_dst = source_bytes(src), dst.reshape(-1).view(torch.uint8)
+                differs = torch.zeros((), dtype=torch.bool, device=device)
+                for begin in range(0, flat_src.numel(), scratch.numel()):
+                    piece = flat_dst[begin : begin + scratch.numel()]
+                    back = scratch[: piece.numel()]
+                    back.copy_(piece, non_blocking=True)
+                    differs |= back.ne(flat_src[begin : begin + piece.numel()]).any()
+                flags.append(differs)
+            # It waits for this stream's work only, not the training loop's.
+            verdicts = torch.stack(flags).cpu().tolist()
+        names += [name for (name, _, _), bad in zip(group, verdicts) if bad]
+    return names
