@@ -71,7 +71,7 @@ class Sample:
     server: float = 0.0
     """CPU seconds of the S3 server (``--s3``)."""
     helper: float = 0.0
-    """CPU seconds of this process's children that are not the server (the save helper)."""
+    """CPU seconds of this process's save helpers."""
 
 
 def machine_busy() -> float:
@@ -86,14 +86,14 @@ def idle_rate(seconds: float = 1.0) -> float:
     return (machine_busy() - before) / seconds
 
 
-def children_cpu(skip: int | None) -> float:
-    """CPU seconds of this process's live children so far, but ``skip`` (the server)."""
+def helpers_cpu() -> float:
+    """CPU seconds so far of this process's live save helpers (children running
+    ``unbroken.checkpoint.save_helper``; not the server, nor any other child)."""
     total = 0.0
     for child in psutil.Process().children(recursive=True):
-        if child.pid == skip:
-            continue
         try:
-            total += process_cpu_seconds(child.pid)
+            if "unbroken.checkpoint.save_helper" in " ".join(child.cmdline()):
+                total += process_cpu_seconds(child.pid)
         except (psutil.Error, OSError):
             pass
     return total
@@ -102,9 +102,8 @@ def children_cpu(skip: int | None) -> float:
 def measure(
     save: Callable[[int], None], index: int, background: float, remote: S3Remote | None = None
 ) -> Sample:
-    server_pid = remote.server.proc.pid if remote else None
     s0 = remote.server_cpu_seconds() if remote else 0.0
-    c0 = children_cpu(server_pid)
+    c0 = helpers_cpu()
     r0, m0, t0 = resource.getrusage(resource.RUSAGE_SELF), machine_busy(), time.perf_counter()
     save(index)
     wall = time.perf_counter() - t0
@@ -115,7 +114,7 @@ def measure(
         machine=max(0.0, m1 - m0 - background * wall),
         wall=wall,
         server=(remote.server_cpu_seconds() - s0) if remote else 0.0,
-        helper=max(0.0, children_cpu(server_pid) - c0),
+        helper=max(0.0, helpers_cpu() - c0),
     )
 
 
