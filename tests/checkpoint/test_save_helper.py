@@ -291,3 +291,28 @@ def test_how_a_helper_ended_is_said_for_any_signal():
     assert _how(0) == "exit status 0" and _how(3) == "exit status 3"
     assert _how(-signal.SIGKILL) == "killed by SIGKILL"
     assert _how(-40) == "killed by signal 40"  # a real-time signal: no name in the enum
+
+
+def test_a_helper_that_cannot_be_started_again_is_unusable_not_an_os_error(tmp_path, monkeypatch):
+    """After a death, no new process at all (out of pids, the interpreter gone): the
+    upload says the helper is unusable, which hands the uploads to the rank's threads,
+    instead of failing this save and every later one with a bare OSError."""
+    from unbroken.checkpoint.save_helper.client import SaveHelperUnusable
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_bytes(b"x")
+    helper = SaveHelper(store_spec(ub.storage.LocalStore(str(tmp_path / "d"))))
+    try:
+        first = helper.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        helper._proc.wait()
+
+        def no_process(*args, **kwargs):
+            raise OSError(11, "Resource temporarily unavailable")
+
+        monkeypatch.setattr(subprocess, "Popen", no_process)
+        with pytest.raises(SaveHelperUnusable, match="no new save helper process"):
+            helper.upload([(str(tmp_path / "f"), "k/f")], streams=1)
+    finally:
+        helper.close()

@@ -49,8 +49,7 @@ from unbroken.checkpoint.format.writer import TierWriter
 from unbroken.checkpoint.format.writers import claim_step
 from unbroken.checkpoint.local_writes import LOCAL_LOAN, LocalWrites
 from unbroken.checkpoint.memory_tier import MemoryTier
-from unbroken.checkpoint.save_helper.client import SaveHelper, SaveHelperUnusable
-from unbroken.checkpoint.save_helper.uploads import start_helper, upload_from_helper
+from unbroken.checkpoint.save_helper.uploads import HelperSlot
 from unbroken.checkpoint.save_job import (
     SaveJob,
     describe,
@@ -138,12 +137,9 @@ class SavePipeline:
         """The step this run is at: its last commit, or what the manager restored. Its
         copy is the one the staging tier keeps (``staging_tier.tidy``)."""
         self._idle = threading.Condition(self._lock)
-        self.helper: SaveHelper | None = None
-        """The process that uploads saves whose node copy is in the memory tier (None:
-        the uploads run on threads here). Started by the worker thread as it starts: the
-        kernel ends it with the thread that started it (PR_SET_PDEATHSIG), and the
-        worker lives as long as the pipeline."""
-        self._helper_tried = False
+        self.helpers = HelperSlot(self.durable, self.memory, self.config)
+        """The process that uploads saves whose node copy is in the memory tier (none:
+        the uploads run on threads here), started by the worker thread as it starts."""
         self._thread = threading.Thread(target=self._loop, name="unbroken-ckpt", daemon=True)
         self._thread.start()
 
@@ -193,8 +189,7 @@ class SavePipeline:
         """Finish every job and its retention, then stop the worker."""
         self._queue.put(None)
         self._thread.join()
-        if self.helper is not None:
-            self.helper.close()
+        self.helpers.close()
         self._release_staging()
 
     # -- worker side -----------------------------------------------------------------
@@ -203,7 +198,7 @@ class SavePipeline:
         name_native_thread()
         if self.config.lower_priority:
             lower_thread_priority()
-        self._helper()  # starts while the job restores and trains its first steps
+        self.helpers.get()  # starts while the job restores and trains its first steps
         while True:
             job = self._queue.get()
             if job is None:
@@ -290,7 +285,8 @@ class SavePipeline:
         root = self._local_root(int(job.staged.stats.get("bytes", 0)), name)
         job.local_root = root
         # The helper reads the node copy's files in memory: they are whole before it starts.
-        helper = self._helper() if self.memory is not None and root == self.memory.path else None
+        in_memory = self.memory is not None and root == self.memory.path
+        helper = self.helpers.get() if in_memory else None
         local_dir = os.path.join(root, name)
         t1 = time.monotonic()
         job.seconds["staging"] = t1 - t0
@@ -343,8 +339,10 @@ class SavePipeline:
                 for loan in memory.values():
                     loan.give_back()  # not held through retries: the next save needs them
                 claim_step(self.durable, name, step, seen_before=self.index.claimed_before(step))
-            etags = self._upload_from_helper(helper, job, local_dir, name, records)
-            if etags is None:
+            etags = None
+            if helper is not None:
+                etags = self.helpers.upload(helper, local_dir, name, records)
+            if etags is None:  # no helper, or it proved unusable: this process's threads
                 etags = self._upload(local_dir, name, records, memory, local)
         except Exception as e:
             problem, exc = f"uploading to {self.durable.url_for(name)}: {describe(e)}", e
@@ -389,39 +387,6 @@ class SavePipeline:
                 "step %d: could not copy the manifest to the staging tier: %s", step, describe(e)
             )
         return manifest
-
-    def _upload_from_helper(
-        self,
-        helper: SaveHelper | None,
-        job: SaveJob,
-        local_dir: str,
-        name: str,
-        records: list[FileRecord],
-    ) -> dict[str, str | None] | None:
-        """The helper's upload of the step's files; None where this rank has no helper,
-        or its helper cannot start (then no later save tries one: the threads here take
-        the uploads, as with ``save_helper=False``)."""
-        if helper is None:
-            return None
-        job.helper_pid = helper.pid
-        try:
-            return upload_from_helper(helper, local_dir, name, records, self.config)
-        except SaveHelperUnusable as e:
-            log.warning(
-                "checkpoint uploads to %s run in the training process from now on: %s",
-                redact(self.durable.url),
-                e,
-            )
-            self.helper = None
-            job.helper_pid = None
-            helper.close()
-            return None
-
-    def _helper(self) -> SaveHelper | None:
-        if not self._helper_tried:
-            self._helper_tried = True
-            self.helper = start_helper(self.durable, self.memory, self.config)
-        return self.helper
 
     def _claim_quickly(self, name: str, step: int) -> bool:
         """Claim the step before any rank uploads (format/writers.py), in at most two

@@ -20,7 +20,6 @@ file) before anything of that step reaches the state.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -32,9 +31,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from unbroken.checkpoint import json_values
 from unbroken.checkpoint.catalog import missing_or_short, step_files
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.errors import (
@@ -54,21 +51,26 @@ from unbroken.checkpoint.format.manifest import (
 from unbroken.checkpoint.format.planners import SafeLoadPlanner
 from unbroken.checkpoint.format.reader import TierReader
 from unbroken.checkpoint.pipeline import MANIFEST
+from unbroken.checkpoint.restore_checks import (
+    check_compatible,
+    check_generators,
+    read_rng,
+    saved_values,
+)
 from unbroken.checkpoint.save_job import describe, rng_file
 from unbroken.checkpoint.state_dicts import (
-    KIND_OPTIMIZER,
     FlatState,
     collect,
     fit_to_saved,
     load_generator_through_dcp,
     restore_into,
 )
-from unbroken.state.rng import RngState, apply_rng_state, decode_rng_state
+from unbroken.state.rng import RngState, apply_rng_state
 from unbroken.storage import Store
 
 log = logging.getLogger(__name__)
 
-_SHOW = 12  # names listed in an error before "and N more"
+_SHOW = 12  # files listed in an error before the rest are left out
 
 
 @dataclass(frozen=True)
@@ -380,7 +382,7 @@ def _prepare(
             step=step,
             url=durable.url_for(name),
         )
-    values = _saved_values(manifest, durable, group.global_rank)
+    values = saved_values(manifest, durable, group.global_rank)
     if isinstance(store, _NodeTiers):
         nearby: dict[str, Store] = {}
         for near in store.tiers().values():  # nearest first: a file is read from the first
@@ -392,13 +394,13 @@ def _prepare(
     metadata = reader.read_metadata()
     rng = None
     if group.global_rank < manifest.world_size:
-        rng = _read_rng(reader, manifest, group.global_rank, durable)
+        rng = read_rng(reader, manifest, group.global_rank, durable)
     shared: dict[str, torch.Tensor] = {}
     if rng is None and _shared_generators(manifest, flat):
-        rank0 = _read_rng(reader, manifest, 0, durable)
+        rank0 = read_rng(reader, manifest, 0, durable)
         if rank0 is not None:
             shared = {n: rank0.generators[n] for n in _shared_generators(manifest, flat)}
-            _check_generators(flat, dataclasses.replace(rank0, generators=shared), False,
+            check_generators(flat, dataclasses.replace(rank0, generators=shared), False,
                               where=durable.url_for(f"{name}/{rng_file(0)}"))  # fmt: skip
     flat = _generators_of_older_checkpoints(flat, metadata.state_dict_metadata)
     flat = fit_to_saved(flat, metadata.state_dict_metadata)  # the optimizers' state as saved
@@ -410,7 +412,7 @@ def _prepare(
         where=reader.source(METADATA_JSON).url_for(name),
     )
     rng_url = durable.url_for(f"{name}/{rng_file(group.global_rank)}")
-    _check_generators(flat, rng, strict, where=rng_url)
+    check_generators(flat, rng, strict, where=rng_url)
     return _Prepared(manifest, reader, rng, values, flat, shared)
 
 
@@ -432,66 +434,6 @@ def _generators_of_older_checkpoints(flat: FlatState, saved: Mapping[str, Any]) 
     for name in legacy:
         load_generator_through_dcp(flat, name)
     return flat
-
-
-def _check_generators(flat: FlatState, rng: RngState | None, strict: bool, where: str) -> None:
-    """Each generator of the state finds a state of its own size in this rank's record
-    (a rank the checkpoint had no record for keeps its own, as its RNG streams do)."""
-    if rng is None:
-        return
-    for name, generator in flat.generators.items():
-        if name in flat.nested:
-            continue  # loaded through DCP (an older checkpoint)
-        saved = rng.generators.get(name)
-        if saved is None:
-            if strict:
-                raise CheckpointMismatchError(
-                    f"state entry {name!r} is a torch.Generator, but {where} holds no state "
-                    f"for it (saved entries: {sorted(rng.generators) or 'none'}); pass "
-                    "strict=False to keep its current state"
-                )
-            continue
-        size = generator.get_state().numel()
-        if saved.numel() != size:
-            raise CheckpointMismatchError(
-                f"state entry {name!r}: {where} holds a {saved.numel()}-byte generator state, "
-                f"but this {generator.device} generator's state has {size} bytes"
-            )
-
-
-def _saved_values(manifest: Manifest, durable: Store, rank: int) -> dict[str, Any]:
-    """This rank's plain values, decoded: rank 0's, with those this rank saved as its own
-    where they differed. Not a mapping: the manifest is at fault (read as names, a string
-    would make its letters the keys, "another model?")."""
-    url = durable.url_for(f"{step_dir(manifest.step)}/{MANIFEST_NAME}")
-    values = manifest.extra.get("values", {})
-    per_rank = manifest.extra.get("rank_values", {})
-    for what, doc in (("values", values), ("rank_values", per_rank)):
-        if not isinstance(doc, dict):
-            raise CheckpointCorruptError(
-                f"{url}: extra.{what} is a {type(doc).__name__}, not a mapping of entry "
-                "names to plain values",
-                step=manifest.step,
-                file=MANIFEST_NAME,
-                url=url,
-            )
-    own = per_rank.get(str(rank), {})
-    if not isinstance(own, dict):
-        raise CheckpointCorruptError(
-            f"{url}: extra.rank_values.{rank} is a {type(own).__name__}, not a mapping",
-            step=manifest.step,
-            file=MANIFEST_NAME,
-            url=url,
-        )
-    differed = sorted({k for v in per_rank.values() if isinstance(v, dict) for k in v})
-    if rank >= manifest.world_size and differed:
-        warnings.warn(
-            f"rank {rank}: checkpoint step {manifest.step} was saved on {manifest.world_size} "
-            f"ranks, whose values of {differed} differed; this rank gets rank 0's",
-            RuntimeWarning,
-            stacklevel=5,
-        )
-    return json_values.decode({**values, **own})
 
 
 def _local_files(store: Store, name: str, manifest: Manifest) -> frozenset[str]:
@@ -516,77 +458,3 @@ def _local_files(store: Store, name: str, manifest: Manifest) -> frozenset[str]:
         if size == rec.size:
             present.add(rec.name)
     return frozenset(present)
-
-
-def _read_rng(reader: TierReader, manifest: Manifest, rank: int, durable: Store) -> RngState | None:
-    """This rank's RNG state, decoded. Bytes that pass their checksum but do not decode
-    are the durable copy's fault too (every copy holds those bytes), so the error names
-    it and the step is given up at once."""
-    fname = rng_file(rank)
-    if fname not in manifest.files:
-        return None
-    data = reader.read_whole(fname)
-    try:
-        return decode_rng_state(json.loads(data))
-    except ValueError as e:  # RngStateError, or not JSON / not UTF-8
-        url = durable.url_for(f"{step_dir(manifest.step)}/{fname}")
-        raise CheckpointCorruptError(f"{url}: {e}", step=manifest.step, file=fname, url=url) from e
-
-
-def _is_group_setting(key: str, optimizers: set[str]) -> bool:
-    """``optim.param_groups.0.initial_lr``: a setting of an optimizer's parameter group."""
-    parts = key.split(".")
-    return len(parts) == 4 and parts[0] in optimizers and parts[1] == "param_groups"
-
-
-def check_compatible(
-    flat: FlatState, metadata: Metadata, manifest: Manifest, *, strict: bool, where: str
-) -> None:
-    """Raise CheckpointMismatchError naming every key or shape that differs."""
-    saved = metadata.state_dict_metadata
-    mine = flat.tensors
-    saved_values = set(manifest.extra.get("values", {}))
-    missing = sorted(set(mine) - set(saved)) + sorted(set(flat.values) - saved_values)
-    unexpected: list[str] = []
-    if strict:
-        entries = set(flat.kinds)
-        unexpected = sorted(k for k in saved if k.split(".", 1)[0] in entries and k not in mine)
-        unexpected += sorted(k for k in saved_values - set(flat.values) if k in entries)
-    shapes = []
-    for key in sorted(set(mine) & set(saved)):
-        md, value = saved[key], mine[key]
-        if isinstance(value, torch.Tensor) != isinstance(md, TensorStorageMetadata):
-            kind = "a tensor" if isinstance(md, TensorStorageMetadata) else "a plain value"
-            shapes.append(f"{key}: {kind} in the checkpoint, not in the state")
-        elif isinstance(value, torch.Tensor) and tuple(md.size) != tuple(value.shape):
-            shapes.append(
-                f"{key}: shape {tuple(md.size)} in the checkpoint, "
-                f"{tuple(value.shape)} in the state"
-            )
-    optimizers = {n for n, k in flat.kinds.items() if k == KIND_OPTIMIZER}
-    reported = (missing if strict else []) + unexpected
-    hyper = [k for k in reported if _is_group_setting(k, optimizers)]
-    if hyper and len(hyper) == len(reported) and not shapes:
-        raise CheckpointMismatchError(
-            f"checkpoint {where}: the optimizer's parameter-group settings differ from the "
-            f"state's ({', '.join(hyper[:_SHOW])}): an LR scheduler added or removed since "
-            "the save (schedulers write settings such as initial_lr, max_lr into the "
-            "optimizer)? Build optimizer and scheduler as the saving run did, or restore "
-            "with strict=False to keep this run's settings where the checkpoint has none"
-        )
-    parts = []
-    for label, names in (
-        ("missing from the checkpoint", missing),
-        ("in the checkpoint but not in the state", unexpected),
-        ("mismatched", shapes),
-    ):
-        if names:
-            more = f" and {len(names) - _SHOW} more" if len(names) > _SHOW else ""
-            parts.append(f"{label}: {', '.join(names[:_SHOW])}{more}")
-    if missing and not strict:
-        parts = [p for p in parts if not p.startswith("missing")]
-    if parts:
-        raise CheckpointMismatchError(
-            f"checkpoint {where} does not match the state being restored "
-            f"(another model?): " + "; ".join(parts)
-        )

@@ -48,8 +48,6 @@ class SaveJob:
     back from the staging tier (0 where the durable store reads files)."""
     checksummed_in_copy_bytes: int = 0
     """Bytes of this rank's shard whose crc32c the staging copy had taken."""
-    helper_pid: int | None = None
-    """The save helper process that uploaded this save (None: threads of this process)."""
     local_root: str | None = None
     """The node tier this save's local copy went to (the memory tier's directory or the
     disk staging directory); None before its local write."""

@@ -88,6 +88,9 @@ class SaveHelper:
                  str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
             )  # fmt: skip
+        except OSError:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self._sock, self._greeted = ours, False
@@ -122,10 +125,7 @@ class SaveHelper:
             except messages.PeerGone:
                 pid, code = self._end()
                 if attempt == 0 and code < 0:
-                    try:
-                        self._replace()
-                    except OSError as e:  # no new process at all: the threads take over
-                        raise SaveHelperUnusable(f"no new save helper process ({e})") from None
+                    self._replace()
                     continue
                 raise SaveHelperUnusable(
                     f"the save helper process (pid {pid}) ended as it started ({_how(code)})"
@@ -136,10 +136,14 @@ class SaveHelper:
             return
 
     def _replace(self) -> None:
-        """A new helper for one that died between requests (its death was reported)."""
+        """A new helper for one that died between requests (its death was reported);
+        SaveHelperUnusable where no process can be started (the threads take over)."""
         if self._sock is not None:
             self._sock.close()
-        self._start()
+        try:
+            self._start()
+        except OSError as e:
+            raise SaveHelperUnusable(f"no new save helper process ({e})") from None
 
     def _died(self, what: str) -> SaveHelperDied:
         pid, code = self._end()

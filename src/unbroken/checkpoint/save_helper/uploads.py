@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 from unbroken.checkpoint.format.manifest import FileRecord
 from unbroken.checkpoint.memory_tier import MemoryTier
-from unbroken.checkpoint.save_helper.client import SaveHelper
+from unbroken.checkpoint.save_helper.client import SaveHelper, SaveHelperUnusable
 from unbroken.storage import EmulatedStore, FsspecStore, Store
+from unbroken.storage.errors import redact
 from unbroken.storage.native_store import NativeStore
 from unbroken.storage.spec import store_spec
 
@@ -44,14 +45,48 @@ def start_helper(
         return None
 
 
-def upload_from_helper(
-    helper: SaveHelper, local_dir: str, name: str, records: list[FileRecord], config: PipelineConfig
-) -> dict[str, str | None]:
-    """Upload each record's file of ``local_dir`` to ``name/<file>`` from the helper; each
-    file's etag as it stood right after its upload."""
-    files = [(os.path.join(local_dir, r.name), f"{name}/{r.name}") for r in records]
-    etags = helper.upload(files, config.upload_streams)
-    return {r.name: etags.get(f"{name}/{r.name}") for r in records}
+class HelperSlot:
+    """The rank's save helper as the pipeline's worker thread holds it: started once,
+    where it pays (``start_helper``), by that thread (the kernel ends the helper with the
+    thread that started it, PR_SET_PDEATHSIG, and the worker lives as long as the
+    pipeline); given up for good once it proves unusable, after which the rank's own
+    threads upload, as with ``save_helper=False``."""
+
+    def __init__(self, durable: Store, memory: MemoryTier | None, config: PipelineConfig) -> None:
+        self._durable, self._memory, self._config = durable, memory, config
+        self.helper: SaveHelper | None = None
+        self._tried = False
+
+    def get(self) -> SaveHelper | None:
+        """The helper, started at the first call; None where the rank has none."""
+        if not self._tried:
+            self._tried = True
+            self.helper = start_helper(self._durable, self._memory, self._config)
+        return self.helper
+
+    def upload(
+        self, helper: SaveHelper, local_dir: str, name: str, records: list[FileRecord]
+    ) -> dict[str, str | None] | None:
+        """Upload each record's file of ``local_dir`` to ``name/<file>`` from ``helper``;
+        each file's etag as it stood right after its upload. None where the helper cannot
+        start (said once): the caller uploads on its threads, and so does every later save."""
+        files = [(os.path.join(local_dir, r.name), f"{name}/{r.name}") for r in records]
+        try:
+            etags = helper.upload(files, self._config.upload_streams)
+        except SaveHelperUnusable as e:
+            log.warning(
+                "checkpoint uploads to %s run in the training process from now on: %s",
+                redact(self._durable.url),
+                e,
+            )
+            self.helper = None
+            helper.close()
+            return None
+        return {r.name: etags.get(f"{name}/{r.name}") for r in records}
+
+    def close(self) -> None:
+        if self.helper is not None:
+            self.helper.close()
 
 
 def _remote(store: Store) -> bool:

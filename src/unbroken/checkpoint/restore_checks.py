@@ -1,0 +1,164 @@
+"""What a restore reads and checks before any tensor loads.
+
+The step's plain values and this rank's RNG record, decoded (bytes that pass their
+checksum and still do not decode are the checkpoint's fault: ``CheckpointCorruptError``,
+naming the file), and whether the checkpoint fits the state at all: the state's
+flattened entries against the DCP metadata, the manifest and the RNG record, a
+``CheckpointMismatchError`` naming every key, shape or generator that differs (another
+model, a scheduler added since the save). So nothing of a checkpoint that does not fit,
+or cannot be read whole, reaches the state.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from unbroken.checkpoint import json_values
+from unbroken.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from unbroken.checkpoint.format.manifest import MANIFEST_NAME, Manifest, step_dir
+from unbroken.checkpoint.format.reader import TierReader
+from unbroken.checkpoint.save_job import rng_file
+from unbroken.checkpoint.state_dicts import KIND_OPTIMIZER, FlatState
+from unbroken.state.rng import RngState, decode_rng_state
+from unbroken.storage import Store
+
+_SHOW = 12  # names listed in an error before "and N more"
+
+
+def check_compatible(
+    flat: FlatState, metadata: Metadata, manifest: Manifest, *, strict: bool, where: str
+) -> None:
+    """Raise CheckpointMismatchError naming every key or shape that differs."""
+    saved = metadata.state_dict_metadata
+    mine = flat.tensors
+    saved_values = set(manifest.extra.get("values", {}))
+    missing = sorted(set(mine) - set(saved)) + sorted(set(flat.values) - saved_values)
+    unexpected: list[str] = []
+    if strict:
+        entries = set(flat.kinds)
+        unexpected = sorted(k for k in saved if k.split(".", 1)[0] in entries and k not in mine)
+        unexpected += sorted(k for k in saved_values - set(flat.values) if k in entries)
+    shapes = []
+    for key in sorted(set(mine) & set(saved)):
+        md, value = saved[key], mine[key]
+        if isinstance(value, torch.Tensor) != isinstance(md, TensorStorageMetadata):
+            kind = "a tensor" if isinstance(md, TensorStorageMetadata) else "a plain value"
+            shapes.append(f"{key}: {kind} in the checkpoint, not in the state")
+        elif isinstance(value, torch.Tensor) and tuple(md.size) != tuple(value.shape):
+            shapes.append(
+                f"{key}: shape {tuple(md.size)} in the checkpoint, "
+                f"{tuple(value.shape)} in the state"
+            )
+    optimizers = {n for n, k in flat.kinds.items() if k == KIND_OPTIMIZER}
+    reported = (missing if strict else []) + unexpected
+    hyper = [k for k in reported if _is_group_setting(k, optimizers)]
+    if hyper and len(hyper) == len(reported) and not shapes:
+        raise CheckpointMismatchError(
+            f"checkpoint {where}: the optimizer's parameter-group settings differ from the "
+            f"state's ({', '.join(hyper[:_SHOW])}): an LR scheduler added or removed since "
+            "the save (schedulers write settings such as initial_lr, max_lr into the "
+            "optimizer)? Build optimizer and scheduler as the saving run did, or restore "
+            "with strict=False to keep this run's settings where the checkpoint has none"
+        )
+    parts = []
+    for label, names in (
+        ("missing from the checkpoint", missing),
+        ("in the checkpoint but not in the state", unexpected),
+        ("mismatched", shapes),
+    ):
+        if names:
+            more = f" and {len(names) - _SHOW} more" if len(names) > _SHOW else ""
+            parts.append(f"{label}: {', '.join(names[:_SHOW])}{more}")
+    if missing and not strict:
+        parts = [p for p in parts if not p.startswith("missing")]
+    if parts:
+        raise CheckpointMismatchError(
+            f"checkpoint {where} does not match the state being restored "
+            f"(another model?): " + "; ".join(parts)
+        )
+
+
+def _is_group_setting(key: str, optimizers: set[str]) -> bool:
+    """``optim.param_groups.0.initial_lr``: a setting of an optimizer's parameter group."""
+    parts = key.split(".")
+    return len(parts) == 4 and parts[0] in optimizers and parts[1] == "param_groups"
+
+
+def check_generators(flat: FlatState, rng: RngState | None, strict: bool, where: str) -> None:
+    """Each generator of the state finds a state of its own size in this rank's record
+    (a rank the checkpoint had no record for keeps its own, as its RNG streams do)."""
+    if rng is None:
+        return
+    for name, generator in flat.generators.items():
+        if name in flat.nested:
+            continue  # loaded through DCP (an older checkpoint)
+        saved = rng.generators.get(name)
+        if saved is None:
+            if strict:
+                raise CheckpointMismatchError(
+                    f"state entry {name!r} is a torch.Generator, but {where} holds no state "
+                    f"for it (saved entries: {sorted(rng.generators) or 'none'}); pass "
+                    "strict=False to keep its current state"
+                )
+            continue
+        size = generator.get_state().numel()
+        if saved.numel() != size:
+            raise CheckpointMismatchError(
+                f"state entry {name!r}: {where} holds a {saved.numel()}-byte generator state, "
+                f"but this {generator.device} generator's state has {size} bytes"
+            )
+
+
+def saved_values(manifest: Manifest, durable: Store, rank: int) -> dict[str, Any]:
+    """This rank's plain values, decoded: rank 0's, with those this rank saved as its own
+    where they differed. Not a mapping: the manifest is at fault (read as names, a string
+    would make its letters the keys, "another model?")."""
+    url = durable.url_for(f"{step_dir(manifest.step)}/{MANIFEST_NAME}")
+    values = manifest.extra.get("values", {})
+    per_rank = manifest.extra.get("rank_values", {})
+    for what, doc in (("values", values), ("rank_values", per_rank)):
+        if not isinstance(doc, dict):
+            raise CheckpointCorruptError(
+                f"{url}: extra.{what} is a {type(doc).__name__}, not a mapping of entry "
+                "names to plain values",
+                step=manifest.step,
+                file=MANIFEST_NAME,
+                url=url,
+            )
+    own = per_rank.get(str(rank), {})
+    if not isinstance(own, dict):
+        raise CheckpointCorruptError(
+            f"{url}: extra.rank_values.{rank} is a {type(own).__name__}, not a mapping",
+            step=manifest.step,
+            file=MANIFEST_NAME,
+            url=url,
+        )
+    differed = sorted({k for v in per_rank.values() if isinstance(v, dict) for k in v})
+    if rank >= manifest.world_size and differed:
+        warnings.warn(
+            f"rank {rank}: checkpoint step {manifest.step} was saved on {manifest.world_size} "
+            f"ranks, whose values of {differed} differed; this rank gets rank 0's",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+    return json_values.decode({**values, **own})
+
+
+def read_rng(reader: TierReader, manifest: Manifest, rank: int, durable: Store) -> RngState | None:
+    """This rank's RNG state, decoded. Bytes that pass their checksum but do not decode
+    are the durable copy's fault too (every copy holds those bytes), so the error names
+    it and the step is given up at once."""
+    fname = rng_file(rank)
+    if fname not in manifest.files:
+        return None
+    data = reader.read_whole(fname)
+    try:
+        return decode_rng_state(json.loads(data))
+    except ValueError as e:  # RngStateError, or not JSON / not UTF-8
+        url = durable.url_for(f"{step_dir(manifest.step)}/{fname}")
+        raise CheckpointCorruptError(f"{url}: {e}", step=manifest.step, file=fname, url=url) from e
