@@ -24,6 +24,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def dump_stacks(pid: int, settle: float = 2.0) -> None:
+    """Ask a launcher and every process under it for its threads' stacks (SIGUSR1, which
+    ``tests/stack_dumps/sitecustomize.py`` hands to faulthandler), before a test that gave
+    up on a hung job kills it: the job's output then says where each process waited."""
+    import time
+
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGUSR1)
+        except psutil.NoSuchProcess:
+            pass
+    time.sleep(settle)  # the dumps travel through the pipes before the kill
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a launcher and every process under it (torchrun starts each rank in its own
     session, so killing the launcher's process group is not enough)."""
@@ -46,7 +67,8 @@ def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # what the caller's path had stays after ours (packages installed with --target)
     inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), *inherited])
+    stacks = str(Path(__file__).parents[1] / "stack_dumps")  # SIGUSR1: faulthandler
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), stacks, *inherited])
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -96,6 +118,7 @@ def torchrun(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        dump_stacks(proc.pid)
         kill_tree(proc.pid)
         out, _ = proc.communicate()
         raise AssertionError(

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.checkpoint.distributed import ROOT, free_port, kill_tree, rank_env
+from tests.checkpoint.distributed import ROOT, dump_stacks, free_port, kill_tree, rank_env
 from unbroken.checkpoint.format.manifest import parse_step_dir, step_dir
 from unbroken.storage.base import TEMP_MARKER
 
@@ -113,6 +113,10 @@ class Agent:
                 if self._eof:
                     raise AssertionError(f"the job ended before {what}:\n{self.output}")
                 if time.monotonic() > deadline:
+                    dump_stacks(self.proc.pid, settle=0)  # where each process waits
+                    settled = time.monotonic() + 2
+                    while time.monotonic() < settled:  # the reader thread takes the dumps
+                        self._new_line.wait(timeout=0.1)
                     self.kill()
                     raise AssertionError(f"no {what} in {timeout}s:\n{self.output}")
                 self._new_line.wait(timeout=0.05)
@@ -195,6 +199,7 @@ class Agent:
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            dump_stacks(self.proc.pid)
             self.kill()
             self.proc.wait(30)
             raise AssertionError(f"job timed out after {timeout}s:\n{self.output}") from None
