@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import bench.peers.accounting as acc
 import bench.peers.loaders as peers
 import bench.peers.setup as _peer_setup
 from bench.common.paths import ROOT, child_env, module_argv
+from bench.peers.loader_rows import DiskPeak
 
 SOURCE = {"a.jpg": acc.crc_of(b"a"), "b.jpg": acc.crc_of(b"b"), "c.jpg": acc.crc_of(b"c")}
 
@@ -176,3 +178,16 @@ def test_a_failed_row_keeps_its_files_the_newest_failure_only(tmp_path):
         assert not work.exists()
     assert sorted(p.name for p in failed.iterdir()) == ["no_such_row-1"]  # the newest only
     assert (failed / "no_such_row-1" / "shard.00000.mds").read_bytes() == b"shard 1"
+
+
+def test_the_cache_sampler_counts_its_own_cpu_so_the_row_is_not_charged_for_it(tmp_path):
+    """A walk of a per-file cache costs milliseconds; rows that cache per file would pay
+    for being measured if the sampler's CPU stayed in the loader's."""
+    for i in range(400):
+        (tmp_path / f"{i % 16:02x}").mkdir(exist_ok=True)
+        (tmp_path / f"{i % 16:02x}" / f"f{i}").write_bytes(b"x" * 10)
+    peak = DiskPeak(str(tmp_path), every=0.001)
+    time.sleep(0.3)
+    assert peak.stop() == 4000
+    assert peak.cpu_seconds > 0
+    assert DiskPeak(None).stop() == 0 and DiskPeak(None).cpu_seconds == 0
