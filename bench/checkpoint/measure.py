@@ -2,10 +2,12 @@
 
 Memory is the proportional set size (PSS) of a rank and the helper processes it starts
 during a row (DCP's checkpoint process, background uploaders): shared-memory staging
-buffers count once, not once per process that maps them. Files in unbroken's memory
-tier are shared memory that no process maps (written and read with system calls), so
-PSS does not see them: the sampler adds the rank's share of the bytes that appeared
-under the memory tier's root since it started.
+buffers count once, not once per process that maps them. Most files in unbroken's
+memory tier are shared memory that no process maps (written and read with system
+calls), so PSS does not see them: the sampler adds the rank's share of the bytes that
+appeared under the memory tier's root since it started. Its arenas (the files a rank
+stages into, then links into a step) are mapped by their rank: PSS has them already,
+and they are left out of the tier's count.
 """
 
 from __future__ import annotations
@@ -20,9 +22,35 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from unbroken.checkpoint.memory_tier import default_root, tree_bytes
+from unbroken.checkpoint.memory_tier import default_root
+from unbroken.checkpoint.staging.arena import ARENAS_DIR
 
 GiB = float(1 << 30)
+
+
+def unmapped_tier_bytes(path: str) -> int:
+    """Bytes of a memory-tier directory's files that no process maps: all but its
+    arenas (mapped by their ranks, so in their PSS); a file linked twice counts once."""
+    seen: set[tuple[int, int]] = set()
+    arenas = os.path.join(path, ARENAS_DIR)
+    for name in _entries(arenas):
+        try:
+            st = os.stat(os.path.join(arenas, name))
+        except OSError:
+            continue
+        seen.add((st.st_dev, st.st_ino))
+    total = 0
+    for folder, _, names in os.walk(path):
+        for n in names:
+            try:
+                st = os.lstat(os.path.join(folder, n))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
 
 
 def tree_pss(root: psutil.Process, exclude: set[int]) -> int:
@@ -85,7 +113,7 @@ class MemorySampler:
         ones already there (another job's, or a dead one's that the row's manager may
         sweep meanwhile), so a sweep does not hide the row's own."""
         new = [e for e in _entries(self._tier_root) if e not in self._tiers_before]
-        return sum(tree_bytes(os.path.join(self._tier_root, e)) for e in new)
+        return sum(unmapped_tier_bytes(os.path.join(self._tier_root, e)) for e in new)
 
     def sample(self) -> int:
         value = tree_pss(self._proc, self._exclude) + self.tier_bytes() // self._tier_share

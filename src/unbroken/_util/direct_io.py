@@ -58,7 +58,8 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, nbytes)
 
 
-def _address(view: memoryview) -> int:
+def address_of(view: memoryview) -> int:
+    """The address of a buffer's first byte."""
     return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
@@ -131,7 +132,7 @@ class DirectFileWriter:
         return (
             self._fill % DIRECT_ALIGN == 0
             and len(view) >= DIRECT_ALIGN
-            and _address(view) % DIRECT_ALIGN == 0
+            and address_of(view) % DIRECT_ALIGN == 0
         )
 
     def _write_in_place(self, view: memoryview) -> memoryview:

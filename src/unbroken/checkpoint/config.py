@@ -176,6 +176,9 @@ class SaveStats:
     bytes_checksummed_in_copy: int = 0
     """This rank's shard bytes whose crc32c the staging copy took as it copied them (from
     the cache), so that the local write did not read them again; summed over saves."""
+    bytes_staged_in_place: int = 0
+    """This rank's shard bytes staged straight into the memory tier's file (from the
+    second save of a state on), which the local write then did not copy; summed."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

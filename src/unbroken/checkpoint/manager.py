@@ -275,7 +275,7 @@ class CheckpointManager:
         self._goodput.save_begin(step)
         busy, began = self._stager.busy, time.monotonic()
         # stage() first waits for the previous snapshot's local write, if still running.
-        staged = self._stager.stage(flat.tensors, first=flat.first)
+        staged = self._stager.stage(flat.tensors, first=flat.first, arena=self._pipeline.arena())
         if busy:
             self.stats.waited_busy += 1
             self.stats.seconds_waited_busy += time.monotonic() - began
@@ -319,6 +319,7 @@ class CheckpointManager:
             self.stats.bytes_direct += job.direct_bytes
             self.stats.bytes_from_memory += job.memory_bytes
             self.stats.bytes_checksummed_in_copy += job.checksummed_in_copy_bytes
+            self.stats.bytes_staged_in_place += job.in_place_bytes
             self._goodput.commit(
                 job.step,
                 ok=job.error is None,

@@ -93,12 +93,19 @@ def space(path: str) -> Space:
 
 
 def tree_bytes(path: str) -> int:
-    """Bytes of the files under ``path`` (what deleting it would give back)."""
+    """Bytes of the files under ``path`` (what deleting it would give back); a file
+    linked twice (an arena and the step that holds it) counts once."""
     total = 0
+    seen: set[tuple[int, int]] = set()
     for folder, _, names in os.walk(path):
         for n in names:
             with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(folder, n)).st_blocks * 512
+                st = os.lstat(os.path.join(folder, n))
+                if st.st_nlink > 1:
+                    if (st.st_dev, st.st_ino) in seen:
+                        continue
+                    seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
     return total
 
 

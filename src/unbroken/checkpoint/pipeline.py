@@ -45,6 +45,7 @@ from unbroken.checkpoint.format.manifest import (
     step_dir,
 )
 from unbroken.checkpoint.format.planners import PinnedSavePlanner
+from unbroken.checkpoint.format.shard_layout import TensorLayout
 from unbroken.checkpoint.format.writer import TierWriter
 from unbroken.checkpoint.format.writers import claim_step
 from unbroken.checkpoint.local_writes import LOCAL_LOAN, LocalWrites
@@ -57,6 +58,7 @@ from unbroken.checkpoint.save_job import (
     lend_until_read,
     rng_file,
 )
+from unbroken.checkpoint.staging.arena import Arena, RankArenas
 from unbroken.checkpoint.staging.owner import claim_staging_dir
 from unbroken.storage import LocalStore, Store
 from unbroken.storage.errors import RetriesExhaustedError, StoreError, redact
@@ -96,6 +98,9 @@ class PipelineConfig:
     save_helper: bool = True
     """Upload a save whose node copy is in the memory tier from a process of its own
     (``save_helper/``), where the durable tier is an object store."""
+    stage_in_place: bool = True
+    """Stage into the memory tier's files themselves (``staging/arena.py``), so that
+    the staging buffers and the node's copy being written are the same memory."""
 
 
 class SavePipeline:
@@ -137,6 +142,14 @@ class SavePipeline:
         """The step this run is at: its last commit, or what the manager restored. Its
         copy is the one the staging tier keeps (``staging_tier.tidy``)."""
         self._idle = threading.Condition(self._lock)
+        self.arenas = (
+            RankArenas(memory.path, group.global_rank)
+            if memory is not None and config.stage_in_place
+            else None
+        )
+        """This rank's files of the memory tier that saves stage straight into."""
+        self._layout: TensorLayout | None = None
+        """This rank's shard as the last save wrote it to the memory tier."""
         self.helpers = HelperSlot(self.durable, self.memory, self.config)
         """The process that uploads saves whose node copy is in the memory tier (none:
         the uploads run on threads here), started by the worker thread as it starts."""
@@ -148,6 +161,13 @@ class SavePipeline:
     def memory_store(self) -> LocalStore | None:
         """The memory tier as a store, for restore (None: no memory tier)."""
         return self._stores.get(self.memory.path) if self.memory is not None else None
+
+    def arena(self) -> Arena | None:
+        """Where the next snapshot can stage in the memory tier: a file of this rank's
+        laid out as its last shard there, once no step holds it; None otherwise."""
+        if self.arenas is None or self.memory is None or not self.memory.active:
+            return None
+        return self.arenas.take(self._layout)
 
     def submit(self, job: SaveJob) -> None:
         """Queue a job; the worker runs jobs one at a time, in order.
@@ -190,6 +210,8 @@ class SavePipeline:
         self._queue.put(None)
         self._thread.join()
         self.helpers.close()
+        if self.arenas is not None:
+            self.arenas.close()
         self._release_staging()
 
     # -- worker side -----------------------------------------------------------------
@@ -282,7 +304,8 @@ class SavePipeline:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(root, name, MANIFEST))
             staging_tier.tidy(root, self.current_step, writing=step)
-        root = self._local_root(int(job.staged.stats.get("bytes", 0)), name)
+        staged_bytes = job.staged.stats.get("bytes", 0) - job.staged.stats.get("bytes_in_place", 0)
+        root = self._local_root(int(staged_bytes), name)
         job.local_root = root
         # The helper reads the node copy's files in memory: they are whole before it starts.
         in_memory = self.memory is not None and root == self.memory.path
@@ -302,6 +325,7 @@ class SavePipeline:
             keep_parts=from_memory,
             defer_shards=from_memory and self.durable.uploads_before_file,
             known_checksums=job.staged.checksums,
+            arena=job.staged.arena if in_memory else None,
         )
         try:
             dcp.save(
@@ -321,6 +345,8 @@ class SavePipeline:
         t2 = time.monotonic()
         job.seconds["local"] = t2 - t1
         job.checksummed_in_copy_bytes = writer.reused_checksum_bytes
+        job.in_place_bytes = writer.in_place_bytes
+        self._layout = writer.layout if in_memory else None
 
         problem, exc, records, etags = None, None, [], {}
         # The deferred local writes read the buffers too: each holds a loan of its own.

@@ -48,6 +48,9 @@ class SaveJob:
     back from the staging tier (0 where the durable store reads files)."""
     checksummed_in_copy_bytes: int = 0
     """Bytes of this rank's shard whose crc32c the staging copy had taken."""
+    in_place_bytes: int = 0
+    """Bytes of this rank's shard the staging copy wrote where the memory tier's file
+    keeps them (``staging/arena.py``): the local write did not copy them again."""
     local_root: str | None = None
     """The node tier this save's local copy went to (the memory tier's directory or the
     disk staging directory); None before its local write."""

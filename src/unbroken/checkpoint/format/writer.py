@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from unbroken._util.crc32c_combine import crc32c_combine
-from unbroken._util.direct_io import DirectFileWriter, new_file_writer
+from unbroken._util.direct_io import DirectFileWriter, address_of, new_file_writer
 from unbroken.checkpoint.errors import CheckpointError
 from unbroken.checkpoint.format.dcp_json import (
     ItemLocation,
@@ -48,8 +48,10 @@ from unbroken.checkpoint.format.manifest import (
     FileRecord,
     crc32c_bytes,
 )
-from unbroken.checkpoint.format.tensor_record import envelope, padding, raw_view, record_start
+from unbroken.checkpoint.format.shard_layout import TensorLayout, lay_out
+from unbroken.checkpoint.format.tensor_record import envelope, padding, raw_view
 from unbroken.checkpoint.format.values import UnsafeValueError, load_weights_only
+from unbroken.checkpoint.staging.arena import Arena
 from unbroken.checkpoint.staging.copy import buffer_key
 from unbroken.storage.base import atomic_local_write
 
@@ -77,6 +79,7 @@ class TierWriter(StorageWriter):
         keep_parts: bool = False,
         defer_shards: bool = False,
         known_checksums: Mapping[tuple[int, int], int] | None = None,
+        arena: Arena | None = None,
     ) -> None:
         """``sync=False`` skips fsync: for the staging tier, whose copy is used only when
         its manifest matches the durable one and every byte read is checksummed.
@@ -86,6 +89,8 @@ class TierWriter(StorageWriter):
         upload can send the parts from memory while the shard goes to disk.
         ``known_checksums``: crc32c of tensor memory already taken, by ``buffer_key``
         (``StagedState.checksums``); such a payload is written without reading it again.
+        ``arena``: the memory tier's file the snapshot was staged into; where the plan
+        lays the shard out as the arena is, the shard is that file (``staging/arena.py``).
         """
         super().__init__()
         self.directory = os.fspath(directory)
@@ -98,6 +103,12 @@ class TierWriter(StorageWriter):
         self.known_checksums: Mapping[tuple[int, int], int] = known_checksums or {}
         self.reused_checksum_bytes = 0
         """Payload bytes written with a checksum from ``known_checksums``."""
+        self.arena = arena
+        self.in_place_bytes = 0
+        """Payload bytes the staging copy had already put in place (``arena``)."""
+        self.layout: TensorLayout | None = None
+        """This rank's shard's tensor records as last written: where the next save of
+        the same state can stage (``RankArenas.take``)."""
         self.records: list[FileRecord] = []
         self.parts: dict[str, list[Any]] = {}
         """With ``keep_parts``: per file written, the buffers whose concatenation is its
@@ -124,6 +135,7 @@ class TierWriter(StorageWriter):
         self.direct_bytes = 0
         self.page_cache_used = False
         self.reused_checksum_bytes = 0
+        self.in_place_bytes = 0
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -187,61 +199,74 @@ class TierWriter(StorageWriter):
     def _write_shard(
         self, name: str, items: list[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
+        resolved = [(item, planner.resolve_data(item)) for item in items]
+        tensors = [(i, d) for i, d in resolved if i.type != WriteItemType.BYTE_IO]
+        values = [(i, d) for i, d in resolved if i.type == WriteItemType.BYTE_IO]
+        for item, data in tensors:
+            self._check_tensor(item, data)
+        layout = lay_out(
+            (i.index.fqn, tuple(i.index.offset or ()), d.dtype, tuple(d.shape)) for i, d in tensors
+        )
+        self.layout = layout
         results: list[WriteResult] = []
 
         def fill(out: _ChecksummedOutput) -> None:
-            for item in items:
-                results.append(self._write_item(out, name, item, planner))
+            for (item, data), slot in zip(tensors, layout.slots):
+                results.append(self._write_tensor(out, name, item, data, slot.start))
+            for item, data in values:
+                results.append(self._write_value(out, name, item, data))
 
-        self._publish(name, fill, direct=True)
+        arena = self.arena
+        if arena is not None and arena.layout == layout:
+            self._publish_in_place(name, fill, arena)
+        else:
+            self._publish(name, fill, direct=True)
         return results
 
-    def _write_item(
-        self, out: _ChecksummedOutput, name: str, item: WriteItem, planner: SavePlanner
+    def _write_value(
+        self, out: _ChecksummedOutput, name: str, item: WriteItem, data: Any
     ) -> WriteResult:
-        data = planner.resolve_data(item)
         fqn = item.index.fqn
-        if item.type == WriteItemType.BYTE_IO:
-            out.pad(padding(out.pos))
-            start = out.pos
-            if not isinstance(data, io.BytesIO):
-                raise CheckpointError(
-                    f"item {fqn!r}: planner gave {type(data).__name__} for a bytes item"
-                )
-            try:
-                load_weights_only(data.getbuffer())
-            except UnsafeValueError as exc:
-                raise CheckpointError(
-                    f"item {fqn!r} could not be restored safely: {exc}. Save plain Python "
-                    "values (int, float, str, list, dict, ...) or tensors instead"
-                ) from exc
-            payload_crc = out.write(data.getbuffer(), payload=True)
-            loc = ItemLocation(name, start, out.pos - start, start, out.pos - start, payload_crc)
-        else:
-            if not isinstance(data, torch.Tensor):
-                raise CheckpointError(
-                    f"item {fqn!r}: planner gave {type(data).__name__} for a tensor item"
-                )
-            self._check_tensor(item, data)
-            raw = raw_view(data)
-            header, trailer = envelope(data.dtype, tuple(data.shape))
-            out.pad(record_start(out.pos, len(header), raw.nbytes) - out.pos)
-            start = out.pos
-            out.write(header)
-            payload_start = out.pos
-            known = self._known_checksum(raw)
-            payload_crc = out.write(raw, payload=True, crc=known)
-            out.write(trailer)
-            loc = ItemLocation(
-                name,
-                start,
-                out.pos - start,
-                payload_start,
-                raw.nbytes,
-                payload_crc,
-                dtype_name(data.dtype),
-                tuple(data.shape),
+        out.pad(padding(out.pos))
+        start = out.pos
+        if not isinstance(data, io.BytesIO):
+            raise CheckpointError(
+                f"item {fqn!r}: planner gave {type(data).__name__} for a bytes item"
             )
+        try:
+            load_weights_only(data.getbuffer())
+        except UnsafeValueError as exc:
+            raise CheckpointError(
+                f"item {fqn!r} could not be restored safely: {exc}. Save plain Python "
+                "values (int, float, str, list, dict, ...) or tensors instead"
+            ) from exc
+        payload_crc = out.write(data.getbuffer(), payload=True)
+        loc = ItemLocation(name, start, out.pos - start, start, out.pos - start, payload_crc)
+        return WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc)
+
+    def _write_tensor(
+        self, out: _ChecksummedOutput, name: str, item: WriteItem, data: torch.Tensor, at: int
+    ) -> WriteResult:
+        """The record at ``at`` (its place in the layout): envelope, raw bytes, trailer."""
+        raw = raw_view(data)
+        header, trailer = envelope(data.dtype, tuple(data.shape))
+        out.pad(at - out.pos)
+        start = out.pos
+        out.write(header)
+        payload_start = out.pos
+        known = self._known_checksum(raw)
+        payload_crc = out.write(raw, payload=True, crc=known)
+        out.write(trailer)
+        loc = ItemLocation(
+            name,
+            start,
+            out.pos - start,
+            payload_start,
+            raw.nbytes,
+            payload_crc,
+            dtype_name(data.dtype),
+            tuple(data.shape),
+        )
         return WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc)
 
     def _known_checksum(self, raw: Any) -> int | None:
@@ -254,9 +279,13 @@ class TierWriter(StorageWriter):
         return crc
 
     @staticmethod
-    def _check_tensor(item: WriteItem, tensor: torch.Tensor) -> None:
+    def _check_tensor(item: WriteItem, tensor: Any) -> None:
         td = item.tensor_data
         fqn = item.index.fqn
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(
+                f"item {fqn!r}: planner gave {type(tensor).__name__} for a tensor item"
+            )
         if tensor.layout != torch.strided or tensor.is_quantized:
             raise CheckpointError(
                 f"item {fqn!r}: only dense tensors can be saved, got layout {tensor.layout}"
@@ -302,6 +331,24 @@ class TierWriter(StorageWriter):
         if parts is not None:
             self.parts[name] = parts
 
+    def _publish_in_place(
+        self, name: str, fill: Callable[[_ChecksummedOutput], object], arena: Arena
+    ) -> None:
+        """The shard into ``arena``, whose payloads the staging copy already wrote where
+        this layout puts them: only what is not in place yet is written (envelopes,
+        values, a payload staged elsewhere); then the file is linked in as ``name``."""
+        parts: list[Any] | None = [] if self.keep_parts else None
+        sink = _ArenaSink(arena)
+        out = _ChecksummedOutput(sink, parts)
+        fill(out)
+        os.ftruncate(arena.fd, out.pos)
+        arena.link(os.path.join(self.directory, name))
+        self.in_place_bytes += sink.in_place
+        self.records = [r for r in self.records if r.name != name]
+        self.records.append(FileRecord(name, out.pos, out.crc))
+        if parts is not None:
+            self.parts[name] = parts
+
     def _write_parts(self, path: str, name: str, parts: list[Any]) -> None:
         """A deferred shard to disk, from the parts its layout recorded."""
 
@@ -327,10 +374,33 @@ class _NoSink:
         pass
 
 
+class _ArenaSink:
+    """Writes at the arena's positions, skipping bytes that already sit there."""
+
+    def __init__(self, arena: Arena) -> None:
+        self.fd = arena.fd
+        self.base = arena.address
+        self.pos = 0
+        self.in_place = 0
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if n and address_of(view) == self.base + self.pos:
+            self.in_place += n
+        else:
+            done = 0
+            while done < n:
+                done += os.pwrite(self.fd, view[done:], self.pos + done)
+        self.pos += n
+
+
 class _ChecksummedOutput:
     """Writes buffers in bounded chunks, keeping the file's crc32c and its position."""
 
-    def __init__(self, sink: DirectFileWriter | _NoSink, parts: list[Any] | None = None) -> None:
+    def __init__(
+        self, sink: DirectFileWriter | _NoSink | _ArenaSink, parts: list[Any] | None = None
+    ) -> None:
         self.sink = sink
         self.pos = 0
         self.crc = 0

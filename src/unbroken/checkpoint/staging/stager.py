@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from unbroken.checkpoint.staging import step_gate
+from unbroken.checkpoint.staging.arena import Arena
 from unbroken.checkpoint.staging.copy import (
     DEFAULT_CHUNK_BYTES,
     CopyJob,
@@ -65,10 +66,17 @@ class StagedState:
     """One snapshot in host buffers. Valid until ``release()``; the stager then reuses them."""
 
     def __init__(
-        self, state_dict: dict[str, Any], job: CopyJob, stats: dict[str, float], on_release
+        self,
+        state_dict: dict[str, Any],
+        job: CopyJob,
+        stats: dict[str, float],
+        on_release,
+        arena: Arena | None = None,
     ) -> None:
         self.state_dict = state_dict
         """Same structure and keys as the staged state; tensors are host buffers."""
+        self.arena = arena
+        """The memory tier's file that holds some of the buffers (None: all private)."""
         self._job = job
         self._stats = stats
         self._on_release = on_release
@@ -221,6 +229,7 @@ class StateStager:
         *,
         first: Collection[str | torch.Tensor] = (),
         timeout: float | None = None,
+        arena: Arena | None = None,
     ) -> StagedState:
         """Snapshot ``state_dict`` into host buffers; return before the bulk copy is done.
 
@@ -228,7 +237,8 @@ class StateStager:
         tensor in ``first`` selects the keys holding that memory (``model.buffers()``
         works whatever wrapper renamed them; a tensor not in the state is skipped). Waits
         up to ``timeout`` for the previous staged state to be released
-        (``StagingBusyError`` after that).
+        (``StagingBusyError`` after that). ``arena``: copy the keys it has a place for
+        into it (``arena.py``) instead of into the pool's buffers.
         """
         began = time.perf_counter()
         if self._closed:
@@ -239,7 +249,7 @@ class StateStager:
             self._wait_released(timeout)
             found = collect(state_dict)
             first_names = match_first(first, found)
-            leaves, staged_values, allocated = self._plan(found, first_names)
+            leaves, staged_values, allocated, in_place = self._plan(found, first_names, arena)
             sync = [leaf.name in first_names or _must_copy_now(leaf) for leaf in leaves]
             now = [leaf for leaf, s in zip(leaves, sync) if s]
             later = [leaf for leaf, s in zip(leaves, sync) if not s]
@@ -262,10 +272,13 @@ class StateStager:
                 "bytes_first": float(sum(leaf.nbytes for leaf in now)),
                 "tensors": float(len(leaves)),
                 "allocated_bytes": float(allocated),
+                "bytes_in_place": float(in_place),
                 "hook_wait_seconds": 0.0,
                 "stage_seconds": 0.0,
             }
-            staged = StagedState(staged_dict, job, stats, self._released_one)
+            staged = StagedState(
+                staged_dict, job, stats, self._released_one, arena if in_place else None
+            )
             with self._cond:
                 self._current = staged
             job.start()
@@ -301,9 +314,10 @@ class StateStager:
             self._cond.notify_all()
 
     def _plan(
-        self, found: list[Found], first: set[str]
-    ) -> tuple[list[Leaf], list[torch.Tensor], int]:
-        """One leaf per distinct memory; its host buffer; the staged value per found tensor."""
+        self, found: list[Found], first: set[str], arena: Arena | None
+    ) -> tuple[list[Leaf], list[torch.Tensor], int, int]:
+        """One leaf per distinct memory; its host buffer; the staged value per found
+        tensor; bytes newly allocated; bytes staged in ``arena``."""
         owner: dict[tuple, str] = {}  # memory -> key of the leaf that copies it
         specs: dict[str, BufferSpec] = {}
         sources: dict[str, torch.Tensor] = {}
@@ -318,10 +332,19 @@ class StateStager:
             specs[f.name] = BufferSpec(
                 tuple(f.local.shape), f.local.dtype, f.local.is_cuda, f.alias in pickled
             )
-        buffers, allocated = self.pool.reserve(specs)
+        placed: dict[str, torch.Tensor] = {}
+        if arena is not None:
+            placed = arena.views(
+                {k: (s.shape, s.dtype, s.pinned) for k, s in specs.items() if not s.own_storage}
+            )
+        private, allocated = self.pool.reserve(
+            {k: s for k, s in specs.items() if k not in placed}
+        )
+        buffers = {**private, **placed}
         leaves = [Leaf(name, src, buffers[name], version_of(src)) for name, src in sources.items()]
         staged = [wrap_like(f.value, buffers[owner[f.alias]]) for f in found]
-        return leaves, staged, allocated
+        in_place = sum(t.numel() * t.element_size() for t in placed.values())
+        return leaves, staged, allocated, in_place
 
 
 def _must_copy_now(leaf: Leaf) -> bool:

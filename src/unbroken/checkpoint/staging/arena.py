@@ -1,0 +1,198 @@
+"""Staging buffers that already are the memory tier's next shard file.
+
+Without them a save holds the state three times over in host memory: the staging
+buffers, the tier's committed copy, and the copy being written from those buffers. An
+arena is a file in the memory tier laid out as this rank's next shard
+(``format/shard_layout.py``); the staging copy writes each tensor straight into its
+record's payload, and the local write only adds the envelopes and the values, then links
+the file into the step's directory. The node's copy and the staging buffers are then the
+same pages: one committed snapshot plus the one being written, as the tier promises.
+
+An arena is free while no step directory links it: its link count is the only record of
+use, so it stays right across failures, restarts and another rank's tidy (which unlinks a
+step's files as it always has). A rank keeps at most ``ARENAS_PER_RANK``; a save that finds
+none free stages into private buffers, as without arenas.
+
+Pages are page-locked for CUDA sources where CUDA is there (``cudaHostRegister``), so the
+side stream's copies stay asynchronous; an arena that cannot be registered takes no CUDA
+source (those keep their pinned private buffers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import uuid
+from collections.abc import Mapping
+
+import torch
+
+from unbroken._util.direct_io import address_of
+from unbroken.checkpoint.format.shard_layout import TensorLayout
+
+log = logging.getLogger(__name__)
+
+ARENAS_DIR = ".arenas"
+"""The arenas' folder inside a memory tier's directory."""
+ARENAS_PER_RANK = 2
+"""The committed snapshot's and the one being written."""
+
+
+class Arena:
+    """One file of the memory tier, mapped, laid out as ``layout``'s tensor records."""
+
+    def __init__(self, path: str, layout: TensorLayout) -> None:
+        self.path = path
+        self.layout = layout
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, layout.end)
+            self._map = mmap.mmap(fd, max(layout.end, 1), mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        self.fd = fd
+        self._ino = os.fstat(fd).st_ino
+        self._registered = False
+        self._register_failed = False
+
+    @property
+    def free(self) -> bool:
+        """No step directory links this file (and it is still ours under its name)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return st.st_ino == self._ino and st.st_nlink == 1
+
+    def views(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> dict:
+        """A tensor over its record's payload for each key whose ``(shape, dtype, cuda)``
+        matches its slot; keys that do not match get none (they stage privately)."""
+        slots = self.layout.by_fqn()
+        out: dict[str, torch.Tensor] = {}
+        for key, (shape, dtype, cuda) in specs.items():
+            slot = slots.get(key)
+            if slot is None or slot.shape != tuple(shape) or slot.dtype != dtype:
+                continue
+            if slot.payload_bytes == 0 or (cuda and not self._pinned()):
+                continue
+            flat = torch.frombuffer(
+                self._map, dtype=torch.uint8, count=slot.payload_bytes, offset=slot.payload_start
+            )
+            out[key] = flat.view(dtype).view(shape)
+        return out
+
+    def reset(self) -> None:
+        """Drop the values a last use appended after the tensor records."""
+        os.ftruncate(self.fd, self.layout.end)
+
+    def link(self, path: str) -> None:
+        """Make the file (written whole) appear at ``path``, replacing what was there."""
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}.link"
+        os.link(self.path, tmp)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def close(self) -> None:
+        """Remove the arena's own name; a step that links it keeps its bytes. The mapping
+        goes once no tensor over it is left."""
+        if self._registered:
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(self.address)
+            self._registered = False
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_ino == self._ino:
+                os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        with contextlib.suppress(BufferError):
+            self._map.close()  # views still alive keep it mapped until they go
+
+    @property
+    def address(self) -> int:
+        """Where the mapping starts in this process."""
+        return address_of(memoryview(self._map))
+
+    def _pinned(self) -> bool:
+        """Page-lock the mapping for CUDA's copies; False where that cannot be done."""
+        if self._registered or self._register_failed:
+            return self._registered
+        try:
+            if not torch.cuda.is_available():
+                raise RuntimeError("no CUDA")
+            err = torch.cuda.cudart().cudaHostRegister(self.address, self.layout.end, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister returned {err}")
+            self._registered = True
+        except Exception as e:
+            self._register_failed = True
+            log.info("arena %s not page-locked (%s): CUDA sources stage apart", self.path, e)
+        return self._registered
+
+
+class RankArenas:
+    """A rank's arenas in one memory tier: at most ``ARENAS_PER_RANK``, reused while free."""
+
+    def __init__(self, tier_path: str, rank: int) -> None:
+        self.directory = os.path.join(tier_path, ARENAS_DIR)
+        self.rank = rank
+        self._arenas: list[Arena] = []
+        self._remove_leftovers()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.layout.end for a in self._arenas)
+
+    def take(self, layout: TensorLayout | None) -> Arena | None:
+        """A free arena laid out as ``layout`` (made if there is room for one more);
+        None without a layout, or while every arena holds a step."""
+        if layout is None or not layout.slots:
+            return None
+        for arena in list(self._arenas):
+            if arena.free and arena.layout == layout:
+                arena.reset()
+                return arena
+        for arena in list(self._arenas):  # a free one of an older layout makes way
+            if arena.free:
+                self._drop(arena)
+        if len(self._arenas) >= ARENAS_PER_RANK:
+            return None
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            path = os.path.join(self.directory, f"r{self.rank}-{uuid.uuid4().hex[:12]}")
+            arena = Arena(path, layout)
+        except OSError as e:
+            log.info("memory tier: no arena for the next save (%s); it stages apart", e)
+            return None
+        self._arenas.append(arena)
+        return arena
+
+    def close(self) -> None:
+        for arena in self._arenas:
+            arena.close()
+        self._arenas = []
+
+    def _drop(self, arena: Arena) -> None:
+        arena.close()
+        self._arenas.remove(arena)
+
+    def _remove_leftovers(self) -> None:
+        """An earlier process of this rank (killed) left its arenas' names; a step that
+        links one keeps its bytes under the step's name."""
+        prefix = f"r{self.rank}-"
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.directory, name))
