@@ -22,7 +22,7 @@ import torch
 import unbroken as ub
 from tests.checkpoint.manager_util import make_state, rng_draws, snapshot, train
 from unbroken.checkpoint.format.manifest import parse_step_dir, step_dir
-from unbroken.checkpoint.memory_tier import MEMORY_DIR_ENV, MemoryTierError, tier_key
+from unbroken.checkpoint.memory_tier import MEMORY_DIR_ENV, MemoryTierError, space, tier_key
 from unbroken.goodput.events import read_log
 
 JOB = Path(__file__).with_name("memory_job.py")
@@ -260,8 +260,9 @@ def test_a_tmpfs_filled_by_others_sends_saves_to_disk_never_past_the_cap(tmp_pat
         mgr.save(1, state)
         mgr.wait()
         assert steps_in(mgr.memory_tier.path) == [1]
-        with open(small_tmpfs / "someone-else", "wb") as f:  # another user of /dev/shm
-            f.write(b"\0" * (30 << 20))
+        st = os.statvfs(small_tmpfs)  # another user of /dev/shm leaves less than the reserve
+        with open(small_tmpfs / "someone-else", "wb") as f:
+            f.write(b"\0" * (st.f_bavail * st.f_frsize - (3 << 20)))
         mgr.save(2, state)
         mgr.wait()
         assert steps_in(tmp_path / "s") == [2]
@@ -272,6 +273,32 @@ def test_a_tmpfs_filled_by_others_sends_saves_to_disk_never_past_the_cap(tmp_pat
         mgr.save(3, state)
         mgr.wait()
         assert steps_in(mgr.memory_tier.path) == [3] and steps_in(tmp_path / "s") == []
+
+
+def test_no_room_for_a_new_arena_stages_apart_instead_of_crashing(tmp_path, small_tmpfs, caplog):
+    """The staging copy writes into an arena's pages: they are taken when it is made,
+    within the tier's reserve, so a tmpfs filled by others is said there (once) and the
+    saves stage apart, never a SIGBUS in the loop."""
+    caplog.set_level(logging.WARNING, logger="unbroken.checkpoint.staging.arena")
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", every_steps=1) as mgr:
+        state = big_state(4)
+        for step in (1, 2):
+            mgr.save(step, state)
+            mgr.wait()
+        room = space(mgr.memory_tier.path)  # room for one more 4 MiB copy, not two
+        with open(small_tmpfs / "someone-else", "wb") as f:
+            f.write(b"\0" * (room.free - room.reserve - (6 << 20)))
+        state = big_state(3)  # another layout: its arena must be made now, and cannot
+        for step in (3, 4, 5):
+            mgr.save(step, state)
+            mgr.wait()
+        assert mgr.stats.committed == 5
+        assert caplog.text.count("no room to stage the next saves in place") == 1
+    again = big_state(3)
+    again["weights"].zero_()
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s2") as reader:
+        assert reader.restore(again) == 5
+    assert torch.equal(again["weights"], big_state(3)["weights"])
 
 
 def test_the_tier_directory_is_the_users_alone(tmp_path):

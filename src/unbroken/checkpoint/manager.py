@@ -275,7 +275,7 @@ class CheckpointManager:
         self._goodput.save_begin(step)
         busy, began = self._stager.busy, time.monotonic()
         # stage() first waits for the previous snapshot's local write, if still running.
-        staged = self._stager.stage(flat.tensors, first=flat.first, arena=self._pipeline.arena())
+        staged = self._stager.stage(flat.tensors, first=flat.first, arena=self._pipeline.arena)
         if busy:
             self.stats.waited_busy += 1
             self.stats.seconds_waited_busy += time.monotonic() - began

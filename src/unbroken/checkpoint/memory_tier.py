@@ -175,10 +175,11 @@ class MemoryTier:
         if not self._told_full:
             self._told_full = True
             log.warning(
-                "memory tier %s: no room for %s more on its tmpfs (keeping %s free); "
+                "memory tier %s: no room for %s more on its tmpfs (%s free, keeping %s); "
                 "saves go to the disk tier until there is",
                 self.path,
                 format_size(nbytes),
+                format_size(room.free),
                 format_size(room.reserve),
             )
         return False

@@ -164,7 +164,9 @@ class SavePipeline:
 
     def arena(self) -> Arena | None:
         """Where the next snapshot can stage in the memory tier: a file of this rank's
-        laid out as its last shard there, once no step holds it; None otherwise."""
+        laid out as its last shard there, made after that save's local write, once no
+        step or snapshot holds it; None otherwise. Ask once the previous snapshot is
+        released (``StateStager.stage(arena=...)`` does)."""
         if self.arenas is None or self.memory is None or not self.memory.active:
             return None
         return self.arenas.take(self._layout)
@@ -248,6 +250,8 @@ class SavePipeline:
                 self._on_done(job)  # before the job leaves _jobs: wait() then sees its error
                 if job.manifest is not None:  # housekeeping, before the next job starts
                     self._after_commit(job.manifest)
+                if self.arenas is not None:  # the tidy may have freed an older step's
+                    self.arenas.prepare(self._layout)
             finally:
                 with self._lock:
                     self._jobs.remove(job)
@@ -347,6 +351,8 @@ class SavePipeline:
         job.checksummed_in_copy_bytes = writer.reused_checksum_bytes
         job.in_place_bytes = writer.in_place_bytes
         self._layout = writer.layout if in_memory else None
+        if self.arenas is not None:  # the next save's arena, made here, not in the loop
+            self.arenas.prepare(self._layout)
 
         problem, exc, records, etags = None, None, [], {}
         # The deferred local writes read the buffers too: each holds a loan of its own.

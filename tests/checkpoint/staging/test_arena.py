@@ -20,6 +20,7 @@ from torch import nn
 
 import unbroken as ub
 from tests.checkpoint.manager_util import make_state, snapshot, train
+from tests.link_names import private_link
 from unbroken.checkpoint.format.manifest import step_dir
 from unbroken.checkpoint.format.shard_layout import lay_out
 from unbroken.checkpoint.memory_tier import MEMORY_DIR_ENV, tier_key, tree_bytes
@@ -139,44 +140,96 @@ def test_a_failed_save_gives_its_arena_back(tmp_path):
         mgr.close()
 
 
-def test_an_arena_is_free_only_while_no_step_links_it(tmp_path):
+def test_an_arena_is_free_only_while_no_snapshot_nor_step_holds_it(tmp_path):
     layout = lay_out([("w", (0,), torch.float32, (256,)), ("b", (0,), torch.float32, (4,))])
     pair = RankArenas(str(tmp_path), rank=3)
+    assert pair.take(layout) is None  # take never makes one: the worker does, ahead
+    pair.prepare(layout)
     first = pair.take(layout)
-    assert first is not None and first.free
+    assert first is not None and not first.free  # busy: its snapshot is staging
     views = first.views({"w": ((256,), torch.float32, False), "b": ((5,), torch.float32, False)})
     assert set(views) == {"w"}  # b's shape is not its slot's: it stages apart
     views["w"].fill_(2.0)
+    pair.prepare(layout)  # one more while the first is held
+    assert pair.take(layout) is not first
     first.link(str(tmp_path / "step-shard"))
-    assert not first.free
+    first.release()
+    assert not first.free  # its step holds it now
     slot = layout.slots[0]
     data = (tmp_path / "step-shard").read_bytes()  # the staged bytes, where the slot says
     assert data[slot.payload_start : slot.payload_start + 4] == b"\x00\x00\x00\x40"
-    second = pair.take(layout)
-    assert second is not None and second is not first
-    second.link(str(tmp_path / "other-shard"))
-    assert pair.take(layout) is None  # both hold a step: the save stages privately
+    pair.prepare(layout)
+    assert len(os.listdir(tmp_path / ARENAS_DIR)) == 2  # never more than two
     os.unlink(tmp_path / "step-shard")
+    assert first.free
     assert pair.take(layout) is first  # its step went: reused, same pages
     pair.close()
-    assert (tmp_path / "other-shard").exists()  # a step keeps what it links
     assert not any(n.startswith("r3-") for n in os.listdir(tmp_path / ARENAS_DIR))
+
+
+def test_a_view_keeps_its_arenas_memory_mapped_after_the_arena_goes(tmp_path):
+    layout = lay_out([("w", (0,), torch.float32, (1024,))])
+    pair = RankArenas(str(tmp_path), rank=0)
+    pair.prepare(layout)
+    arena = pair.take(layout)
+    view = arena.views({"w": ((1024,), torch.float32, False)})["w"]
+    view.fill_(1.5)
+    arena.release()
+    pair.prepare(lay_out([("w", (0,), torch.float32, (2048,))]))  # another layout: it goes
+    assert not os.path.exists(arena.path)
+    assert torch.equal(view, torch.full((1024,), 1.5))  # still mapped: no read of freed memory
 
 
 def test_a_killed_ranks_arena_names_are_removed_by_its_successor(tmp_path):
     layout = lay_out([("w", (0,), torch.float32, (16,))])
     old = RankArenas(str(tmp_path), rank=0)
+    old.prepare(layout)
     kept = old.take(layout)
     kept.link(str(tmp_path / "committed"))
-    old.take(layout)  # a second one, linked nowhere
-    names = set(os.listdir(tmp_path / ARENAS_DIR))
-    assert len(names) == 2
-    RankArenas(str(tmp_path), rank=1).take(layout)  # another rank's stays
+    kept.release()
+    old.prepare(layout)  # a second one, linked nowhere
+    assert len(os.listdir(tmp_path / ARENAS_DIR)) == 2
+    RankArenas(str(tmp_path), rank=1).prepare(layout)  # another live rank's stays
+    dead = tmp_path / ARENAS_DIR / "r2-999999999-deadbeef"  # a rank of a process gone
+    dead.write_bytes(b"x")
     RankArenas(str(tmp_path), rank=0)  # the restarted rank
     left = os.listdir(tmp_path / ARENAS_DIR)
-    assert [n for n in left if n.startswith("r0-")] == []
-    assert len([n for n in left if n.startswith("r1-")]) == 1
+    assert [n for n in left if not n.startswith("r1-")] == []
+    assert len(left) == 1
     assert (tmp_path / "committed").stat().st_size == layout.end
+
+
+def test_saves_queued_back_to_back_each_restore_their_own_values(tmp_path):
+    """The next save stages while the one before still uploads (a slow remote): the arena
+    that save was staged in is not handed out again, so every committed step, on the
+    node and on the durable tier, holds its own values."""
+    n = 2 << 20
+    url = f"emulated::{tmp_path / 'durable'}"
+    options = {"bandwidth": "20MB", "link": private_link("arena")}
+    mgr = ub.CheckpointManager(
+        url, staging_dir=tmp_path / "staging", memory_tier=True, keep_last=5,
+        storage_options=options,
+    )  # fmt: skip
+    try:
+        mgr.save(1, {"w": torch.full((n,), 1.0)})
+        mgr.wait()  # its layout is known: the next saves stage in place
+        for step in range(2, 6):
+            mgr.save(step, {"w": torch.full((n,), float(step))})  # no wait between them
+        mgr.wait()
+        assert mgr.stats.committed == 5 and mgr.stats.bytes_staged_in_place > 0
+        for step in (4, 5):  # the node keeps the newest; restore reads each file it lists
+            got = {"w": torch.empty(n)}
+            with ub.CheckpointManager(
+                url, staging_dir=tmp_path / "other", memory_tier=False, storage_options=options
+            ) as reader:
+                assert reader.restore(got, step=step) == step
+            assert torch.equal(got["w"], torch.full((n,), float(step))), step
+        node = tier(tmp_path) / step_dir(5)
+        flat = {"w": torch.empty(n)}
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(node), no_dist=True)
+        assert torch.equal(flat["w"], torch.full((n,), 5.0))
+    finally:
+        mgr.close()
 
 
 class _Holder:

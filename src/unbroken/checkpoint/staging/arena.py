@@ -8,10 +8,14 @@ record's payload, and the local write only adds the envelopes and the values, th
 the file into the step's directory. The node's copy and the staging buffers are then the
 same pages: one committed snapshot plus the one being written, as the tier promises.
 
-An arena is free while no step directory links it: its link count is the only record of
-use, so it stays right across failures, restarts and another rank's tidy (which unlinks a
-step's files as it always has). A rank keeps at most ``ARENAS_PER_RANK``; a save that finds
-none free stages into private buffers, as without arenas.
+An arena is free while no snapshot is staged in it and no step directory links it: the
+link count records the step's hold, so it stays right across failures, restarts and
+another rank's tidy (which unlinks a step's files as it always has). The pipeline's
+worker makes arenas (``prepare``, after a save's local write, with that save's layout),
+their pages allocated up front so that a full tmpfs is an error there and never a
+SIGBUS in the copy; ``take`` only hands out one that is ready. A rank keeps at most
+``ARENAS_PER_RANK``; a save that finds none free stages into private buffers, as without
+arenas.
 
 Pages are page-locked for CUDA sources where CUDA is there (``cudaHostRegister``), so the
 side stream's copies stay asynchronous; an arena that cannot be registered takes no CUDA
@@ -24,13 +28,17 @@ import contextlib
 import logging
 import mmap
 import os
+import threading
 import uuid
 from collections.abc import Mapping
 
 import torch
 
 from unbroken._util.direct_io import address_of
+from unbroken._util.procs import pid_alive
+from unbroken._util.sizes import format_size
 from unbroken.checkpoint.format.shard_layout import TensorLayout
+from unbroken.checkpoint.memory_tier import space
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +56,8 @@ class Arena:
         self.layout = layout
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(fd, layout.end)
-            self._map = mmap.mmap(fd, max(layout.end, 1), mmap.MAP_SHARED)
+            os.posix_fallocate(fd, 0, layout.end)  # ENOSPC here, not SIGBUS in the copy
+            self._map = mmap.mmap(fd, layout.end, mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -59,15 +67,25 @@ class Arena:
         self._ino = os.fstat(fd).st_ino
         self._registered = False
         self._register_failed = False
+        self.busy = False
+        """A snapshot is staged in it (from ``take`` until its ``StagedState`` is released)."""
 
     @property
     def free(self) -> bool:
-        """No step directory links this file (and it is still ours under its name)."""
+        """No snapshot is staged in it and no step directory links it (and it is still
+        ours under its name)."""
+        if self.busy:
+            return False
         try:
             st = os.stat(self.path)
         except OSError:
             return False
         return st.st_ino == self._ino and st.st_nlink == 1
+
+    def release(self) -> None:
+        """The snapshot staged in it is done with: its step's link (if the save made one)
+        holds it from now on."""
+        self.busy = False
 
     def views(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> dict:
         """A tensor over its record's payload for each key whose ``(shape, dtype, cuda)``
@@ -103,7 +121,8 @@ class Arena:
 
     def close(self) -> None:
         """Remove the arena's own name; a step that links it keeps its bytes. The mapping
-        goes once no tensor over it is left."""
+        goes once no tensor over it is left (each view holds the map): it is never
+        unmapped under a view."""
         if self._registered:
             with contextlib.suppress(Exception):
                 torch.cuda.cudart().cudaHostUnregister(self.address)
@@ -113,8 +132,6 @@ class Arena:
                 os.unlink(self.path)
         with contextlib.suppress(OSError):
             os.close(self.fd)
-        with contextlib.suppress(BufferError):
-            self._map.close()  # views still alive keep it mapped until they go
 
     @property
     def address(self) -> int:
@@ -139,12 +156,17 @@ class Arena:
 
 
 class RankArenas:
-    """A rank's arenas in one memory tier: at most ``ARENAS_PER_RANK``, reused while free."""
+    """A rank's arenas in one memory tier: at most ``ARENAS_PER_RANK``, reused while free.
+
+    ``take`` runs on the training thread, ``prepare`` and ``drop_free`` on the
+    pipeline's worker."""
 
     def __init__(self, tier_path: str, rank: int) -> None:
         self.directory = os.path.join(tier_path, ARENAS_DIR)
         self.rank = rank
         self._arenas: list[Arena] = []
+        self._lock = threading.Lock()
+        self._told = False
         self._remove_leftovers()
 
     @property
@@ -152,47 +174,80 @@ class RankArenas:
         return sum(a.layout.end for a in self._arenas)
 
     def take(self, layout: TensorLayout | None) -> Arena | None:
-        """A free arena laid out as ``layout`` (made if there is room for one more);
-        None without a layout, or while every arena holds a step."""
+        """A free arena laid out as ``layout``, busy until released; None without a
+        layout, or while none is free."""
         if layout is None or not layout.slots:
             return None
-        for arena in list(self._arenas):
-            if arena.free and arena.layout == layout:
-                arena.reset()
-                return arena
-        for arena in list(self._arenas):  # a free one of an older layout makes way
-            if arena.free:
+        with self._lock:
+            for arena in self._arenas:
+                if arena.layout == layout and arena.free:
+                    arena.busy = True
+                    arena.reset()
+                    return arena
+        return None
+
+    def prepare(self, layout: TensorLayout | None) -> None:
+        """Make the arenas the next saves of ``layout`` can take: free ones of another
+        layout go, and one more is made while the rank has fewer than its two. A tmpfs
+        without room for one is said once; saves then stage apart."""
+        if layout is None or not layout.slots:
+            return self.drop_free()
+        with self._lock:
+            for arena in [a for a in self._arenas if a.layout != layout and a.free]:
                 self._drop(arena)
-        if len(self._arenas) >= ARENAS_PER_RANK:
-            return None
-        try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            path = os.path.join(self.directory, f"r{self.rank}-{uuid.uuid4().hex[:12]}")
-            arena = Arena(path, layout)
-        except OSError as e:
-            log.info("memory tier: no arena for the next save (%s); it stages apart", e)
-            return None
-        self._arenas.append(arena)
-        return arena
+            if len(self._arenas) >= ARENAS_PER_RANK:
+                return None
+            if any(a.layout == layout and a.free for a in self._arenas):
+                return None  # one is ready: a second is made once this one holds a step
+            try:
+                os.makedirs(self.directory, mode=0o700, exist_ok=True)
+                room = space(self.directory)
+                if not room.room_for(layout.end):  # an arena is the next save's copy
+                    raise OSError(
+                        f"{format_size(layout.end)} would leave less than "
+                        f"{format_size(room.reserve)} free ({format_size(room.free)} free)"
+                    )
+                name = f"r{self.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                self._arenas.append(Arena(os.path.join(self.directory, name), layout))
+            except OSError as e:
+                if not self._told:
+                    self._told = True
+                    log.warning(
+                        "memory tier %s: no room to stage the next saves in place (%s); "
+                        "they stage into private buffers",
+                        self.directory,
+                        e,
+                    )
+        return None
+
+    def drop_free(self) -> None:
+        """Give back the free arenas' memory (saves no longer go to the memory tier)."""
+        with self._lock:
+            for arena in [a for a in self._arenas if a.free]:
+                self._drop(arena)
 
     def close(self) -> None:
-        for arena in self._arenas:
-            arena.close()
-        self._arenas = []
+        with self._lock:
+            for arena in self._arenas:
+                arena.close()
+            self._arenas = []
 
     def _drop(self, arena: Arena) -> None:
         arena.close()
         self._arenas.remove(arena)
 
     def _remove_leftovers(self) -> None:
-        """An earlier process of this rank (killed) left its arenas' names; a step that
-        links one keeps its bytes under the step's name."""
-        prefix = f"r{self.rank}-"
+        """Arena names an earlier process of this rank left (it was killed), and those of
+        any process no longer alive (a restart with other ranks on this node); a step
+        that links one keeps its bytes under the step's name."""
         try:
             names = os.listdir(self.directory)
         except OSError:
             return
         for name in names:
-            if name.startswith(prefix):
+            parts = name.split("-")
+            pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+            ours = parts[0] == f"r{self.rank}"
+            if ours or pid is None or not pid_alive(pid):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.directory, name))

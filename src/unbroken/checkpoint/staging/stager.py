@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -148,6 +148,8 @@ class StagedState:
             self._released = True
             # Whoever still holds this object (a failure's traceback) must not hold the pool.
             self.state_dict = {}
+            if self.arena is not None:
+                self.arena.release()
         self._on_release(self)
 
     def __enter__(self) -> StagedState:
@@ -229,7 +231,7 @@ class StateStager:
         *,
         first: Collection[str | torch.Tensor] = (),
         timeout: float | None = None,
-        arena: Arena | None = None,
+        arena: Callable[[], Arena | None] | None = None,
     ) -> StagedState:
         """Snapshot ``state_dict`` into host buffers; return before the bulk copy is done.
 
@@ -237,8 +239,10 @@ class StateStager:
         tensor in ``first`` selects the keys holding that memory (``model.buffers()``
         works whatever wrapper renamed them; a tensor not in the state is skipped). Waits
         up to ``timeout`` for the previous staged state to be released
-        (``StagingBusyError`` after that). ``arena``: copy the keys it has a place for
-        into it (``arena.py``) instead of into the pool's buffers.
+        (``StagingBusyError`` after that). ``arena``: asked, once the previous staged
+        state is released, for a memory-tier file to copy the keys it has a place for
+        into (``arena.py``) instead of into the pool's buffers; it stays busy until this
+        staged state is released.
         """
         began = time.perf_counter()
         if self._closed:
@@ -247,44 +251,62 @@ class StateStager:
             raise TypeError(f"stage() takes a mapping, got {type(state_dict)!r}")
         with self._stage_lock:
             self._wait_released(timeout)
-            found = collect(state_dict)
-            first_names = match_first(first, found)
-            leaves, staged_values, allocated, in_place = self._plan(found, first_names, arena)
-            sync = [leaf.name in first_names or _must_copy_now(leaf) for leaf in leaves]
-            now = [leaf for leaf, s in zip(leaves, sync) if s]
-            later = [leaf for leaf, s in zip(leaves, sync) if not s]
-            torn, first_events = copy_now(now, self._streams)
-            if torn:
-                raise TornSnapshotError(torn)
-            staged_dict = rebuild(state_dict, iter(staged_values))
-            # The job also waits for the device copies of `first` before it is done.
-            job = CopyJob(
-                later,
-                self._streams,
-                chunk_bytes=self.chunk_bytes,
-                threads=self.copy_threads,
-                nice=self.copy_nice,
-                checksum=self.checksum,
-                events=first_events,
-            )
-            stats = {
-                "bytes": float(sum(leaf.nbytes for leaf in leaves)),
-                "bytes_first": float(sum(leaf.nbytes for leaf in now)),
-                "tensors": float(len(leaves)),
-                "allocated_bytes": float(allocated),
-                "bytes_in_place": float(in_place),
-                "hook_wait_seconds": 0.0,
-                "stage_seconds": 0.0,
-            }
-            staged = StagedState(
-                staged_dict, job, stats, self._released_one, arena if in_place else None
-            )
-            with self._cond:
-                self._current = staged
-            job.start()
-            step_gate.hold(staged)  # no step runs on this thread in between
-            stats["stage_seconds"] = time.perf_counter() - began
-            return staged
+            taken = arena() if arena is not None else None
+            try:
+                return self._stage(state_dict, first, taken, began)
+            except BaseException:
+                if taken is not None:
+                    taken.release()
+                raise
+
+    def _stage(
+        self,
+        state_dict: Mapping[str, Any],
+        first: Collection[str | torch.Tensor],
+        arena: Arena | None,
+        began: float,
+    ) -> StagedState:
+        """``stage()``'s work once the buffers are free (under its lock)."""
+        found = collect(state_dict)
+        first_names = match_first(first, found)
+        leaves, staged_values, allocated, in_place = self._plan(found, first_names, arena)
+        if arena is not None and not in_place:
+            arena.release()  # nothing of this state has a place in it
+        sync = [leaf.name in first_names or _must_copy_now(leaf) for leaf in leaves]
+        now = [leaf for leaf, s in zip(leaves, sync) if s]
+        later = [leaf for leaf, s in zip(leaves, sync) if not s]
+        torn, first_events = copy_now(now, self._streams)
+        if torn:
+            raise TornSnapshotError(torn)
+        staged_dict = rebuild(state_dict, iter(staged_values))
+        # The job also waits for the device copies of `first` before it is done.
+        job = CopyJob(
+            later,
+            self._streams,
+            chunk_bytes=self.chunk_bytes,
+            threads=self.copy_threads,
+            nice=self.copy_nice,
+            checksum=self.checksum,
+            events=first_events,
+        )
+        stats = {
+            "bytes": float(sum(leaf.nbytes for leaf in leaves)),
+            "bytes_first": float(sum(leaf.nbytes for leaf in now)),
+            "tensors": float(len(leaves)),
+            "allocated_bytes": float(allocated),
+            "bytes_in_place": float(in_place),
+            "hook_wait_seconds": 0.0,
+            "stage_seconds": 0.0,
+        }
+        staged = StagedState(
+            staged_dict, job, stats, self._released_one, arena if in_place else None
+        )
+        with self._cond:
+            self._current = staged
+        job.start()
+        step_gate.hold(staged)  # no step runs on this thread in between
+        stats["stage_seconds"] = time.perf_counter() - began
+        return staged
 
     def close(self) -> None:
         """Stop any copy and drop the buffers; the last stager to close removes the
