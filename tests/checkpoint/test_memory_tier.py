@@ -21,6 +21,7 @@ import torch
 
 import unbroken as ub
 from tests.checkpoint.manager_util import make_state, rng_draws, snapshot, train
+from tests.link_names import private_link
 from unbroken.checkpoint.format.manifest import parse_step_dir, step_dir
 from unbroken.checkpoint.memory_tier import MEMORY_DIR_ENV, MemoryTierError, space, tier_key
 from unbroken.goodput.events import read_log
@@ -285,9 +286,9 @@ def test_no_room_for_a_new_arena_stages_apart_instead_of_crashing(tmp_path, smal
         for step in (1, 2):
             mgr.save(step, state)
             mgr.wait()
-        room = space(mgr.memory_tier.path)  # room for one more 4 MiB copy, not two
-        with open(small_tmpfs / "someone-else", "wb") as f:
-            f.write(b"\0" * (room.free - room.reserve - (6 << 20)))
+        room = space(mgr.memory_tier.path)  # 1 MiB above the reserve: room only for what
+        with open(small_tmpfs / "someone-else", "wb") as f:  # an idle arena gives back
+            f.write(b"\0" * (room.free - room.reserve - (1 << 20)))
         state = big_state(3)  # another layout: its arena must be made now, and cannot
         for step in (3, 4, 5):
             mgr.save(step, state)
@@ -299,6 +300,28 @@ def test_no_room_for_a_new_arena_stages_apart_instead_of_crashing(tmp_path, smal
     with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s2") as reader:
         assert reader.restore(again) == 5
     assert torch.equal(again["weights"], big_state(3)["weights"])
+
+
+def test_a_tier_sized_for_two_copies_keeps_back_to_back_saves_in_memory(
+    tmp_path, small_tmpfs, caplog
+):
+    """A save staged apart (no arena was free as it staged) finds an idle arena by its
+    local write: its pages are given back for the copy, not the save sent to disk."""
+    caplog.set_level(logging.WARNING, logger="unbroken.checkpoint.memory_tier")
+    url = f"emulated::{tmp_path / 'd'}"
+    options = {"bandwidth": "40MB", "link": private_link("tight-tier")}
+    with ub.CheckpointManager(
+        url, staging_dir=tmp_path / "s", keep_last=3, storage_options=options
+    ) as mgr:
+        state = big_state(12)  # two copies and the reserve fit in 64 MiB, three do not
+        mgr.save(1, state)
+        mgr.wait()
+        for step in range(2, 8):  # each stages while the one before still uploads
+            state = {"weights": state["weights"] + 1.0, "step": step}
+            mgr.save(step, state)
+        mgr.wait()
+        assert mgr.stats.committed == 7
+    assert "saves go to the disk tier" not in caplog.text
 
 
 def test_the_tier_directory_is_the_users_alone(tmp_path):

@@ -161,6 +161,13 @@ class MemoryTier:
         warnings.warn(message + "; the memory tier is off", RuntimeWarning, stacklevel=3)
         return False
 
+    def room_now(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit now with the reserve kept (said nowhere)."""
+        try:
+            return space(self.path).room_for(nbytes)
+        except OSError:
+            return False
+
     def has_room(self, nbytes: int) -> bool:
         """Before a save's write: do ``nbytes`` fit now (the tidy has left only the
         committed copy)? Said once when not: that save goes to the disk tier."""

@@ -451,6 +451,9 @@ class SavePipeline:
         every rank goes on to the same collectives (a disk that refuses fails the local
         write, on every rank alike)."""
         memory = self.memory
+        tight = memory is not None and memory.active and not memory.room_now(nbytes)
+        if tight and self.arenas is not None:  # an idle arena's pages make room for this copy
+            self.arenas.drop_free()
         if memory is not None and memory.active and memory.has_room(nbytes):
             try:
                 os.makedirs(os.path.join(memory.path, name), exist_ok=True)

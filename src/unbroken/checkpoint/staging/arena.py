@@ -119,6 +119,15 @@ class Arena:
                 os.unlink(tmp)
             raise
 
+    def discard(self) -> None:
+        """Give a free arena's pages back at once, then close it. Views a released
+        snapshot still holds keep the mapping, and would keep the pages too: they read
+        zeros from here on (nothing reads them; a stray read finds no other save's bytes)."""
+        if self.free:
+            with contextlib.suppress(OSError, ValueError):
+                self._map.madvise(mmap.MADV_REMOVE)
+        self.close()
+
     def close(self) -> None:
         """Remove the arena's own name; a step that links it keeps its bytes. The mapping
         goes once no tensor over it is left (each view holds the map): it is never
@@ -193,6 +202,9 @@ class RankArenas:
         if layout is None or not layout.slots:
             return self.drop_free()
         with self._lock:
+            gone = [a for a in self._arenas if not a.busy and not os.path.exists(a.path)]
+            for arena in gone:  # its name was removed (a sweep): it can never be free again
+                self._drop(arena)
             for arena in [a for a in self._arenas if a.layout != layout and a.free]:
                 self._drop(arena)
             if len(self._arenas) >= ARENAS_PER_RANK:
@@ -233,7 +245,7 @@ class RankArenas:
             self._arenas = []
 
     def _drop(self, arena: Arena) -> None:
-        arena.close()
+        arena.discard()
         self._arenas.remove(arena)
 
     def _remove_leftovers(self) -> None:
