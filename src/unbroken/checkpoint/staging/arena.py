@@ -46,6 +46,8 @@ ARENAS_DIR = ".arenas"
 """The arenas' folder inside a memory tier's directory."""
 ARENAS_PER_RANK = 2
 """The committed snapshot's and the one being written."""
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+"""Linux 5.14+: map every page now (Python 3.11's mmap module does not name it)."""
 
 
 class Arena:
@@ -58,6 +60,8 @@ class Arena:
         try:
             os.posix_fallocate(fd, 0, layout.end)  # ENOSPC here, not SIGBUS in the copy
             self._map = mmap.mmap(fd, layout.end, mmap.MAP_SHARED)
+            with contextlib.suppress(OSError):  # the copy then takes no page fault (an
+                self._map.madvise(MADV_POPULATE_WRITE)  # older kernel: it takes them)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
