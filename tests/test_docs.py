@@ -138,6 +138,8 @@ INTERNAL_ERRORS = {
     "StagingBusyError": "the manager checks stager.busy first; it skips or waits instead",
     "UnsafeValueError": "reaches users as the cause of a SaveFailedError or as corruption",
     "CliError": "the CLI prints it as one line, 'unbroken VERB: error: ...', and exits 1 or 2",
+    "PeerError": "a replica's failure is logged (the guide lists the line); a restore gives "
+    "the peer up and reads the durable tier",
 }
 """Error classes no user meets as such, and why."""
 

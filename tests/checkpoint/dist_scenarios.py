@@ -221,17 +221,32 @@ def fsdp_model(seed: int) -> nn.Module:
     return model
 
 
+def node_tiers(a: argparse.Namespace) -> dict:
+    """With --node-tiers each rank is a node of its own with its own tmpfs (its memory
+    tier's root), as on separate machines, and keeps its copies when it ends."""
+    if not a.node_tiers:
+        return {}
+    os.environ["UNBROKEN_MEMORY_DIR"] = os.path.join(a.node_tiers, f"shm-{dist.get_rank()}")
+    return {"memory_tier": True}
+
+
 def scenario_fsdp_save(a: argparse.Namespace) -> None:
     """FSDP2 on N ranks: train, save; rank 0 keeps the whole expected state for later."""
     model = fsdp_model(0)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
-    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=2, when_busy="wait")
+    mgr = ub.CheckpointManager(
+        a.url, staging_dir=a.staging, every_steps=2, when_busy="wait", **node_tiers(a)
+    )
     state = {"model": model, "optim": optim, "sched": sched, "note": "fsdp"}
     for step in range(1, 5):
         train_step(model, optim, sched, step)
         mgr.maybe_save(step, state)
-    mgr.close()
+    if a.node_tiers:  # as a crash would: the copies stay for the next start
+        mgr.wait()
+        mgr._close(clean=False)
+    else:
+        mgr.close()
     # The local shards (parameters, both Adam moments) of both saves were checksummed by
     # the staging copy, not read again by the local write.
     shards = sum(p.to_local().nbytes for p in model.parameters())
@@ -247,7 +262,9 @@ def scenario_fsdp_load(a: argparse.Namespace) -> None:
     model = fsdp_model(7)
     optim = torch.optim.Adam(model.parameters(), lr=0.3)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
-    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=2, when_busy="wait")
+    mgr = ub.CheckpointManager(
+        a.url, staging_dir=a.staging, every_steps=2, when_busy="wait", **node_tiers(a)
+    )
     state = {"model": model, "optim": optim, "sched": sched, "note": ""}
     with __import__("warnings").catch_warnings(record=True) as caught:
         __import__("warnings").simplefilter("always")
@@ -261,7 +278,7 @@ def scenario_fsdp_load(a: argparse.Namespace) -> None:
     # Training continues from the restored state on the new world size.
     train_step(model, optim, sched, 5)
     mgr.close()
-    log(f"fsdp load on {dist.get_world_size()} ok")
+    log(f"fsdp load on {dist.get_world_size()} ok from {mgr.last_restore.tier}")
 
 
 def scenario_generators_save(a: argparse.Namespace) -> None:
@@ -443,6 +460,86 @@ def scenario_churn(a: argparse.Namespace) -> None:
         time.sleep(0.005)
 
 
+def scenario_replicas(a: argparse.Namespace) -> None:
+    """One node per rank, each with its memory tier: after a commit each node's files are
+    in the other's memory too. A replaced node (empty disk and memory) restores from its
+    peer's memory, bitwise; with that peer's server gone, from the durable tier; a node
+    that saves again after its replacement is replicated again."""
+    import shutil
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from unbroken.checkpoint.peers.replica_files import rank_dir
+
+    rank = dist.get_rank()
+    model = DDP(make_model(0))
+    optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(optim, 2, 0.5)
+    mgr = ub.CheckpointManager(
+        a.url, staging_dir=a.staging, every_steps=3, when_busy="wait", memory_tier=True
+    )
+    state = {"model": model, "optim": optim, "sched": sched}
+    for step in range(1, 4):
+        train_step(model, optim, sched, step)
+        mgr.maybe_save(step, state)
+    mgr.wait()
+    assert mgr.stats.replicas_sent == 1 and mgr.stats.bytes_replicated > 0, mgr.stats
+    expected = full_state(model, optim)
+    for t in expected.values():  # BN statistics differ per rank; rank 0's are saved
+        dist.broadcast(t, src=0)
+    tier = Path(mgr.memory_tier.path)
+    held = sorted(os.listdir(rank_dir(str(tier), 1 - rank) + "/step-000000000003"))
+    assert f"__{1 - rank}_0.distcp" in held and "manifest.json" in held, held
+
+    def restore(what: str) -> str:
+        fresh = DDP(make_model(1))
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
+        fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, 2, 0.5)
+        assert mgr.restore({"model": fresh, "optim": fresh_opt, "sched": fresh_sched}) == 3
+        assert_same(full_state(fresh, fresh_opt), expected, f"restore {what}")
+        log(f"{what}: {mgr.last_restore.tier}")
+        return mgr.last_restore.tier
+
+    got = restore("every node whole")  # each node holds the other's files in its memory
+    assert got == "memory+replica", got
+    dist.barrier()
+    if rank == 1:  # node 1 replaced: nothing on its disk, nothing in its memory
+        shutil.rmtree(a.staging)
+        shutil.rmtree(tier)
+    dist.barrier()
+    got = restore("node 1 replaced")
+    assert got == ("peer" if rank == 1 else "memory+replica"), got
+    for step in range(4, 7):  # the replaced node saves again and is replicated again
+        train_step(model, optim, sched, step)
+        mgr.maybe_save(step, state)
+    mgr.wait()
+    assert mgr.stats.replicas_sent == 2, mgr.stats
+    if rank == 0:
+        held = sorted(os.listdir(rank_dir(str(tier), 1) + "/step-000000000006"))
+        assert "__1_0.distcp" in held and "manifest.json" in held, held
+        assert not os.path.exists(rank_dir(str(tier), 1) + "/step-000000000003")
+    expected = full_state(model, optim)
+    for t in expected.values():
+        dist.broadcast(t, src=0)
+    dist.barrier()
+    if rank == 1:  # node 1 replaced again
+        shutil.rmtree(a.staging, ignore_errors=True)
+        shutil.rmtree(tier)
+    elif rank == 0:  # and node 0's server is gone: node 1 reads the durable tier
+        mgr._peers.close()
+    dist.barrier()
+    fresh = DDP(make_model(1))
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
+    fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, 2, 0.5)
+    assert mgr.restore({"model": fresh, "optim": fresh_opt, "sched": fresh_sched}) == 6
+    assert_same(full_state(fresh, fresh_opt), expected, "restore with the peer gone")
+    log(f"peer gone: {mgr.last_restore.tier}")
+    got = mgr.last_restore.tier
+    assert got == ("durable" if rank == 1 else "memory+replica"), got
+    mgr.close()
+    log("replicas ok")
+
+
 def manager_before_init_process_group() -> ub.CheckpointManager:
     """Refused under torchrun; made where no WORLD_SIZE says the world is larger (a
     launcher that passes rank and world size to init_process_group itself)."""
@@ -484,6 +581,7 @@ SCENARIOS = {
     "generators_load": scenario_generators_load,
     "train": scenario_train,
     "churn": scenario_churn,
+    "replicas": scenario_replicas,
 }
 
 
@@ -498,6 +596,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--crash-at", type=int, default=0)
+    p.add_argument("--node-tiers", default="", help="each rank a node with its own tmpfs here")
     a = p.parse_args()
     if "{rank}" in a.staging:
         a.staging = a.staging.format(rank=os.environ.get("RANK", "0"))

@@ -35,9 +35,28 @@ def test_fsdp2_reshards_two_to_one_and_three(tmp_path):
     common = ["--url", str(tmp_path / "d"), "--expected", str(tmp_path / "expected.pt")]
     check(torchrun(2, "fsdp_save", *common, "--staging", str(tmp_path / "s2")))
     out1 = check(torchrun(1, "fsdp_load", *common, "--staging", str(tmp_path / "s1")))
-    assert "fsdp load on 1 ok" in out1
+    assert "fsdp load on 1 ok from durable" in out1  # a staging_dir of its own
     out3 = check(torchrun(3, "fsdp_load", *common, "--staging", str(tmp_path / "s3")))
     assert out3.count("fsdp load on 3 ok") == 3
+
+
+def test_fsdp2_reshards_from_the_nodes_memory_and_a_peers(tmp_path):
+    """2 nodes -> 1: the node left holds the other's replica in its memory; 1 node -> 2: the
+    new node reads the old one's memory through its peer server. Nothing from the durable
+    tier but the manifest and the listing."""
+
+    def nodes(name: str) -> list[str]:
+        return ["--node-tiers", str(tmp_path / "tmpfs"), "--staging", str(tmp_path / name)]
+
+    two = ["--url", str(tmp_path / "d2"), "--expected", str(tmp_path / "2.pt"), *nodes("a{rank}")]
+    check(torchrun(2, "fsdp_save", *two))
+    out = check(torchrun(1, "fsdp_load", *two))
+    assert "fsdp load on 1 ok from memory+replica" in out, out
+    one = ["--url", str(tmp_path / "d1"), "--expected", str(tmp_path / "1.pt"), *nodes("b{rank}")]
+    check(torchrun(1, "fsdp_save", *one))
+    out = check(torchrun(2, "fsdp_load", *one))
+    assert "[rank 0] fsdp load on 2 ok from memory" in out, out
+    assert "[rank 1] fsdp load on 2 ok from peer" in out, out
 
 
 def test_each_rank_restores_its_own_generator_and_values_on_any_world_size(tmp_path):
@@ -130,3 +149,13 @@ def test_each_node_restores_what_it_holds_from_its_own_staging_tier(tmp_path):
     assert "[rank 1] node 1 replaced: durable" in out
     assert "[rank 0] node 0 corrupt: durable" in out and "is not usable" in out
     assert "[rank 1] durable copy corrupt: durable" in out
+
+
+def test_a_replaced_node_restores_from_its_peers_memory(tmp_path):
+    """Replicas: each node's commit lands in the other's memory tier too; a replaced node
+    reads it from there, bitwise, and from the durable tier once that peer is gone."""
+    staging = str(tmp_path / "node-{rank}")
+    out = check(torchrun(2, "replicas", "--url", str(tmp_path / "d"), "--staging", staging))
+    assert out.count("replicas ok") == 2
+    assert "[rank 1] node 1 replaced: peer" in out
+    assert "[rank 1] peer gone: durable" in out and "is given up" in out

@@ -207,23 +207,6 @@ def test_off_keeps_the_node_copy_on_disk(tmp_path):
 # -- a small tmpfs, as containers mount one ---------------------------------------------
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path, monkeypatch):
-    """A 64 MiB tmpfs (Docker's default /dev/shm) as the memory tier's root."""
-    where = tmp_path / "shm64"
-    where.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    monkeypatch.setenv(MEMORY_DIR_ENV, str(where / "unbroken"))
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 def big_state(mib: int) -> dict:
     torch.manual_seed(0)
     return {"weights": torch.randn(mib << 18), "step": 0}  # mib MiB of float32

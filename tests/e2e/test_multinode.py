@@ -3,10 +3,11 @@
 Two torchrun agents (``--nnodes 2``, c10d rendezvous on 127.0.0.1), one rank each, each
 node with its own staging directory and data cache. Node 1 is killed whole (its agent
 and its rank) between two saves and a replacement starts on an empty staging directory
-and cache: it restores from the durable tier, node 0 (restarted by its agent) from the
-files its own memory tier holds, and the run ends bitwise equal to an uninterrupted
-one. Node 0 hosts torchrun's rendezvous store: losing it would end the job (see
-``Agent``), so it is the other node that goes.
+and cache: it restores from node 0's memory (its peer server, which kept node 1's
+replica), node 0 (restarted by its agent) from its own memory tier (its own files and
+that replica), and the run ends bitwise equal to an uninterrupted one. Node 0 hosts
+torchrun's rendezvous store: losing it would end the job (see ``Agent``), so it is the
+other node that goes.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def wait_between_saves(run, staging: list, since: float, after: int) -> set[int]
 
 @pytest.mark.slow  # CI: test_manager_dist's one node per rank covers the per-node reads
 @pytest.mark.timeout(600)
-def test_a_replaced_node_restores_from_durable_the_other_from_its_own_disk(
+def test_a_replaced_node_restores_from_its_peers_memory_the_other_from_its_own(
     tmp_path, jpeg_volume
 ):
     reference = launch(SCRIPT, jpeg_volume, tmp_path, "reference", STEPS, EVERY)
@@ -84,8 +85,8 @@ def test_a_replaced_node_restores_from_durable_the_other_from_its_own_disk(
     (*_, (_, _, kept_step, kept_tier)) = survivor.starts()
     ((_, _, new_step, new_tier),) = replacement.starts()
     assert kept_step == new_step >= newest, (committed, survivor.output, replacement.output)
-    assert new_tier == "durable", replacement.output  # an empty disk: all from the remote
-    assert kept_tier is not None and "memory" in kept_tier, survivor.output  # its node's copy
+    assert new_tier == "peer", replacement.output  # empty tiers: all from node 0's memory
+    assert kept_tier == "memory+replica", survivor.output  # its own copy, node 1's replica
     assert all(committed for _, committed in survivor.restored + replacement.restored)
     result, want = read_result(run / "result.json"), read_result(
         tmp_path / "reference" / "result.json"

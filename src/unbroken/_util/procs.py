@@ -8,7 +8,12 @@ a later one that happens to hold the same pid.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
+import threading
+import time
 
 
 def pid_alive(pid: int) -> bool:
@@ -57,3 +62,28 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] != "Z":
             found.append(int(entry))
     return found
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process as soon as ``parent`` ends, and end it now if it already
+    has: a helper process must never outlive the rank that started it. Linux uses the
+    kernel's parent-death signal; elsewhere a thread looks at the parent every second."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # it ended before the request above took hold
+        os._exit(0)
+    if not sys.platform.startswith("linux"):
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)

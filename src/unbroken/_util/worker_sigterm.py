@@ -23,7 +23,6 @@ that forked, not the process.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import multiprocessing.util
@@ -31,12 +30,13 @@ import os
 import signal
 import threading
 
+from unbroken._util.procs import die_with_parent
+
 log = logging.getLogger(__name__)
 
 PARENT_POLL_SECONDS = 0.1
 """How often a worker holding a deferred SIGTERM looks whether its parent has ended."""
 
-_PR_SET_PDEATHSIG = 1
 
 _guarded_pid: int | None = None
 _watches = 0
@@ -55,7 +55,7 @@ def defer_sigterm_in_this_worker() -> None:
     _guarded_pid = os.getpid()
     parent = os.getppid()
     if _forked_from_main_thread:
-        _die_with_parent(parent)
+        die_with_parent(parent)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     threading.Thread(
         target=_take_sigterm, args=(parent,), name="unbroken-sigterm", daemon=True
@@ -75,18 +75,6 @@ def _take_sigterm(parent: int) -> None:
             deferred = True
             log.debug("DataLoader worker %d: SIGTERM from pid %d deferred until its "
                       "parent ends", os.getpid(), info.si_pid)  # fmt: skip
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process as soon as its parent ends (Linux; elsewhere nothing)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # it ended before the call
-        os._exit(0)
 
 
 def watch_started() -> None:

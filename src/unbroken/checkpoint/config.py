@@ -67,6 +67,14 @@ class CheckpointConfig:
     leaves a tenth of the tmpfs free. None: on where the tmpfs can hold that (off, with
     one warning, where it cannot: Docker's default /dev/shm is 64 MB); True: that
     failing is an error; False: the disk staging tier only."""
+    replicas: int = 1
+    """On a job of several nodes, each node's committed snapshot is copied in the
+    background from its memory tier into the memory tier of this many other nodes (the
+    next ones by node index), so that a node that is lost and replaced restores from a
+    peer's memory rather than the durable tier. A replica counts against the receiving
+    node's tmpfs and is dropped first when the node's own saves need the room. Each
+    node's lowest rank runs a server for it (``checkpoint/peers/``, docs/launch.md).
+    0: no replicas and no servers."""
     save_helper: bool = True
     """Upload each save whose node copy is in the memory tier from a helper process of
     this rank's own, where the durable tier is an object store: the uploads' threads
@@ -129,6 +137,14 @@ class CheckpointConfig:
             raise ValueError(
                 f"CheckpointManager: save_helper must be True or False, got {self.save_helper!r}"
             )
+        if (
+            not isinstance(self.replicas, int)
+            or isinstance(self.replicas, bool)
+            or (self.replicas < 0)
+        ):
+            raise ValueError(
+                f"CheckpointManager: replicas must be an int >= 0, got {self.replicas!r}"
+            )
         if self.memory_tier not in (None, True, False):
             raise ValueError(
                 "CheckpointManager: memory_tier must be None (on where it fits), True or "
@@ -176,6 +192,10 @@ class SaveStats:
     bytes_checksummed_in_copy: int = 0
     """This rank's shard bytes whose crc32c the staging copy took as it copied them (from
     the cache), so that the local write did not read them again; summed over saves."""
+    replicas_sent: int = 0
+    """Committed steps whose files this rank copied into every replica node's memory."""
+    bytes_replicated: int = 0
+    """This rank's bytes sent to replica nodes, summed over saves."""
     bytes_staged_in_place: int = 0
     """This rank's shard bytes staged straight into the memory tier's file (from the
     second save of a state on), which the local write then did not copy; summed."""

@@ -33,7 +33,9 @@ from unbroken.checkpoint.config import (
 from unbroken.checkpoint.elastic_env import warn_if_restarts_may_hang
 from unbroken.checkpoint.errors import OtherJobError, SaveFailedError
 from unbroken.checkpoint.memory_tier import MemoryTier
-from unbroken.checkpoint.pipeline import PipelineConfig, SavePipeline
+from unbroken.checkpoint.peers.network import PeerNetwork, replica_stores
+from unbroken.checkpoint.peers.replicator import Replicator
+from unbroken.checkpoint.pipeline import REPLICA_CLOSE_SECONDS, PipelineConfig, SavePipeline
 from unbroken.checkpoint.preemption import EXIT_CODE, PreemptionWatch
 from unbroken.checkpoint.save_job import SaveJob
 from unbroken.checkpoint.staging.stager import StateStager
@@ -143,6 +145,16 @@ class CheckpointManager:
         )
         """The node's memory tier (None: off, or no tmpfs for it)."""
         self._sized = 0
+        self._peers = PeerNetwork.start(
+            self._group, self.staging_dir, self.memory_tier, config.replicas
+        )
+        """The job's peer servers (None: one node, or replicas=0)."""
+        clients = self._peers.replica_clients() if self._peers is not None else []
+        replicator = (
+            Replicator(self._group.global_rank, clients, on_sent=self._replicated)
+            if clients
+            else None
+        )
         self._pipeline = SavePipeline(
             self.store,
             self.staging_dir,
@@ -155,7 +167,13 @@ class CheckpointManager:
             ),
             on_done=self._on_done,
             memory=self.memory_tier,
+            replicator=replicator,
         )
+
+    def _replicated(self, step: int, nbytes: int) -> None:
+        with self._lock:
+            self.stats.replicas_sent += 1
+            self.stats.bytes_replicated += nbytes
 
     def _size_memory_tier(self, flat: FlatState) -> None:
         """Can the tmpfs hold two snapshots of the state? Asked again only when the state
@@ -373,6 +391,8 @@ class CheckpointManager:
         t0 = time.monotonic()
         self._goodput.save_begin(None, wait=True)
         self._pipeline.wait(timeout)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+        self._pipeline.wait_replicated(left)  # best effort: a replica never fails a save
         self._goodput.save_end(None, wait=True)
         self.stats.seconds_in_wait += time.monotonic() - t0
         self._report_failures(raising=True)
@@ -392,7 +412,9 @@ class CheckpointManager:
         finally:
             self._goodput.save_end(None, wait=True)
             self._closed = True
-            self._pipeline.close()
+            self._pipeline.close(replica_seconds=0.0 if clean else REPLICA_CLOSE_SECONDS)
+            if self._peers is not None:
+                self._peers.close()
             self._stager.close()
             if self._preemption is not None:
                 self._preemption.close()
@@ -426,6 +448,7 @@ class CheckpointManager:
         self._size_memory_tier(collect(state))
         self._goodput.restore_begin()
         memory = self._pipeline.memory_store()
+        peers = self._peers.peer_stores(self.store) if self._peers is not None else []
         restored = restore(
             state,
             durable=self.store,
@@ -434,6 +457,8 @@ class CheckpointManager:
             step=step,
             strict=strict,
             memory=memory,
+            replicas=replica_stores(self.memory_tier) if memory is not None else [],
+            peers=peers,
         )
         self.last_restore = restored
         if restored is None:

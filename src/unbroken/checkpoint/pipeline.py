@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from unbroken._util.priority import lower_thread_priority
+from unbroken._util.sizes import format_size
 from unbroken._util.thread_names import name_native_thread
 from unbroken.checkpoint import staging_tier
 from unbroken.checkpoint.collectives import Group
@@ -50,6 +51,8 @@ from unbroken.checkpoint.format.writer import TierWriter
 from unbroken.checkpoint.format.writers import claim_step
 from unbroken.checkpoint.local_writes import LOCAL_LOAN, LocalWrites
 from unbroken.checkpoint.memory_tier import MemoryTier
+from unbroken.checkpoint.peers.replica_files import drop_all as drop_replicas
+from unbroken.checkpoint.peers.replicator import Replica, Replicator
 from unbroken.checkpoint.save_helper.uploads import HelperSlot
 from unbroken.checkpoint.save_job import (
     SaveJob,
@@ -103,6 +106,10 @@ class PipelineConfig:
     the staging buffers and the node's copy being written are the same memory."""
 
 
+REPLICA_CLOSE_SECONDS = 10.0
+"""How long close() lets the last commit's replica go on before it stops it."""
+
+
 class SavePipeline:
     """Runs save jobs one at a time in a background thread."""
 
@@ -114,8 +121,11 @@ class SavePipeline:
         config: PipelineConfig,
         on_done: Callable[[SaveJob], None],
         memory: MemoryTier | None = None,
+        replicator: Replicator | None = None,
     ) -> None:
         self.durable = durable
+        self.replicator = replicator
+        """Sends each commit's files from the memory tier to the replica nodes."""
         self.staging_dir = staging_dir
         self.memory = memory
         """The node's memory tier: where a save's local copy goes while it has room."""
@@ -202,15 +212,22 @@ class SavePipeline:
                     f"checkpoint of step {job.step} still in flight after {timeout}s"
                 )
 
+    def wait_replicated(self, timeout: float | None = None) -> bool:
+        """Until the newest commit's replica is sent (or given up); False on timeout."""
+        return self.replicator is None or self.replicator.wait(timeout)
+
     def drain(self) -> None:
         """Until every submitted job and its retention are finished."""
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
 
-    def close(self) -> None:
-        """Finish every job and its retention, then stop the worker."""
+    def close(self, *, replica_seconds: float = REPLICA_CLOSE_SECONDS) -> None:
+        """Finish every job and its retention, then stop the worker. ``replica_seconds``:
+        how long the last commit's replica may still go on (a clean end: none)."""
         self._queue.put(None)
         self._thread.join()
+        if self.replicator is not None:  # the last commit's replica, briefly waited for
+            self.replicator.close(timeout=replica_seconds)
         self.helpers.close()
         if self.arenas is not None:
             self.arenas.close()
@@ -250,6 +267,7 @@ class SavePipeline:
                 self._on_done(job)  # before the job leaves _jobs: wait() then sees its error
                 if job.manifest is not None:  # housekeeping, before the next job starts
                     self._after_commit(job.manifest)
+                    self._replicate(job)
                 if self.arenas is not None:  # the tidy may have freed an older step's
                     self.arenas.prepare(self._layout)
             finally:
@@ -367,6 +385,7 @@ class SavePipeline:
         writer.parts = {}
         try:
             records = [*writer.records, self._write_rng(local_dir, job.rng)]
+            job.records = records
             if not claimed:  # the durable tier was down at staging: claim now, retrying
                 for loan in memory.values():
                     loan.give_back()  # not held through retries: the next save needs them
@@ -452,6 +471,14 @@ class SavePipeline:
         write, on every rank alike)."""
         memory = self.memory
         tight = memory is not None and memory.active and not memory.room_now(nbytes)
+        if tight and memory is not None:  # other nodes' replicas go first, then idle arenas
+            freed = drop_replicas(memory.path)
+            if freed:
+                log.warning(
+                    "memory tier %s: dropped %s of other nodes' replicas to make room for "
+                    "step %s", memory.path, format_size(freed), name,
+                )  # fmt: skip
+            tight = not memory.room_now(nbytes)
         if tight and self.arenas is not None:  # an idle arena's pages make room for this copy
             self.arenas.drop_free()
         if memory is not None and memory.active and memory.has_room(nbytes):
@@ -501,6 +528,22 @@ class SavePipeline:
             for f in [pool.submit(one, r) for r in records]:
                 f.result()
         return etags
+
+    def _replicate(self, job: SaveJob) -> None:
+        """A commit whose node copy is in the memory tier goes on to the replica nodes
+        (in the replicator's thread: the next save never waits for it)."""
+        if self.replicator is None or self.memory is None or job.manifest is None:
+            return
+        if job.local_root != self.memory.path or not job.records:
+            return
+        self.replicator.submit(
+            Replica(
+                step=job.step,
+                folder=os.path.join(job.local_root, step_dir(job.step)),
+                files={rec.name: rec.crc32c for rec in job.records},
+                manifest=job.manifest.to_json(),
+            )
+        )
 
     def _after_commit(self, manifest: Manifest) -> None:
         """Retention on both tiers (best effort; a failure here never fails the save)."""

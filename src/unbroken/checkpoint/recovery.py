@@ -24,7 +24,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,7 @@ from unbroken.checkpoint.format.manifest import (
 )
 from unbroken.checkpoint.format.planners import SafeLoadPlanner
 from unbroken.checkpoint.format.reader import TierReader
+from unbroken.checkpoint.peers.peer_store import PeerStore
 from unbroken.checkpoint.pipeline import MANIFEST
 from unbroken.checkpoint.restore_checks import (
     check_compatible,
@@ -107,12 +108,24 @@ class _Failed:
     """Its durable copy is corrupt, so the step is not tried again from the durable tier."""
 
 
-def _sources(reader: TierReader, tiers: Mapping[str, Store]) -> str:
+def _sources(reader: TierReader, tiers: Sequence[tuple[str, Store]]) -> str:
     """Which tiers the files this rank read came from, nearest first: "memory",
-    "staging" (the disk tier), "durable", joined by "+" where they were several."""
+    "replica" (a peer's copy kept in this node's memory), "staging" (the disk tier),
+    "peer" (another node's memory), "durable", joined by "+" where they were several."""
     used = {id(reader.source(name)) for name in reader.files_read}
-    names = [tier for tier, store in tiers.items() if id(store) in used]
+    names: list[str] = []
+    for tier, store in tiers:
+        if id(store) in used and tier not in names:
+            names.append(tier)
+        if isinstance(store, PeerStore) and id(store) in used and store.gone is not None:
+            names.append("durable")  # what the peer did not send
+    names = [n for n in names if n != "durable"] + (["durable"] if "durable" in names else [])
     return "+".join(names) or "durable"
+
+
+def _nearest(tiers: Sequence[tuple[str, Store]], sources: str, durable: Store) -> Store:
+    first = sources.split("+")[0]
+    return next((store for tier, store in tiers if tier == first), durable)
 
 
 def restore(
@@ -124,11 +137,15 @@ def restore(
     step: int | None = None,
     strict: bool = True,
     memory: Store | None = None,
+    replicas: Sequence[Store] = (),
+    peers: Sequence[PeerStore] = (),
 ) -> Restored | None:
     """Load the newest loadable committed checkpoint into ``state``; None if none exists.
-    ``memory``: the node's memory tier, read before the disk tier ``staging``."""
+    ``memory``: the node's memory tier, read before the disk tier ``staging``;
+    ``replicas``: other ranks' copies this node's memory holds (``peers/``); ``peers``:
+    other nodes' memory tiers, read after the node's own tiers, before ``durable``."""
     began = time.monotonic()
-    node = _NodeTiers(memory, staging)
+    node = _NodeTiers(memory, staging, tuple(replicas), tuple(peers))
     flat = collect(state)
     # Steps with a commit record, newest first, and the files present under each: one
     # listing of the durable tier (each manifest is read only when its step is tried).
@@ -158,9 +175,9 @@ def restore(
                     break
                 continue
             manifest, reader = loaded
-            sources = _sources(reader, {**node.tiers(), "durable": durable})
-            nearest = node.tiers().get(sources.split("+")[0], durable)
-            where = nearest.url_for(step_dir(s))
+            tiers = [*node.tiers(), ("durable", durable)]
+            sources = _sources(reader, tiers)
+            where = _nearest(tiers, sources, durable).url_for(step_dir(s))
             return Restored(s, sources, where, time.monotonic() - began, manifest)
         if s != steps[-1]:
             warnings.warn(
@@ -287,9 +304,9 @@ def _try(
             RuntimeWarning,
             stacklevel=4,
         )
-    tiers = {**store.tiers(), "durable": durable} if isinstance(store, _NodeTiers) else {}
-    sources = _sources(reader, tiers or {"durable": durable})
-    nearest = tiers.get(sources.split("+")[0], durable)
+    tiers = [*(store.tiers() if isinstance(store, _NodeTiers) else []), ("durable", durable)]
+    sources = _sources(reader, tiers)
+    nearest = _nearest(tiers, sources, durable)
     log.info(
         "restored step %d from the %s tier (%s)", step, sources, nearest.url_for(step_dir(step))
     )
@@ -323,15 +340,23 @@ def _fail(
 
 @dataclass(frozen=True)
 class _NodeTiers:
-    """The node's own tiers, tried as one: each file from the nearest that holds it whole
-    (memory, then disk), the rest from the durable tier."""
+    """The tiers nearer than the durable one, tried as one: each file from the nearest
+    that holds it whole (the node's memory, the replicas it keeps, its disk, then the
+    other nodes' memory), the rest from the durable tier."""
 
     memory: Store | None
     disk: Store
+    replicas: tuple[Store, ...] = ()
+    peers: tuple[PeerStore, ...] = ()
 
-    def tiers(self) -> dict[str, Store]:
-        own = {"memory": self.memory} if self.memory is not None else {}
-        return {**own, "staging": self.disk}
+    def tiers(self) -> list[tuple[str, Store]]:
+        own = [("memory", self.memory)] if self.memory is not None else []
+        return [
+            *own,
+            *(("replica", r) for r in self.replicas),
+            ("staging", self.disk),
+            *(("peer", p) for p in self.peers),
+        ]
 
     def url_for(self, key: str) -> str:
         return (self.memory or self.disk).url_for(key)
@@ -385,8 +410,13 @@ def _prepare(
     values = saved_values(manifest, durable, group.global_rank)
     if isinstance(store, _NodeTiers):
         nearby: dict[str, Store] = {}
-        for near in store.tiers().values():  # nearest first: a file is read from the first
-            for fname in _local_files(near, name, manifest):
+        for _, near in store.tiers():  # nearest first: a file is read from the first
+            held = (
+                near.held(step, manifest)
+                if isinstance(near, PeerStore)
+                else _local_files(near, name, manifest)
+            )
+            for fname in held:
                 nearby.setdefault(fname, near)
         reader = TierReader(durable, step, manifest, nearby=nearby)
     else:

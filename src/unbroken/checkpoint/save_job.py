@@ -51,6 +51,8 @@ class SaveJob:
     in_place_bytes: int = 0
     """Bytes of this rank's shard the staging copy wrote where the memory tier's file
     keeps them (``staging/arena.py``): the local write did not copy them again."""
+    records: list[Any] = field(default_factory=list)
+    """This rank's files of the step (FileRecords: name, size, crc32c), once written."""
     local_root: str | None = None
     """The node tier this save's local copy went to (the memory tier's directory or the
     disk staging directory); None before its local write."""

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -61,6 +61,13 @@ from unbroken.checkpoint.format.tensor_record import tensor_from_raw
 from unbroken.checkpoint.format.values import UnsafeValueError, load_weights_only
 from unbroken.storage import LocalStore, ObjectNotFoundError, Store
 from unbroken.storage.parts import part_ranges
+
+
+@runtime_checkable
+class ReadsInto(Protocol):
+    """A store that receives a byte range straight into memory it is given."""
+
+    def read_range_into(self, key: str, start: int, end: int, out: memoryview) -> int: ...
 
 
 class TierReader(StorageReader):
@@ -387,14 +394,28 @@ class TierReader(StorageReader):
     ) -> tuple[int, int]:
         """Fetch [start, end) of the payload's file into its place in ``into`` (the target's
         bytes); (bytes, their crc32c). Runs on a reader thread: the fetch, the checksum and
-        the copy all release the GIL."""
+        the copy all release the GIL. A store that can receive into memory it is given (a
+        peer's) writes straight into the target: no buffer between."""
+        source = self.source(loc.relative_path)
+        at = start - loc.payload_offset
+        if isinstance(source, ReadsInto):
+            self.files_read.add(loc.relative_path)
+            view = memoryview(into[at : at + end - start]).cast("B")
+            try:
+                got = source.read_range_into(f"{self.prefix}/{loc.relative_path}", start, end, view)
+            except ObjectNotFoundError as exc:
+                raise self._corrupt(loc.relative_path, "file is missing") from exc
+            if got != end - start:
+                raise self._corrupt(
+                    loc.relative_path, f"short file: bytes [{start}, {end}) gave {got}"
+                )
+            return got, crc32c_bytes(view) if self.verify else 0
         data = memoryview(self._read_range(loc.relative_path, start, end)).cast("B")
         if data.nbytes != end - start:
             raise self._corrupt(
                 loc.relative_path, f"short file: bytes [{start}, {end}) gave {data.nbytes}"
             )
         crc = crc32c_bytes(data) if self.verify else 0
-        at = start - loc.payload_offset
         into[at : at + data.nbytes] = np.frombuffer(data, dtype=np.uint8)
         return data.nbytes, crc
 

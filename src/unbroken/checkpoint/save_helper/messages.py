@@ -30,14 +30,15 @@ def send(sock: socket.socket, message: dict[str, Any]) -> None:
         raise PeerGone(str(e)) from e
 
 
-def receive(sock: socket.socket) -> dict[str, Any]:
-    """The next message; PeerGone at the end of the stream."""
+def receive(sock: socket.socket, *, max_frame: int = MAX_FRAME) -> dict[str, Any]:
+    """The next message; PeerGone at the end of the stream. ``max_frame``: what a side
+    that listens on a network accepts before it knows who speaks is much less."""
     (length,) = _LENGTH.unpack(_read_exactly(sock, _LENGTH.size))
-    if length > MAX_FRAME:
-        raise ValueError(f"a save helper frame of {length} bytes is over {MAX_FRAME}")
+    if length > max_frame:
+        raise ValueError(f"a frame of {length} bytes is over {max_frame}")
     message = json.loads(_read_exactly(sock, length))
     if not isinstance(message, dict):
-        raise ValueError(f"a save helper frame holds {type(message).__name__}, not an object")
+        raise ValueError(f"a frame holds {type(message).__name__}, not an object")
     return message
 
 

@@ -8,27 +8,23 @@ needs its helper), so a launcher that signals the whole process group does not e
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
-import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from unbroken._util.priority import lower_thread_priority
+from unbroken._util.procs import die_with_parent
 from unbroken._util.thread_names import name_native_thread
 from unbroken.checkpoint.save_helper import messages
 from unbroken.storage.base import Store
 from unbroken.storage.spec import open_spec
 
-_PR_SET_PDEATHSIG = 1
-
 
 def serve(fd: int, parent: int) -> None:
     """Answer the trainer's requests on the socket ``fd`` until it closes."""
-    _die_with(parent)
+    die_with_parent(parent)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
@@ -86,22 +82,3 @@ def _upload(store: Store, request: dict[str, Any], lower: bool) -> dict[str, str
         for future in [pool.submit(one, path, key) for path, key in files]:
             future.result()
     return etags
-
-
-def _die_with(parent: int) -> None:
-    """End this process when ``parent`` dies (Linux), and now if it already has."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the request above took hold
-        os._exit(0)
-    if not sys.platform.startswith("linux"):
-        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-
-
-def _watch_parent(parent: int) -> None:
-    import time
-
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(0)

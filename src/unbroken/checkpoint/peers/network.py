@@ -1,0 +1,150 @@
+"""The job's peer servers: one per node, found at start, with the job's token.
+
+Made by every rank when the manager is made (collectives on the manager's group): rank
+0 makes a token for this start of the job, every rank says which node it is on (its
+host and memory tier: two staging directories on one machine are two nodes), the
+lowest rank of each node with a memory tier starts the node's server, and every rank
+learns every server's address. A one-node job (or ``replicas=0``) has none.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import selectors
+import socket
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+
+import unbroken
+from unbroken.checkpoint.collectives import Group
+from unbroken.checkpoint.memory_tier import MemoryTier, tier_key
+from unbroken.checkpoint.peers import replica_files
+from unbroken.checkpoint.peers.client import PeerClient
+from unbroken.checkpoint.peers.peer_store import PeerStore
+from unbroken.checkpoint.peers.placement import leaders, node_of_ranks, replica_targets
+from unbroken.storage import LocalStore, Store
+
+log = logging.getLogger(__name__)
+
+HOST_ENV = "UNBROKEN_PEER_HOST"
+"""The address this node's peer server listens on (default: this host's address on the
+way to ``MASTER_ADDR``, the interface the job's own traffic takes)."""
+START_SECONDS = 30.0
+
+
+@dataclass
+class PeerNetwork:
+    """This rank's view of the job's peer servers."""
+
+    node: int
+    """This rank's node index."""
+    node_count: int
+    addresses: dict[int, tuple[str, int]]
+    """Each node's server address, by node index (nodes without a memory tier: none)."""
+    token: str
+    replicas: int
+    server: subprocess.Popen | None = None
+    """This node's server, where this rank started it."""
+
+    @classmethod
+    def start(
+        cls, group: Group, staging_dir: str, memory: MemoryTier | None, replicas: int
+    ) -> PeerNetwork | None:
+        """Collective: every rank calls it, with the same ``replicas``."""
+        if group.world_size == 1 or replicas < 1:
+            return None
+        ident = f"{socket.gethostname()}:{tier_key(staging_dir)}"
+        token = group.broadcast(secrets.token_hex(32) if group.is_coordinator else None)
+        nodes = node_of_ranks(group.all_gather(ident))
+        node_count = max(nodes) + 1
+        if node_count == 1:
+            return None
+        node = nodes[group.rank]
+        server, address = None, None
+        if leaders(nodes)[node] == group.rank and memory is not None and memory.active:
+            try:
+                server, address = _start_server(memory.path, node_host(), token)
+            except Exception as e:
+                warnings.warn(
+                    f"node {node}: no peer server ({e}); its memory tier holds no replicas "
+                    "and serves no peer",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        found = group.all_gather(address)
+        addresses = {nodes[r]: (a[0], int(a[1])) for r, a in enumerate(found) if a is not None}
+        log.info("node %d of %d; peer servers: %s", node, node_count, addresses)
+        return cls(node, node_count, addresses, token, replicas, server)
+
+    def replica_clients(self) -> list[PeerClient]:
+        """Clients of the servers that keep this node's replicas."""
+        targets = replica_targets(self.node, self.node_count, self.replicas)
+        return [PeerClient(self.addresses[n], self.token) for n in targets if n in self.addresses]
+
+    def peer_stores(self, fallback: Store) -> list[PeerStore]:
+        """Every other node's server as a read-only store, for a restore."""
+        return [
+            PeerStore(PeerClient(address, self.token), fallback)
+            for n, address in sorted(self.addresses.items())
+            if n != self.node
+        ]
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.kill()
+            self.server.wait()
+            self.server = None
+
+
+def replica_stores(memory: MemoryTier | None) -> list[LocalStore]:
+    """The replicas this node's memory tier holds, each as a store laid out like a tier."""
+    if memory is None:
+        return []
+    return [LocalStore(d) for d in replica_files.replica_dirs(memory.path)]
+
+
+def node_host() -> str:
+    """Where this node's server listens: ``$UNBROKEN_PEER_HOST``, else the address this
+    host reaches ``MASTER_ADDR`` from (no packet is sent: a UDP socket's route)."""
+    explicit = os.environ.get(HOST_ENV, "").strip()
+    if explicit:
+        return explicit
+    master = os.environ.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(addr)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def _start_server(tier: str, host: str, token: str) -> tuple[subprocess.Popen, tuple[str, int]]:
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(unbroken.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unbroken.checkpoint.peers.server"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    settings = {"tier": tier, "host": host, "token": token, "parent": os.getpid()}
+    try:
+        proc.stdin.write((json.dumps(settings) + "\n").encode())
+        proc.stdin.close()
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            if not sel.select(START_SECONDS):
+                raise TimeoutError(f"the peer server did not start within {START_SECONDS} s")
+            line = proc.stdout.readline()
+        port = int(json.loads(line)["port"])
+    except Exception:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, (host, port)

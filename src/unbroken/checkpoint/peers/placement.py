@@ -1,0 +1,30 @@
+"""Which node a rank lives on and which nodes hold a node's replicas (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def node_of_ranks(identities: Sequence[str]) -> list[int]:
+    """Each rank's node index, from each rank's node identity (host and memory tier):
+    nodes are numbered in the order of their lowest rank, as torchrun numbers them."""
+    index: dict[str, int] = {}
+    return [index.setdefault(ident, len(index)) for ident in identities]
+
+
+def leaders(nodes: Sequence[int]) -> list[int]:
+    """The lowest rank of each node, by node index."""
+    first: dict[int, int] = {}
+    for rank, node in enumerate(nodes):
+        first.setdefault(node, rank)
+    return [first[n] for n in sorted(first)]
+
+
+def replica_targets(node: int, node_count: int, replicas: int) -> list[int]:
+    """The nodes that keep copies of ``node``'s snapshot: the next ``replicas`` nodes by
+    index, wrapping round, never the node itself (fewer where the job has fewer nodes)."""
+    if node_count < 1 or not 0 <= node < node_count:
+        raise ValueError(f"node {node} is not one of {node_count} nodes")
+    if replicas < 0:
+        raise ValueError(f"replicas must be >= 0, got {replicas}")
+    return [(node + i) % node_count for i in range(1, min(replicas, node_count - 1) + 1)]
