@@ -13,13 +13,17 @@ other node that goes.
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.checkpoint.distributed import free_port
 from tests.e2e.harness import Agent, committed_steps, read_result, save_phase
 from tests.e2e.test_crash_harness import EXAMPLES, faulty_remote, launch
+from unbroken.checkpoint.format.manifest import step_dir
+from unbroken.checkpoint.memory_tier import MEMORY_DIR_ENV, tier_key
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,15 +45,25 @@ def start_node(rank: int, endpoint: str, volume, run, staging: str, remote: dict
     )  # fmt: skip
 
 
+def replica_held(run, step: int) -> bool:
+    """Node 0's memory tier holds node 1's (rank 1's) replica of ``step``, sealed."""
+    tier = Path(os.environ[MEMORY_DIR_ENV]) / tier_key(str(run / "staging-0"))
+    return (tier / "replicas" / "rank-00001" / step_dir(step) / "manifest.json").exists()
+
+
 def wait_between_saves(run, staging: list, since: float, after: int) -> set[int]:
-    """Wait until a step past ``after`` is committed and copied into every staging tier,
-    and no newer save has begun; the committed steps then."""
+    """Wait until a step past ``after`` is committed, copied into every staging tier and
+    replicated to node 0 (a node lost before its replica lands has its files read from
+    the durable tier), and no newer save has begun; the committed steps then."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         committed = committed_steps(run / "durable")
-        if max(committed, default=0) > after and save_phase(
-            run / "durable", staging, since, world_size=2
-        ) == "step":
+        newest = max(committed, default=0)
+        if (
+            newest > after
+            and replica_held(run, newest)
+            and save_phase(run / "durable", staging, since, world_size=2) == "step"
+        ):
             return committed
         time.sleep(0.02)
     raise AssertionError("no commit came")
