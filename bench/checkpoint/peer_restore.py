@@ -3,9 +3,9 @@ costs a save.
 
 Two nodes on one machine (a 2-rank torchrun job, each rank a node with its own staging
 directory and tmpfs root, as tests/checkpoint's replica tests run them), the durable
-tier a real S3 server (SeaweedFS on loopback). One step is committed and replicated;
-node 1 restores from its own memory tier (a process restart: the floor of the fast
-path), then is replaced (its staging directory and memory tier emptied) and restores
+tier a real S3 server (SeaweedFS on loopback, or behind a +20 ms delay line). One step
+is committed and replicated; node 1 restores from its own memory tier (a process
+restart: the floor of the fast path), then is replaced (its staging directory and memory tier emptied) and restores
 from its peer's memory, and from S3 alone, each ``reps`` times, interleaved; every
 restore is checked bitwise. Then a compute loop (one core of matrix products per
 rank, the training's stand-in) runs while a save goes on in the background, with
@@ -13,7 +13,8 @@ replication on, off, and with no save at all; the loop's extra wall is the save'
 Last, both holders of node 1's piece are lost (node 1 replaced, node 0's server killed):
 node 1 restores from S3, bitwise.
 
-    python -m bench.checkpoint.peer_restore [--mib 1024] [--reps 3] [--window 8] [--quick]
+    python -m bench.checkpoint.peer_restore [--mib 1024] [--reps 3] [--window 20]
+        [--profile loopback|far] [--quick]
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from bench.common.s3remote import PROFILES, S3Remote
 from bench.common.torchrun import ROOT, torchrun_cmd, torchrun_env
-from tests.s3server import S3Server
 
 JOB = "bench.checkpoint.peer_restore_job"
 
@@ -41,23 +42,26 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=1024, help="state per rank (MiB)")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--window", type=float, default=8.0, help="compute loop seconds per save")
+    p.add_argument("--window", type=float, default=20.0, help="compute loop seconds per save")
+    p.add_argument("--profile", choices=sorted(PROFILES), default="loopback",
+                   help="the S3 server as it is, or behind the +20 ms delay line")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="64 MiB, 1 rep, 2 s loop")
     a = p.parse_args()
     mib, reps, window = (64, 1, 2.0) if a.quick else (a.mib, a.reps, a.window)
     work = Path(tempfile.mkdtemp(prefix="ub-peer-restore-"))
     shm = Path(tempfile.mkdtemp(prefix="ub-peer-restore-", dir="/dev/shm"))
-    server = S3Server(volume_max=300)
+    remote = S3Remote.profile(a.profile, volume_max=800)  # every save keeps ~2 GiB of volumes
     print(f"load before: {os.getloadavg()[0]:.2f}")
     try:
-        url = f"s3://{server.new_root()}/ckpt"
+        url = f"s3://{remote.server.new_root()}/ckpt"
         cmd = torchrun_cmd(JOB, url, str(work), str(shm), str(mib), str(reps),
-                           json.dumps(server.storage_options), str(window), restarts=0)  # fmt: skip
+                           json.dumps(remote.storage_options), str(window), restarts=0)  # fmt: skip
         done = subprocess.run(
             cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=1800
         )
     finally:
-        server.close()
+        where = remote.describe()
+        remote.close()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     print(f"load after: {os.getloadavg()[0]:.2f}")
@@ -68,7 +72,7 @@ def main() -> None:
     node1 = rows[1]
     gib = node1["bytes"] / (1 << 30)
     print(f"state per rank: {gib:.2f} GiB; 2 nodes of 1 rank on one machine; durable tier: "
-          "SeaweedFS S3 on loopback")  # fmt: skip
+          f"{where}")  # fmt: skip
     print(f"replicas sent at the first commit: rank 0 {rows[0]['replicated']}, rank 1 "
           f"{node1['replicated']}")  # fmt: skip
     own = [r["seconds"] for r in node1["restore"]["memory"]]
