@@ -5,13 +5,13 @@ Two nodes on one machine (a 2-rank torchrun job, each rank a node with its own s
 directory and tmpfs root, as tests/checkpoint's replica tests run them), the durable
 tier a real S3 server (SeaweedFS on loopback, or behind a +20 ms delay line). One step
 is committed and replicated; node 1 restores from its own memory tier (a process
-restart: the floor of the fast path), then is replaced (its staging directory and memory tier emptied) and restores
-from its peer's memory, and from S3 alone, each ``reps`` times, interleaved; every
-restore is checked bitwise. Then a compute loop (one core of matrix products per
-rank, the training's stand-in) runs while a save goes on in the background, with
-replication on, off, and with no save at all; the loop's extra wall is the save's cost.
-Last, both holders of node 1's piece are lost (node 1 replaced, node 0's server killed):
-node 1 restores from S3, bitwise.
+restart: the floor of the fast path), then is replaced (its staging directory and
+memory tier emptied) and restores from its peer's memory, and from S3 alone, each
+``reps`` times, interleaved; every restore is checked bitwise. Then a compute loop (one
+core of matrix products per rank, the training's stand-in) runs while a save goes on in
+the background, with replication on, off, and with no save at all; the loop's extra
+wall is the save's cost. Last, both holders of node 1's piece are lost (node 1
+replaced, node 0's server killed): node 1 restores from S3, bitwise.
 
     python -m bench.checkpoint.peer_restore [--mib 1024] [--reps 3] [--window 20]
         [--profile loopback|far] [--quick]

@@ -449,17 +449,21 @@ class CheckpointManager:
         self._goodput.restore_begin()
         memory = self._pipeline.memory_store()
         peers = self._peers.peer_stores(self.store) if self._peers is not None else []
-        restored = restore(
-            state,
-            durable=self.store,
-            staging=self.staging,
-            group=self._group,
-            step=step,
-            strict=strict,
-            memory=memory,
-            replicas=replica_stores(self.memory_tier) if memory is not None else [],
-            peers=peers,
-        )
+        try:
+            restored = restore(
+                state,
+                durable=self.store,
+                staging=self.staging,
+                group=self._group,
+                step=step,
+                strict=strict,
+                memory=memory,
+                replicas=replica_stores(self.memory_tier) if memory is not None else [],
+                peers=peers,
+            )
+        finally:
+            for peer in peers:
+                peer.client.close()  # the peers' servers hold a thread per connection
         self.last_restore = restored
         if restored is None:
             self._goodput.restore_end(None)

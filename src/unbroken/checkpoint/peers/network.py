@@ -9,6 +9,7 @@ learns every server's address. A one-node job (or ``replicas=0``) has none.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -60,15 +61,26 @@ class PeerNetwork:
             return None
         ident = f"{socket.gethostname()}:{tier_key(staging_dir)}"
         token = group.broadcast(secrets.token_hex(32) if group.is_coordinator else None)
-        nodes = node_of_ranks(group.all_gather(ident))
+        identities = group.all_gather(ident)
+        nodes = node_of_ranks(identities)
         node_count = max(nodes) + 1
         if node_count == 1:
             return None
         node = nodes[group.rank]
         server, address = None, None
         if leaders(nodes)[node] == group.rank and memory is not None and memory.active:
+            host = node_host()
+            machines = {i.rsplit(":", 1)[0] for i in identities}
+            if len(machines) > 1 and _loopback(host):
+                warnings.warn(
+                    f"node {node}: its peer server listens on {host}, which the job's other "
+                    f"machines cannot reach (MASTER_ADDR resolves to this machine's loopback "
+                    f"here); set {HOST_ENV} to this node's address on the job's network",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             try:
-                server, address = _start_server(memory.path, node_host(), token)
+                server, address = _start_server(memory.path, host, token)
             except Exception as e:
                 warnings.warn(
                     f"node {node}: no peer server ({e}); its memory tier holds no replicas "
@@ -122,6 +134,13 @@ def node_host() -> str:
             return str(probe.getsockname()[0])
     except OSError:
         return "127.0.0.1"
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _start_server(tier: str, host: str, token: str) -> tuple[subprocess.Popen, tuple[str, int]]:
