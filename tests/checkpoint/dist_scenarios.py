@@ -275,10 +275,21 @@ def scenario_fsdp_load(a: argparse.Namespace) -> None:
     saved_ws = mgr.checkpoints()[-1].world_size
     if dist.get_rank() >= saved_ws:
         assert any("no RNG state for this rank" in str(w.message) for w in caught), caught
+    first = mgr.last_restore.tier
+    if a.node_tiers:  # the replicas gone: what they held comes from the durable tier
+        import shutil
+
+        from unbroken.checkpoint.peers.replica_files import replicas_root
+
+        shutil.rmtree(replicas_root(mgr.memory_tier.path), ignore_errors=True)
+        dist.barrier()
+        assert mgr.restore(state) == 4
+        assert_same(full_state(model, optim), expected, "restore without replicas")
+        log(f"fsdp load on {dist.get_world_size()} without replicas: {mgr.last_restore.tier}")
     # Training continues from the restored state on the new world size.
     train_step(model, optim, sched, 5)
     mgr.close()
-    log(f"fsdp load on {dist.get_world_size()} ok from {mgr.last_restore.tier}")
+    log(f"fsdp load on {dist.get_world_size()} ok from {first}")
 
 
 def scenario_generators_save(a: argparse.Namespace) -> None:

@@ -41,9 +41,9 @@ def test_fsdp2_reshards_two_to_one_and_three(tmp_path):
 
 
 def test_fsdp2_reshards_from_the_nodes_memory_and_a_peers(tmp_path):
-    """2 nodes -> 1: the node left holds the other's replica in its memory; 1 node -> 2: the
-    new node reads the old one's memory through its peer server. Nothing from the durable
-    tier but the manifest and the listing."""
+    """2 nodes -> 1: the node left holds the other's replica in its memory (without it,
+    those files come from the durable tier beside its own from memory); 1 node -> 2: the
+    new node reads the old one's memory through its peer server."""
 
     def nodes(name: str) -> list[str]:
         return ["--node-tiers", str(tmp_path / "tmpfs"), "--staging", str(tmp_path / name)]
@@ -52,6 +52,7 @@ def test_fsdp2_reshards_from_the_nodes_memory_and_a_peers(tmp_path):
     check(torchrun(2, "fsdp_save", *two))
     out = check(torchrun(1, "fsdp_load", *two))
     assert "fsdp load on 1 ok from memory+replica" in out, out
+    assert "fsdp load on 1 without replicas: memory+durable" in out, out
     one = ["--url", str(tmp_path / "d1"), "--expected", str(tmp_path / "1.pt"), *nodes("b{rank}")]
     check(torchrun(1, "fsdp_save", *one))
     out = check(torchrun(2, "fsdp_load", *one))
