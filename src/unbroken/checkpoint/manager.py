@@ -48,6 +48,12 @@ from unbroken.storage.errors import redact
 
 log = logging.getLogger(__name__)
 
+REPLICA_WAIT_SECONDS = 10.0
+"""How long wait() gives the newest commit's replica to land on the next node."""
+PEER_DRAIN_SECONDS = 5.0
+"""How long a node that ends without a clean close keeps its server for the replicas
+its peers are still sending (a preemption's last commit)."""
+
 __all__ = ["CheckpointConfig", "CheckpointInfo", "CheckpointManager", "SaveStats"]
 
 
@@ -229,12 +235,12 @@ class CheckpointManager:
         log.warning("preempted: saving step %d and waiting for its commit", step)
         saved = self._save(step, state, skip_if_busy=False)
         self.wait()  # raises if the save failed: the process must not end quietly then
-        self.preempted = True
+        self.preempted = True  # (wait gave the step's replica REPLICA_WAIT_SECONDS at most)
         assert self._preemption is not None
         self._preemption.handled = True  # one save; a later signal goes on as usual
         if self.config.preemption == "exit":
             log.warning("preempted: step %d is committed; ending the process", step)
-            self._close(clean=False)  # the memory tier stays for a restart on this node
+            self._close(clean=False, replica_seconds=0.0)  # the memory tier stays
             raise SystemExit(EXIT_CODE)
         return saved
 
@@ -383,6 +389,8 @@ class CheckpointManager:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save in flight is committed; raise SaveFailedError if one failed.
+        On several nodes, then give its replica (``replicas``) up to REPLICA_WAIT_SECONDS
+        to land on the next node (best effort: a replica never fails a save).
 
         ``timeout``: seconds, after which TimeoutError (0 polls); None waits as long as it takes.
         """
@@ -391,7 +399,9 @@ class CheckpointManager:
         t0 = time.monotonic()
         self._goodput.save_begin(None, wait=True)
         self._pipeline.wait(timeout)
-        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+        left = REPLICA_WAIT_SECONDS
+        if timeout is not None:
+            left = min(left, max(0.0, timeout - (time.monotonic() - t0)))
         self._pipeline.wait_replicated(left)  # best effort: a replica never fails a save
         self._goodput.save_end(None, wait=True)
         self.stats.seconds_in_wait += time.monotonic() - t0
@@ -403,7 +413,10 @@ class CheckpointManager:
         its restart on this node)."""
         self._close(clean=True)
 
-    def _close(self, *, clean: bool) -> None:
+    def _close(self, *, clean: bool, replica_seconds: float = REPLICA_CLOSE_SECONDS) -> None:
+        """``clean``: the job ended (its memory tier and replicas go, nothing waits for
+        them); else the last commit's replica gets ``replica_seconds`` to leave, and this
+        node's server lets its peers' last replicas land first (PEER_DRAIN_SECONDS)."""
         if self._closed:
             return
         try:
@@ -412,9 +425,9 @@ class CheckpointManager:
         finally:
             self._goodput.save_end(None, wait=True)
             self._closed = True
-            self._pipeline.close(replica_seconds=0.0 if clean else REPLICA_CLOSE_SECONDS)
+            self._pipeline.close(replica_seconds=0.0 if clean else replica_seconds)
             if self._peers is not None:
-                self._peers.close()
+                self._peers.close(drain_seconds=0.0 if clean else PEER_DRAIN_SECONDS)
             self._stager.close()
             if self._preemption is not None:
                 self._preemption.close()

@@ -193,3 +193,64 @@ def test_a_peer_that_dies_mid_read_hands_the_rest_to_the_durable_tier(tmp_path, 
     assert store.read_range_into(key, 1 << 20, len(data), view[1 << 20 :]) == len(data) - (1 << 20)
     assert store.gone is not None and bytes(out) == data
     assert bytes(store.read_range(key, 5, 17)) == data[5:17]  # from the durable tier now
+
+
+def _raw_put(address, size: int):
+    """A put whose bytes are not sent yet: the server has said go and waits for them."""
+    import socket
+
+    from unbroken.checkpoint.save_helper.messages import receive, send
+
+    sock = socket.create_connection(address, timeout=10)
+    send(sock, {"op": "hello", "token": TOKEN})
+    assert receive(sock)["ok"]
+    send(sock, {"op": "put", "rank": 3, "step": 1, "name": "__3_0.distcp", "size": size,
+                "crc32c": 0})  # fmt: skip
+    assert receive(sock)["ok"]  # go
+    return sock
+
+
+def test_room_counts_the_bytes_still_arriving(tmp_path, small_tmpfs):
+    """Two ranks' puts at once cannot both take the room one of them leaves."""
+    tier = small_tmpfs / "tier"
+    tier.mkdir()
+    proc, address = _start_server(str(tier), "127.0.0.1", TOKEN)
+    try:
+        pending = _raw_put(address, 20 << 20)  # 64 MiB tmpfs keeps 32 free: 20 promised
+        crc = write(tmp_path / "f", os.urandom(20 << 20))
+        client = PeerClient(address, TOKEN)
+        with pytest.raises(PeerError) as refused:
+            client.put_file(2, 5, "__2_0.distcp", str(tmp_path / "f"), crc)
+        assert refused.value.no_room
+        assert client.drain(0.2) is False  # a replica is still arriving
+        pending.close()  # its sender gives up: its room comes back
+        assert client.drain(5) is True
+        client.put_file(2, 5, "__2_0.distcp", str(tmp_path / "f"), crc)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_seal_carries_a_manifest_of_any_size_and_stale_unsealed_copies_go(tmp_path, server):
+    tier, address, _ = server
+    client = PeerClient(address, TOKEN)
+    crc = write(tmp_path / "f", b"x")
+    client.put_file(1, 4, "__1_0.distcp", str(tmp_path / "f"), crc)  # never sealed
+    client.put_file(1, 5, "__1_0.distcp", str(tmp_path / "f"), crc)
+    folder = tier / "replicas" / "rank-00001"
+    assert sorted(os.listdir(folder)) == [step_dir(5)]  # step 4's unsealed copy went
+    manifest = b'{"values": "' + b"v" * (3 << 20) + b'"}'  # plain values make it large
+    client.seal(1, 5, manifest)
+    assert (folder / step_dir(5) / "manifest.json").read_bytes() == manifest
+
+
+def test_a_link_in_the_tier_is_not_followed(tmp_path, server):
+    tier, address, _ = server
+    (tmp_path / "secret").write_bytes(b"SECRET")
+    step = tier / step_dir(2)
+    step.mkdir()
+    (step / "manifest.json").write_bytes(b"{}")
+    os.symlink(tmp_path / "secret", step / "__0_0.distcp")
+    with pytest.raises(PeerError) as refused:
+        PeerClient(address, TOKEN).read(2, "__0_0.distcp", 0, 6)
+    assert refused.value.missing

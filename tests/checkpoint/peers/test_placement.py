@@ -61,3 +61,9 @@ def test_one_process_has_no_peers(tmp_path):
 
     with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", replicas=3) as mgr:
         assert mgr._peers is None and mgr._pipeline.replicator is None
+
+
+def test_nodes_that_cannot_hold_a_replica_are_passed_over():
+    assert replica_targets(0, 3, 1, holders={0, 2}) == [2]  # node 1 has no server
+    assert replica_targets(2, 4, 2, holders={1, 2}) == [1]
+    assert replica_targets(0, 2, 1, holders={0}) == []

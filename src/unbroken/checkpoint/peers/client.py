@@ -14,8 +14,9 @@ CONNECT_SECONDS = 10.0
 restore that can read the durable tier instead."""
 MAX_IDLE = 16
 """Idle connections kept per peer (a restore reads with up to 8 threads)."""
-IO_SECONDS = 120.0
-"""How long one read or write on an open connection may wait."""
+IO_SECONDS = 30.0
+"""How long one read or write on an open connection may wait for progress: a peer
+frozen or cut off is given up after this (a restore then reads the durable tier)."""
 
 
 class PeerRefused(ConnectionError):
@@ -114,6 +115,10 @@ class PeerClient:
             raise
         self._give(sock)
         self._check(answer)
+
+    def drain(self, seconds: float) -> bool:
+        """Ask the server to answer once no replica is arriving (up to ``seconds``)."""
+        return bool(self._ask({"op": "drain", "seconds": seconds})["idle"])
 
     def seal(self, rank: int, step: int, manifest: bytes) -> None:
         self._ask({"op": "seal", "rank": rank, "step": step, "manifest": manifest.decode()})

@@ -95,8 +95,13 @@ class PeerNetwork:
 
     def replica_clients(self) -> list[PeerClient]:
         """Clients of the servers that keep this node's replicas."""
-        targets = replica_targets(self.node, self.node_count, self.replicas)
-        return [PeerClient(self.addresses[n], self.token) for n in targets if n in self.addresses]
+        targets = replica_targets(self.node, self.node_count, self.replicas, self.addresses)
+        if len(targets) < min(self.replicas, self.node_count - 1):
+            log.warning(
+                "node %d: %d replica(s) asked, %d node(s) can hold one (the others have "
+                "no memory tier or no peer server)", self.node, self.replicas, len(targets),
+            )  # fmt: skip
+        return [PeerClient(self.addresses[n], self.token) for n in targets]
 
     def peer_stores(self, fallback: Store) -> list[PeerStore]:
         """Every other node's server as a read-only store, for a restore."""
@@ -106,7 +111,17 @@ class PeerNetwork:
             if n != self.node
         ]
 
-    def close(self) -> None:
+    def close(self, drain_seconds: float = 0.0) -> None:
+        """Stop this node's server, once the replicas arriving have landed (up to
+        ``drain_seconds``: a preemption's last commit is the one a replacement needs)."""
+        if self.server is not None and drain_seconds > 0 and self.node in self.addresses:
+            client = PeerClient(self.addresses[self.node], self.token)
+            try:
+                client.drain(drain_seconds)
+            except Exception as e:
+                log.debug("peer server drain: %s", e)
+            finally:
+                client.close()
         if self.server is not None:
             self.server.kill()
             self.server.wait()
@@ -122,18 +137,35 @@ def replica_stores(memory: MemoryTier | None) -> list[LocalStore]:
 
 def node_host() -> str:
     """Where this node's server listens: ``$UNBROKEN_PEER_HOST``, else the address this
-    host reaches ``MASTER_ADDR`` from (no packet is sent: a UDP socket's route)."""
+    host reaches ``MASTER_ADDR`` from, or where that is loopback only because the name
+    resolves so on this very machine, the default route's."""
     explicit = os.environ.get(HOST_ENV, "").strip()
     if explicit:
         return explicit
     master = os.environ.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+    host = _route_to(master) or "127.0.0.1"
+    if _loopback(host) and not _loopback_name(master):
+        # MASTER_ADDR names this machine, which /etc/hosts maps to loopback (Debian's
+        # 127.0.1.1): the job's network is the default route's interface then.
+        host = _route_to("192.0.2.1") or host  # TEST-NET: routed by default, never sent
+    return host
+
+
+def _route_to(target: str) -> str | None:
+    """The source address this host would use to reach ``target`` (a UDP socket's
+    route: no packet is sent)."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
+        family, kind, proto, _, addr = socket.getaddrinfo(target, 9, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, kind, proto) as probe:
             probe.connect(addr)
             return str(probe.getsockname()[0])
     except OSError:
-        return "127.0.0.1"
+        return None
+
+
+def _loopback_name(name: str) -> bool:
+    """Whether ``name`` is written as loopback (not a host name that resolves to it)."""
+    return name == "localhost" or _loopback(name)
 
 
 def _loopback(host: str) -> bool:

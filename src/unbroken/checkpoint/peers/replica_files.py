@@ -97,19 +97,28 @@ def find(tier: str, step: int, name: str) -> str | None:
     return None
 
 
-def incoming(tier: str, rank: int, step: int, name: str, size: int) -> tuple[str, str]:
-    """(temp path, final path) for a file a peer sends; NoRoom where it does not fit."""
+def incoming(
+    tier: str, rank: int, step: int, name: str, size: int, *, promised: int = 0
+) -> tuple[str, str]:
+    """(temp path, final path) for a file a peer sends; NoRoom where it does not fit with
+    ``promised`` (bytes of other files still arriving) counted. The first file of a new
+    step removes the rank's unsealed copies of other steps (a sender that died midway,
+    a seal that failed): only the sealed one and this one stay."""
     name = check_name(name)
     if name == MANIFEST_NAME:
         raise ValueError(f"{name} comes with the seal, not as a file")
     if not isinstance(size, int) or size < 0:
         raise ValueError(f"bad size {size!r}")
+    folder = os.path.join(rank_dir(tier, rank), step_dir(step))
+    if not os.path.isdir(folder):
+        drop_unsealed(tier, rank, keep=step)
     room = space(tier)
-    if not room.room_for(size):
+    if not room.room_for(size + promised):
         raise NoRoom(
-            f"no room for {size} more bytes in {tier} ({room.free} free, keeping {room.reserve})"
+            f"no room for {size} more bytes in {tier} ({room.free} free, {promised} "
+            f"promised to files arriving, keeping {room.reserve})"
         )
-    final = os.path.join(rank_dir(tier, rank), step_dir(step), name)
+    final = os.path.join(folder, name)
     os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
     base = os.path.basename(final)
     tmp = os.path.join(os.path.dirname(final), f".{base}.{uuid.uuid4().hex[:8]}{INCOMING}")
@@ -146,13 +155,33 @@ def drop_rank(tier: str, rank: int, *, keep: int | None = None) -> None:
         shutil.rmtree(os.path.join(root, n), ignore_errors=True)
 
 
+def drop_unsealed(tier: str, rank: int, *, keep: int) -> None:
+    """Remove the rank's step directories without a manifest, other than ``keep``."""
+    root = rank_dir(tier, rank)
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for n in names:
+        s = parse_step_dir(n)
+        sealed = os.path.exists(os.path.join(root, n, MANIFEST_NAME))
+        if s is not None and s != keep and not sealed:
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+
+
 def drop_all(tier: str) -> int:
-    """Remove every replica this node holds (its own saves need the room); bytes freed."""
+    """Remove every replica this node holds (its own saves need the room); bytes freed.
+    Each manifest goes first, so no half-removed replica is ever counted."""
     from unbroken.checkpoint.memory_tier import tree_bytes
 
     root = replicas_root(tier)
-    freed = tree_bytes(root) if os.path.isdir(root) else 0
+    if not os.path.isdir(root):
+        return 0
+    freed = tree_bytes(root)
     for folder in replica_dirs(tier):
-        drop_rank(tier, int(os.path.basename(folder).split("-", 1)[1]))
+        with contextlib.suppress(OSError):
+            for n in os.listdir(folder):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, n, MANIFEST_NAME))
     shutil.rmtree(root, ignore_errors=True)
     return freed

@@ -125,6 +125,9 @@ class Replicator:
         began = time.monotonic()
         ok, sent = True, 0
         for client in self.targets:
+            if not os.path.isdir(replica.folder):
+                log.debug("step %d: superseded before it was sent", replica.step)
+                return  # the next commit's tidy took it: the newer replica follows
             try:
                 for name, crc in sorted(replica.files.items()):
                     path = os.path.join(replica.folder, name)
@@ -132,6 +135,9 @@ class Replicator:
                     sent += os.path.getsize(path)
                 client.seal(self.rank, replica.step, replica.manifest)
             except (ConnectionError, PeerError, OSError) as e:
+                if isinstance(e, FileNotFoundError) and not os.path.isdir(replica.folder):
+                    log.debug("step %d: superseded while it was sent", replica.step)
+                    return  # not a failure: a newer commit's replica replaces it
                 ok = False
                 self._tell(client, replica.step, e)
         self.stats.seconds += time.monotonic() - began

@@ -16,6 +16,7 @@ compared in constant time, or the connection is refused and closed. Requests:
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -24,19 +25,26 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import crc32c
 
 from unbroken._util.procs import die_with_parent
 from unbroken.checkpoint.peers import replica_files
-from unbroken.checkpoint.save_helper.messages import PeerGone, receive, send
+from unbroken.checkpoint.save_helper.messages import MAX_FRAME, PeerGone, receive, send
 
 log = logging.getLogger("unbroken.peers")
 
-MAX_REQUEST = 1 << 20
-"""The largest request frame read (a manifest rides in a seal; a request never holds
-file bytes): a stranger cannot make the server hold more before the token is checked."""
+MAX_HELLO = 4 << 10
+"""The largest frame read before the token is checked: a stranger cannot make the
+server hold more."""
+MAX_REQUEST = MAX_FRAME
+"""The largest request frame from a peer of the job (a seal carries the manifest, which
+holds every file's record and the state's plain values); file bytes never ride in one."""
+MAX_STRANGERS = 32
+"""Connections that have not shown the token yet, at most: more are closed at once."""
+MAX_RANK = 1 << 24
 HELLO_SECONDS = 10.0
 """A connection must show the token this soon, or it is closed (strangers hold no thread)."""
 IDLE_SECONDS = 300.0
@@ -55,17 +63,28 @@ class Server:
         self.sock = socket.create_server((host, port), family=_family(host), backlog=64)
         self.address = self.sock.getsockname()[:2]
         self._told_full = False
+        self._strangers = threading.BoundedSemaphore(MAX_STRANGERS)
+        self._lock = threading.Condition()
+        self._promised = 0
+        """Bytes of puts accepted and still arriving: room is checked with them counted."""
+        self._receiving = 0
 
     def serve_forever(self) -> None:
         while True:
             conn, _ = self.sock.accept()
+            if not self._strangers.acquire(blocking=False):
+                conn.close()  # too many connections that have not shown the token
+                continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(HELLO_SECONDS)
             try:
-                hello = receive(conn, max_frame=MAX_REQUEST)
+                try:
+                    hello = receive(conn, max_frame=MAX_HELLO)
+                finally:
+                    self._strangers.release()
                 token = str(hello.get("token", "")).encode()
                 if hello.get("op") != "hello" or not hmac.compare_digest(token, self.token):
                     send(conn, {"ok": False, "error": "refused: this is not a peer of the job"})
@@ -89,9 +108,12 @@ class Server:
                 self._read(conn, req)
             elif op == "put":
                 self._put(conn, req)
+            elif op == "drain":
+                idle = self._drain(float(req.get("seconds", 0.0)))
+                send(conn, {"ok": True, "idle": idle})
             elif op == "seal":
                 manifest = str(req["manifest"]).encode()
-                replica_files.seal(self.tier, _int(req, "rank"), _int(req, "step"), manifest)
+                replica_files.seal(self.tier, _rank(req), _int(req, "step"), manifest)
                 send(conn, {"ok": True})
             else:
                 send(conn, {"ok": False, "error": f"unknown request {op!r}"})
@@ -103,7 +125,12 @@ class Server:
         if path is None:
             send(conn, {"ok": False, "missing": True, "error": f"{req.get('name')} is not here"})
             return
-        with open(path, "rb") as f:
+        try:  # a link is never followed: what is served was written here
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except (FileNotFoundError, OSError) as e:  # gone since (a newer replica), or a link
+            send(conn, {"ok": False, "missing": True, "error": f"{req.get('name')}: {e}"})
+            return
+        with os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             start = min(_int(req, "start"), size)
             end = size if req.get("end") is None else min(_int(req, "end"), size)
@@ -113,19 +140,35 @@ class Server:
                 raise PeerGone("the file shrank while it was sent")
 
     def _put(self, conn: socket.socket, req: dict[str, Any]) -> None:
-        rank, step, size = _int(req, "rank"), _int(req, "step"), _int(req, "size")
+        rank, step, size = _rank(req), _int(req, "step"), _int(req, "size")
+        with self._lock:
+            try:
+                tmp, final = replica_files.incoming(
+                    self.tier, rank, step, str(req.get("name")), size, promised=self._promised
+                )
+            except replica_files.NoRoom as e:
+                if not self._told_full:
+                    self._told_full = True
+                    log.warning("peer server: cannot hold a peer's replica: %s", e)
+                send(conn, {"ok": False, "no_room": True, "error": str(e)})
+                return
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            self._promised += size
+            self._receiving += 1
         try:
-            tmp, final = replica_files.incoming(self.tier, rank, step, str(req.get("name")), size)
-        except replica_files.NoRoom as e:
-            if not self._told_full:
-                self._told_full = True
-                log.warning("peer server: cannot hold a peer's replica: %s", e)
-            send(conn, {"ok": False, "no_room": True, "error": str(e)})
-            return
+            self._receive(conn, req, fd, tmp, final, size)
+        finally:
+            with self._lock:
+                self._promised -= size
+                self._receiving -= 1
+                self._lock.notify_all()
+
+    def _receive(
+        self, conn: socket.socket, req: dict[str, Any], fd: int, tmp: str, final: str, size: int
+    ) -> None:
         send(conn, {"ok": True})  # go
         crc, left = 0, size
         buf = memoryview(bytearray(min(CHUNK, max(size, 1))))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             while left:
                 n = conn.recv_into(buf, min(left, len(buf)))
@@ -138,7 +181,8 @@ class Server:
                 left -= n
         except BaseException as e:
             os.close(fd)
-            os.unlink(tmp)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             if isinstance(e, OSError) and not isinstance(e, PeerGone):
                 raise PeerGone(f"receiving {req.get('name')}: {e}") from e
             raise
@@ -148,8 +192,31 @@ class Server:
             send(conn, {"ok": False, "error": f"crc32c {crc:#010x} of {req.get('name')} "
                         f"does not match {_int(req, 'crc32c'):#010x}"})  # fmt: skip
             return
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except FileNotFoundError as e:  # its directory went (the node's own save needed room)
+            send(conn, {"ok": False, "no_room": True, "error": f"dropped meanwhile: {e}"})
+            return
         send(conn, {"ok": True})
+
+    def _drain(self, seconds: float) -> bool:
+        """Wait until no replica is arriving (up to ``seconds``): a node that ends lets
+        its peers' last replicas land first. True if idle."""
+        deadline = time.monotonic() + max(0.0, min(seconds, 60.0))
+        with self._lock:
+            while self._receiving:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+
+def _rank(req: dict[str, Any]) -> int:
+    rank = _int(req, "rank")
+    if rank >= MAX_RANK:
+        raise ValueError(f"rank {rank} is past {MAX_RANK}")
+    return rank
 
 
 def _int(req: dict[str, Any], key: str) -> int:
