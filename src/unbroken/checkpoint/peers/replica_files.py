@@ -111,7 +111,7 @@ def incoming(
         raise ValueError(f"bad size {size!r}")
     folder = os.path.join(rank_dir(tier, rank), step_dir(step))
     if not os.path.isdir(folder):
-        drop_unsealed(tier, rank, keep=step)
+        drop_rank(tier, rank, keep=step, sealed=False)
     room = space(tier)
     if not room.room_for(size + promised):
         raise NoRoom(
@@ -139,8 +139,9 @@ def seal(tier: str, rank: int, step: int, manifest: bytes) -> None:
     drop_rank(tier, rank, keep=step)
 
 
-def drop_rank(tier: str, rank: int, *, keep: int | None = None) -> None:
-    """Remove the rank's replica steps other than ``keep``."""
+def drop_rank(tier: str, rank: int, *, keep: int | None = None, sealed: bool = True) -> None:
+    """Remove the rank's replica steps other than ``keep`` (``sealed=False``: only those
+    without a manifest), each manifest first."""
     root = rank_dir(tier, rank)
     try:
         names = os.listdir(root)
@@ -148,25 +149,12 @@ def drop_rank(tier: str, rank: int, *, keep: int | None = None) -> None:
         return
     for n in names:
         s = parse_step_dir(n)
-        if s is None or s == keep:
+        manifest = os.path.join(root, n, MANIFEST_NAME)
+        if s is None or s == keep or (not sealed and os.path.exists(manifest)):
             continue
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(root, n, MANIFEST_NAME))
+            os.unlink(manifest)
         shutil.rmtree(os.path.join(root, n), ignore_errors=True)
-
-
-def drop_unsealed(tier: str, rank: int, *, keep: int) -> None:
-    """Remove the rank's step directories without a manifest, other than ``keep``."""
-    root = rank_dir(tier, rank)
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return
-    for n in names:
-        s = parse_step_dir(n)
-        sealed = os.path.exists(os.path.join(root, n, MANIFEST_NAME))
-        if s is not None and s != keep and not sealed:
-            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
 
 
 def drop_all(tier: str) -> int:
