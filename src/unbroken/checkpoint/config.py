@@ -194,6 +194,9 @@ class SaveStats:
     the cache), so that the local write did not read them again; summed over saves."""
     replicas_sent: int = 0
     """Committed steps whose files this rank copied into every replica node's memory."""
+    replicas_failed: int = 0
+    """Committed steps whose replica did not reach every replica node (logged once per
+    peer and cause; the durable tier holds them)."""
     bytes_replicated: int = 0
     """This rank's bytes sent to replica nodes, summed over saves."""
     bytes_staged_in_place: int = 0

@@ -157,7 +157,7 @@ class CheckpointManager:
         """The job's peer servers (None: one node, or replicas=0)."""
         clients = self._peers.replica_clients() if self._peers is not None else []
         replicator = (
-            Replicator(self._group.global_rank, clients, on_sent=self._replicated)
+            Replicator(self._group.global_rank, clients, on_done=self._replicated)
             if clients
             else None
         )
@@ -176,10 +176,13 @@ class CheckpointManager:
             replicator=replicator,
         )
 
-    def _replicated(self, step: int, nbytes: int) -> None:
+    def _replicated(self, step: int, nbytes: int, ok: bool) -> None:
         with self._lock:
-            self.stats.replicas_sent += 1
             self.stats.bytes_replicated += nbytes
+            if ok:
+                self.stats.replicas_sent += 1
+            else:
+                self.stats.replicas_failed += 1
 
     def _size_memory_tier(self, flat: FlatState) -> None:
         """Can the tmpfs hold two snapshots of the state? Asked again only when the state

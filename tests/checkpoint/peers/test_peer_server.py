@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,9 +20,10 @@ from unbroken.checkpoint.peers.network import _start_server
 TOKEN = "a" * 64
 
 
-@pytest.fixture
-def server(tmp_path):
-    tier = tmp_path / "tier"
+@contextlib.contextmanager
+def serving(root):
+    """A peer server over a new tier directory under ``root``: (tier, address, process)."""
+    tier = root / "tier"
     tier.mkdir()
     proc, address = _start_server(str(tier), "127.0.0.1", TOKEN)
     try:
@@ -29,6 +31,12 @@ def server(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def server(tmp_path):
+    with serving(tmp_path) as running:
+        yield running
 
 
 def write(path, data: bytes) -> int:
@@ -130,10 +138,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_replica_room_is_refused_on_a_full_tmpfs(tmp_path, small_tmpfs):
-    tier = small_tmpfs / "tier"
-    tier.mkdir()
-    proc, address = _start_server(str(tier), "127.0.0.1", TOKEN)
-    try:
+    with serving(small_tmpfs) as (tier, address, _):
         client = PeerClient(address, TOKEN)
         big = os.urandom(60 << 20)  # past the reserve of a 64 MiB tmpfs
         crc = write(tmp_path / "big", big)
@@ -142,9 +147,6 @@ def test_replica_room_is_refused_on_a_full_tmpfs(tmp_path, small_tmpfs):
         assert refused.value.no_room
         small = write(tmp_path / "small", b"fits")
         client.put_file(2, 5, "__2_0.distcp", str(tmp_path / "small"), small)
-    finally:
-        proc.kill()
-        proc.wait()
     assert replica_files.drop_all(str(tier)) > 0
     assert not (tier / "replicas").exists()
 
@@ -195,6 +197,32 @@ def test_a_peer_that_dies_mid_read_hands_the_rest_to_the_durable_tier(tmp_path, 
     assert bytes(store.read_range(key, 5, 17)) == data[5:17]  # from the durable tier now
 
 
+def test_a_peer_store_lists_and_sizes_one_steps_files(tmp_path, server):
+    from unbroken.checkpoint.peers.peer_store import PeerStore
+    from unbroken.storage import LocalStore, StoreError
+
+    _, address, _ = server
+    client = PeerClient(address, TOKEN)
+    for name, body in {"__1_0.distcp": b"abc", "rng/rank-00001.json": b"{}"}.items():
+        client.put_file(1, 7, name, str(tmp_path / name), write(tmp_path / name, body))
+    client.seal(1, 7, b"{}")
+    store = PeerStore(PeerClient(address, TOKEN), LocalStore(str(tmp_path / "durable")))
+    step = step_dir(7)
+    assert [(e.key, e.size) for e in store.list(step)] == [
+        (f"{step}/__1_0.distcp", 3),
+        (f"{step}/rng/rank-00001.json", 2),
+    ]
+    assert [e.key for e in store.list(f"{step}/rng")] == [f"{step}/rng/rank-00001.json"]
+    assert store.info(f"{step}/__1_0.distcp").size == 3
+    assert bytes(store.read_bytes(f"{step}/__1_0.distcp")) == b"abc"
+    with pytest.raises(FileNotFoundError):
+        store.info(f"{step}/__9_0.distcp")
+    with pytest.raises(StoreError, match="list one step's files"):
+        store.list("")
+    with pytest.raises(PermissionError, match="read-only"):
+        store.write_bytes(f"{step}/x", b"no")
+
+
 def _raw_put(address, size: int):
     """A put whose bytes are not sent yet: the server has said go and waits for them."""
     import socket
@@ -212,10 +240,7 @@ def _raw_put(address, size: int):
 
 def test_room_counts_the_bytes_still_arriving(tmp_path, small_tmpfs):
     """Two ranks' puts at once cannot both take the room one of them leaves."""
-    tier = small_tmpfs / "tier"
-    tier.mkdir()
-    proc, address = _start_server(str(tier), "127.0.0.1", TOKEN)
-    try:
+    with serving(small_tmpfs) as (_, address, _):
         pending = _raw_put(address, 20 << 20)  # 64 MiB tmpfs keeps 32 free: 20 promised
         crc = write(tmp_path / "f", os.urandom(20 << 20))
         client = PeerClient(address, TOKEN)
@@ -226,9 +251,6 @@ def test_room_counts_the_bytes_still_arriving(tmp_path, small_tmpfs):
         pending.close()  # its sender gives up: its room comes back
         assert client.drain(5) is True
         client.put_file(2, 5, "__2_0.distcp", str(tmp_path / "f"), crc)
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_seal_carries_a_manifest_of_any_size_and_stale_unsealed_copies_go(tmp_path, server):

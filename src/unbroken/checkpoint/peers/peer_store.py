@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from unbroken.checkpoint.format.manifest import MANIFEST_NAME, Manifest, parse_step_dir
+from unbroken.checkpoint.format.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from unbroken.checkpoint.peers.client import PeerClient, PeerError
-from unbroken.storage.base import Store
+from unbroken.storage.base import Entry, Store
 from unbroken.storage.retry import NO_RETRY
 
 log = logging.getLogger(__name__)
@@ -111,11 +111,25 @@ class PeerStore(Store):
 
     _write_bytes = _create_bytes = _upload = _download = _delete = _refuse  # type: ignore[assignment]
 
-    def _info(self, key: str):  # type: ignore[no-untyped-def]
-        raise NotImplementedError(f"{self.url}: a peer answers reads only")
+    def _info(self, key: str) -> Entry:
+        step, _ = _split(key)
+        for entry in self._list(step_dir(step)):
+            if entry.key == key:
+                return entry
+        raise FileNotFoundError(f"{self.url_for(key)}: the peer holds no such file")
 
-    def _list(self, prefix: str):  # type: ignore[no-untyped-def]
-        raise NotImplementedError(f"{self.url}: a peer answers reads only")
+    def _list(self, prefix: str) -> list[Entry]:
+        """The files the peer holds of one step (``prefix``: ``step-N`` or below it);
+        a peer is asked by step, never for all it holds."""
+        folder = prefix.strip("/").split("/", 1)[0]
+        step = parse_step_dir(folder)
+        if step is None:
+            raise ValueError(f"{self.url}: list one step's files (step-N/...), not {prefix!r}")
+        files: dict[str, int] = {}
+        for copy in self.client.have(step):
+            files.update({n: int(size) for n, size in dict(copy["files"]).items()})
+        keys = {f"{folder}/{n}": size for n, size in files.items()}
+        return [Entry(k, v) for k, v in sorted(keys.items()) if k.startswith(prefix.strip("/"))]
 
 
 def _split(key: str) -> tuple[int, str]:

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from unbroken._util.priority import lower_thread_priority
 from unbroken._util.thread_names import name_native_thread
@@ -37,17 +37,6 @@ class Replica:
     """The step's commit record, sealed last on the receiving side."""
 
 
-@dataclass
-class ReplicationStats:
-    replicas: int = 0
-    """Steps whose files reached every replica node."""
-    failed: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    last_step: int | None = None
-    errors: list[str] = field(default_factory=list)
-
-
 class Replicator:
     """Sends rank ``rank``'s committed files to each of ``targets`` (peer clients)."""
 
@@ -56,14 +45,13 @@ class Replicator:
         rank: int,
         targets: list[PeerClient],
         *,
-        on_sent: Callable[[int, int], None] | None = None,
+        on_done: Callable[[int, int, bool], None] | None = None,
         lower_priority: bool = True,
     ) -> None:
         self.rank = rank
-        self._on_sent = on_sent
-        """Called with (step, bytes) once a step's files reached every replica node."""
+        self._on_done = on_done
+        """Called with (step, bytes sent, whether every replica node holds it) per step."""
         self.targets = targets
-        self.stats = ReplicationStats()
         self._lower = lower_priority
         self._cond = threading.Condition()
         self._next: Replica | None = None
@@ -122,7 +110,6 @@ class Replicator:
                     self._cond.notify_all()
 
     def _send(self, replica: Replica) -> None:
-        began = time.monotonic()
         ok, sent = True, 0
         for client in self.targets:
             if not os.path.isdir(replica.folder):
@@ -140,21 +127,12 @@ class Replicator:
                     return  # not a failure: a newer commit's replica replaces it
                 ok = False
                 self._tell(client, replica.step, e)
-        self.stats.seconds += time.monotonic() - began
-        self.stats.bytes += sent
-        if ok:
-            self.stats.replicas += 1
-            self.stats.last_step = replica.step
-            if self._on_sent is not None:
-                self._on_sent(replica.step, sent)
-        else:
-            self.stats.failed += 1
+        if self._on_done is not None:
+            self._on_done(replica.step, sent, ok)
 
     def _tell(self, client: PeerClient, step: int, e: BaseException) -> None:
         """Log a failure once per peer and kind (a full peer would say so every save)."""
         message = f"step {step}: rank {self.rank}'s replica to {client.url} failed: {e}"
-        self.stats.errors.append(message)
-        del self.stats.errors[:-8]
         kind = f"{client.url}:{type(e).__name__}:{getattr(e, 'no_room', False)}"
         if kind not in self._told:
             self._told.add(kind)
