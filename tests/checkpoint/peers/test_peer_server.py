@@ -276,3 +276,14 @@ def test_a_link_in_the_tier_is_not_followed(tmp_path, server):
     with pytest.raises(PeerError) as refused:
         PeerClient(address, TOKEN).read(2, "__0_0.distcp", 0, 6)
     assert refused.value.missing
+
+
+def test_a_drain_waits_for_a_replica_between_its_files(tmp_path, server):
+    """A sender goes file by file: between two files nothing arrives, yet the replica is
+    not whole. A node that ends waits for its seal (a preemption's last replica)."""
+    _, address, _ = server
+    client = PeerClient(address, TOKEN)
+    client.put_file(1, 9, "__1_0.distcp", str(tmp_path / "f"), write(tmp_path / "f", b"x"))
+    assert client.drain(0.3) is False
+    client.seal(1, 9, b"{}")
+    assert client.drain(5) is True

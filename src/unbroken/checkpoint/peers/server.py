@@ -68,6 +68,9 @@ class Server:
         self._promised = 0
         """Bytes of puts accepted and still arriving: room is checked with them counted."""
         self._receiving = 0
+        self._unsealed: set[tuple[int, int]] = set()
+        """(rank, step) replicas begun and not sealed yet: a drain waits for them too (a
+        sender goes file by file, so between two files nothing is arriving)."""
 
     def serve_forever(self) -> None:
         while True:
@@ -113,7 +116,11 @@ class Server:
                 send(conn, {"ok": True, "idle": idle})
             elif op == "seal":
                 manifest = str(req["manifest"]).encode()
-                replica_files.seal(self.tier, _rank(req), _int(req, "step"), manifest)
+                rank, step = _rank(req), _int(req, "step")
+                replica_files.seal(self.tier, rank, step, manifest)
+                with self._lock:
+                    self._unsealed.discard((rank, step))
+                    self._lock.notify_all()
                 send(conn, {"ok": True})
             else:
                 send(conn, {"ok": False, "error": f"unknown request {op!r}"})
@@ -153,6 +160,7 @@ class Server:
                 send(conn, {"ok": False, "no_room": True, "error": str(e)})
                 return
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            self._unsealed.add((rank, step))
             self._promised += size
             self._receiving += 1
         try:
@@ -200,11 +208,12 @@ class Server:
         send(conn, {"ok": True})
 
     def _drain(self, seconds: float) -> bool:
-        """Wait until no replica is arriving (up to ``seconds``): a node that ends lets
-        its peers' last replicas land first. True if idle."""
+        """Wait until every replica begun is sealed and none is arriving (up to
+        ``seconds``): a node that ends lets its peers' last replicas land first. True if
+        idle."""
         deadline = time.monotonic() + max(0.0, min(seconds, 60.0))
         with self._lock:
-            while self._receiving:
+            while self._receiving or self._unsealed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
