@@ -165,6 +165,10 @@ class Server:
             self._receiving += 1
         try:
             self._receive(conn, req, fd, tmp, final, size)
+        except BaseException:
+            with self._lock:  # its sender is gone: no seal will come for it
+                self._unsealed.discard((rank, step))
+            raise
         finally:
             with self._lock:
                 self._promised -= size
