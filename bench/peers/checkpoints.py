@@ -159,9 +159,12 @@ def scaling_points(
     noise (how far its two no-saves loops differ, per save)."""
     _, spread = baseline_loop(results)
     noise = None if spread is None else spread / saves
+    model_peaks = [_get(results, k, "peak_pss") for k in BASELINES]
+    model_peak = max((p for p in model_peaks if p is not None), default=None)
     points = []
     for key in SCALING_ROWS:
         r = results.get(key) or {"error": "not run"}
+        peak = _get(results, key, "peak_pss")
         points.append(
             {
                 "row": key,
@@ -169,10 +172,13 @@ def scaling_points(
                 "params_gib": params_gb,
                 "state_gib": (r.get("state_bytes") or 0) / GiB or None,
                 "ranks": ranks,
-                "extra_s": None if r.get("error") else r.get("extra_s"),
-                "in_row_extra_s": None if r.get("error") else r.get("in_row_extra_s"),
-                "commit_s": None if r.get("error") else r.get("commit_s"),
+                "blocked_s": _get(results, key, "blocked_s"),
+                "extra_s": _get(results, key, "extra_s"),
+                "in_row_extra_s": _get(results, key, "in_row_extra_s"),
+                "commit_s": _get(results, key, "commit_s"),
                 "noise_s": noise,
+                "peak_gib": None if peak is None else peak / GiB,
+                "model_peak_gib": None if model_peak is None else model_peak / GiB,
                 "error": r.get("error"),
             }
         )
@@ -180,18 +186,22 @@ def scaling_points(
 
 
 def format_scaling(points: Sequence[dict]) -> str:
+    """One line per row and point; peak memory beside the no-saves run's (the model alone),
+    so a row's snapshots read as the difference."""
     lines = [
         f"{'row':34} {'params GiB':>10} {'state GiB':>9} {'ranks':>5} "
-        f"{'extra wall s/save':>17} {'extra in run s/save':>19} {'to commit s':>11} "
-        f"{'noise s/save':>12}"
+        f"{'loop blocked s/save':>19} {'extra wall s/save':>17} {'extra in run s/save':>19} "
+        f"{'to commit s':>11} {'noise s/save':>12} {'peak GiB/rank':>13} {'no saves GiB':>12}"
     ]
     for p in points:
         state = "n/a" if p["state_gib"] is None else f"{p['state_gib']:.3f}"
         lines.append(
             f"{TITLES.get(p['row'], p['row']):34} {p['params_gib']:>10.3g} {state:>9} "
-            f"{p['ranks']:>5} {_cell(p['extra_s'], 1.0, 3):>17} "
+            f"{p['ranks']:>5} {_cell(p.get('blocked_s'), 1.0, 3):>19} "
+            f"{_cell(p['extra_s'], 1.0, 3):>17} "
             f"{_cell(p['in_row_extra_s'], 1.0, 3):>19} {_cell(p['commit_s'], 1.0, 2):>11} "
-            f"{_cell(p.get('noise_s'), 1.0, 3):>12}"
+            f"{_cell(p.get('noise_s'), 1.0, 3):>12} {_cell(p.get('peak_gib'), 1.0, 2):>13} "
+            f"{_cell(p.get('model_peak_gib'), 1.0, 2):>12}"
             + (f"  ({p['error']})" if p.get("error") else "")
         )
     return "\n".join(lines)

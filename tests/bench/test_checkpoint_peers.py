@@ -77,9 +77,15 @@ def test_scaling_points_table_and_plots(tmp_path):
     points = []
     for params, ranks in ((0.25, 1), (0.25, 2), (0.5, 1), (0.5, 2)):
         results = {
-            "baseline": {"loop_s": 10.0},
-            "baseline_end": {"loop_s": 10.5},
-            "s3_dcp_async": {"state_bytes": 3 * params * GiB, "extra_s": params, "commit_s": 2.0},
+            "baseline": {"loop_s": 10.0, "peak_pss": 1.0 * GiB},
+            "baseline_end": {"loop_s": 10.5, "peak_pss": 1.5 * GiB},
+            "s3_dcp_async": {
+                "state_bytes": 3 * params * GiB,
+                "extra_s": params,
+                "commit_s": 2.0,
+                "blocked_s": 0.125,
+                "peak_pss": 2.0 * GiB,
+            },
             "s3_unbroken": {"state_bytes": 3 * params * GiB, "extra_s": params / 4, "commit_s": 1},
         }
         if ranks == 2 and params == 0.5:
@@ -88,6 +94,9 @@ def test_scaling_points_table_and_plots(tmp_path):
     assert len(points) == 8 and points[0]["state_gib"] == pytest.approx(0.75)
     assert points[0]["size_gib"] == pytest.approx(0.75)
     assert points[0]["noise_s"] == pytest.approx(0.25)  # the two no-saves loops, per save
+    assert points[0]["blocked_s"] == 0.125 and points[0]["peak_gib"] == pytest.approx(2.0)
+    assert points[0]["model_peak_gib"] == pytest.approx(1.5)  # the higher no-saves peak
+    assert points[1]["blocked_s"] is None  # unbroken's row measured none here
     text = peers.format_scaling(points)
     assert "(timed out after 600 s)" in text
     assert len(text.splitlines()) == 9
