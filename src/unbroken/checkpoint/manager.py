@@ -174,6 +174,7 @@ class CheckpointManager:
             on_done=self._on_done,
             memory=self.memory_tier,
             replicator=replicator,
+            on_arena=self._stager.forget,
         )
 
     def _replicated(self, step: int, nbytes: int, ok: bool) -> None:

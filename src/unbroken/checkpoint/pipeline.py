@@ -122,6 +122,7 @@ class SavePipeline:
         on_done: Callable[[SaveJob], None],
         memory: MemoryTier | None = None,
         replicator: Replicator | None = None,
+        on_arena: Callable[[TensorLayout], None] | None = None,
     ) -> None:
         self.durable = durable
         self.replicator = replicator
@@ -160,6 +161,11 @@ class SavePipeline:
         """This rank's files of the memory tier that saves stage straight into."""
         self._layout: TensorLayout | None = None
         """This rank's shard as the last save wrote it to the memory tier."""
+        self._on_arena = on_arena
+        """Told, before an arena of a layout is made, that the next saves stage its
+        tensors there (the stager drops its own buffers of them)."""
+        self._arena_ready = True
+        """The last ``prepare`` left an arena ready (or had nothing to make)."""
         self.helpers = HelperSlot(self.durable, self.memory, self.config)
         """The process that uploads saves whose node copy is in the memory tier (none:
         the uploads run on threads here), started by the worker thread as it starts."""
@@ -268,8 +274,7 @@ class SavePipeline:
                 if job.manifest is not None:  # housekeeping, before the next job starts
                     self._after_commit(job.manifest)
                     self._replicate(job)
-                if self.arenas is not None:  # the tidy may have freed an older step's
-                    self.arenas.prepare(self._layout)
+                self._prepare_arenas()  # the tidy may have freed an older step's
             finally:
                 with self._lock:
                     self._jobs.remove(job)
@@ -277,6 +282,19 @@ class SavePipeline:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+    def _prepare_arenas(self) -> None:
+        """Make the arenas the next saves stage in, the stager's own buffers of the same
+        tensors dropped first: a rank holds the state twice in host memory, never three
+        times (its first save's buffers, that save's copy in the tier, the next arena)."""
+        if self.arenas is None:
+            return
+        layout, tier, tell = self._layout, self.memory, self._on_arena
+        # After a failed make the stager keeps its buffers (they would be made again
+        # each save) until an arena is ready again.
+        if layout and tier and tier.active and tell and self._arena_ready:
+            tell(layout)
+        self._arena_ready = self.arenas.prepare(layout)
 
     def _agree(self, problem: str | None, what: str, exc: BaseException | None) -> None:
         """Raise on every rank if ``problem`` is set on any rank (``exc``: this rank's)."""
@@ -369,8 +387,7 @@ class SavePipeline:
         job.checksummed_in_copy_bytes = writer.reused_checksum_bytes
         job.in_place_bytes = writer.in_place_bytes
         self._layout = writer.layout if in_memory else None
-        if self.arenas is not None:  # the next save's arena, made here, not in the loop
-            self.arenas.prepare(self._layout)
+        self._prepare_arenas()  # the next save's arena, made here, not in the loop
 
         problem, exc, records, etags = None, None, [], {}
         # The deferred local writes read the buffers too: each holds a loan of its own.

@@ -279,3 +279,33 @@ def test_the_layout_is_the_one_the_writer_writes(tmp_path, dtype):
     placed = {(s.fqn, s.offset) for s in layout.slots}
     values = [info for key, info in where.items() if key not in placed]
     assert values and all(info.offset >= layout.end for info in values)  # after the tensors
+
+
+def test_after_the_first_save_the_stager_no_longer_holds_what_the_arena_will(tmp_path):
+    """The first save stages into private buffers; once its copy is in the tier and the
+    next save's arena is made, those buffers go: two copies of the state in host memory
+    (the committed one and the arena), not three, from the first save on."""
+    torch.manual_seed(0)
+    state = {"weights": torch.randn(1 << 20), "bias": torch.randn(1 << 18), "step": 0}
+    mgr = manager(tmp_path)
+    try:
+        mgr.save(1, state)
+        mgr.wait()
+        pool = mgr._stager.pool
+        assert "weights" not in pool and "bias" not in pool
+        assert pool.nbytes < 4096  # at most the small values' segment
+        state["weights"].add_(1.0)
+        mgr.save(2, state)
+        mgr.wait()
+        assert mgr.stats.bytes_staged_in_place >= 5 << 20  # both tensors, in the arena
+        assert pool.nbytes < 4096
+        expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    finally:
+        mgr.close()
+    again = {"weights": torch.zeros(1 << 20), "bias": torch.zeros(1 << 18), "step": -1}
+    mgr = manager(tmp_path)
+    try:
+        assert mgr.restore(again) == 2  # a clean end left the tier empty: durable
+    finally:
+        mgr.close()
+    assert all(torch.equal(again[k], v) for k, v in expected.items())

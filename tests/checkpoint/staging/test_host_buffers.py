@@ -236,3 +236,31 @@ def test_shared_buffers_are_one_segment_so_thousands_of_tensors_take_one_descrip
     assert len(os.listdir("/proc/self/fd")) - fds_before <= 2
     pool.clear()
     assert pool.nbytes == 0
+
+
+def test_forget_drops_the_buffers_placed_elsewhere_and_keeps_the_rest():
+    """An arena takes the big tensors from the next save on: the pool stops holding them
+    (a third copy of the state) but keeps what the arena has no place for."""
+    pool = HostBufferPool()
+    n = 4096
+    specs = {
+        "placed": BufferSpec((n,), torch.float32),
+        "changed": BufferSpec((n,), torch.float32),
+        "kept": BufferSpec((n,), torch.float32),
+        "small": BufferSpec((3,), torch.float32),
+    }
+    pool.reserve(specs)
+    dropped = pool.forget(
+        {
+            "placed": ((n,), torch.float32),
+            "changed": ((n,), torch.float64),  # the arena's slot is another dtype: kept
+            "small": ((3,), torch.float32),  # in the shared segment: kept
+            "absent": ((n,), torch.float32),
+        }
+    )
+    assert dropped == 4 * n
+    assert "placed" not in pool
+    assert all(k in pool for k in ("changed", "kept", "small"))
+    assert pool.forget({"placed": ((n,), torch.float32)}) == 0  # already gone
+    again, allocated = pool.reserve(specs)  # the arena failed after all: made again
+    assert allocated == 4 * n and again["placed"].shape == (n,)

@@ -199,12 +199,14 @@ class RankArenas:
                     return arena
         return None
 
-    def prepare(self, layout: TensorLayout | None) -> None:
+    def prepare(self, layout: TensorLayout | None) -> bool:
         """Make the arenas the next saves of ``layout`` can take: free ones of another
         layout go, and one more is made while the rank has fewer than its two. A tmpfs
-        without room for one is said once; saves then stage apart."""
+        without room for one is said once; saves then stage apart. False when the make
+        failed."""
         if layout is None or not layout.slots:
-            return self.drop_free()
+            self.drop_free()
+            return True
         with self._lock:
             gone = [a for a in self._arenas if not a.busy and not os.path.exists(a.path)]
             for arena in gone:  # its name was removed (a sweep): it can never be free again
@@ -212,9 +214,9 @@ class RankArenas:
             for arena in [a for a in self._arenas if a.layout != layout and a.free]:
                 self._drop(arena)
             if len(self._arenas) >= ARENAS_PER_RANK:
-                return None
+                return True
             if any(a.layout == layout and a.free for a in self._arenas):
-                return None  # one is ready: a second is made once this one holds a step
+                return True  # one is ready: a second is made once this one holds a step
             try:
                 os.makedirs(self.directory, mode=0o700, exist_ok=True)
                 room = space(self.directory)
@@ -225,6 +227,7 @@ class RankArenas:
                     )
                 name = f"r{self.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                 self._arenas.append(Arena(os.path.join(self.directory, name), layout))
+                return True
             except OSError as e:
                 if not self._told:
                     self._told = True
@@ -234,7 +237,7 @@ class RankArenas:
                         self.directory,
                         e,
                     )
-        return None
+                return False
 
     def drop_free(self) -> None:
         """Give back the free arenas' memory (saves no longer go to the memory tier)."""

@@ -26,6 +26,7 @@ asynchronously on a side stream; pinned buffers are neither.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -84,14 +85,17 @@ class HostBufferPool:
         self._segment: dict[str, tuple[BufferSpec, torch.Tensor]] = {}
         """Buffers that are views of one segment (``_in_segment``), by key."""
         self._segment_bytes = 0
+        self._lock = threading.Lock()
+        """``forget`` comes from the save worker while ``reserve`` runs on the loop."""
         self.allocations = 0
         """How many buffers this pool has ever allocated (a leak or thrash shows here)."""
 
     @property
     def nbytes(self) -> int:
         """Bytes of host memory the pool holds now (the segment with its alignment)."""
-        own = sum(spec.nbytes for spec, _ in self._buffers.values())
-        return own + self._segment_bytes
+        with self._lock:
+            own = sum(spec.nbytes for spec, _ in self._buffers.values())
+            return own + self._segment_bytes
 
     def __len__(self) -> int:
         return len(self._buffers) + len(self._segment)
@@ -105,6 +109,27 @@ class HostBufferPool:
         Raises ``StagingBudgetError`` (and changes nothing) when the specs need more than
         ``max_bytes``.
         """
+        with self._lock:
+            return self._reserve(specs)
+
+    def forget(self, placed: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+        """Drop the buffers of their own mapping whose key, shape and dtype are in
+        ``placed``: the next snapshot stages those keys elsewhere (a memory-tier arena),
+        and holding them meanwhile would keep a third copy of the state. Pinned buffers
+        and the small ones' segment stay. Returns the bytes dropped (memory returns once
+        no staged state holds them)."""
+        with self._lock:
+            gone = [
+                key
+                for key, (spec, _) in self._buffers.items()
+                if not self._pins(spec) and placed.get(key) == (spec.shape, spec.dtype)
+            ]
+            dropped = sum(self._buffers[key][0].nbytes for key in gone)
+            for key in gone:
+                del self._buffers[key]
+            return dropped
+
+    def _reserve(self, specs: Mapping[str, BufferSpec]) -> tuple[dict[str, torch.Tensor], int]:
         in_segment = {k: s for k, s in specs.items() if self._in_segment(s)}
         needed = segment_layout(in_segment)[1] + sum(
             s.nbytes for k, s in specs.items() if k not in in_segment
@@ -131,8 +156,9 @@ class HostBufferPool:
 
     def clear(self) -> None:
         """Drop every buffer (memory returns once no staged state references it)."""
-        self._buffers.clear()
-        self._clear_segment()
+        with self._lock:
+            self._buffers.clear()
+            self._clear_segment()
 
     def _clear_segment(self) -> None:
         self._segment.clear()

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from unbroken.checkpoint.format.shard_layout import TensorLayout
 from unbroken.checkpoint.staging import step_gate
 from unbroken.checkpoint.staging.arena import Arena
 from unbroken.checkpoint.staging.copy import (
@@ -307,6 +308,12 @@ class StateStager:
         step_gate.hold(staged)  # no step runs on this thread in between
         stats["stage_seconds"] = time.perf_counter() - began
         return staged
+
+    def forget(self, layout: TensorLayout) -> int:
+        """Drop the pool's buffers of the tensors ``layout`` has a place for: the next
+        snapshots stage them in an arena of that layout. Safe from another thread; the
+        bytes dropped."""
+        return self.pool.forget({s.fqn: (s.shape, s.dtype) for s in layout.slots})
 
     def close(self) -> None:
         """Stop any copy and drop the buffers; the last stager to close removes the
