@@ -191,3 +191,16 @@ def test_the_cache_sampler_counts_its_own_cpu_so_the_row_is_not_charged_for_it(t
     assert peak.stop() == 4000
     assert peak.cpu_seconds > 0
     assert DiskPeak(None).stop() == 0 and DiskPeak(None).cpu_seconds == 0
+
+
+def test_the_cache_sampler_spaces_its_walks_by_what_they_cost(tmp_path):
+    """What a walk costs the loader's other threads cannot be taken out: a sampler that
+    walked 4,000 files as often as asked would hold the loader's GIL most of the time."""
+    for i in range(4000):
+        (tmp_path / f"{i % 16:02x}").mkdir(exist_ok=True)
+        (tmp_path / f"{i % 16:02x}" / f"f{i}").write_bytes(b"x")
+    peak = DiskPeak(str(tmp_path), every=0.0001, duty=0.05)
+    time.sleep(1.0)
+    assert peak.stop() == 4000
+    # each walk takes milliseconds: at most a twentieth of the second was spent walking
+    assert peak.walks >= 1 and peak.cpu_seconds < 0.2
