@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
@@ -217,8 +218,30 @@ def streaming_env(spec: dict) -> None:
     )  # fmt: skip
 
 
+class _RetriesOnly(logging.Filter):
+    """botocore's records of a failed request and of its retry, nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage().startswith(("Retry needed", "Exception received"))
+
+
+def log_boto_retries() -> None:
+    """Say on stderr (the run's log) each request botocore retries, and why, with the
+    time: Streaming's client waits 60 s (its read timeout) on a request that stalls, and a
+    first batch of about 63 s was seen on the far profile. Streaming sends a few requests
+    per shard, so the unkept debug records cost nothing measurable."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s pid %(process)d %(message)s"))
+    handler.addFilter(_RetriesOnly())
+    for name in ("botocore.endpoint", "botocore.retries.standard"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(handler)
+
+
 def build_streaming(spec: dict, workers: int, rank: int, world: int, tag: str) -> Built:
     streaming_env(spec)
+    log_boto_retries()
     base = import_streaming_base()
 
     class Decoded(base.StreamingDataset):

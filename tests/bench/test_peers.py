@@ -4,6 +4,7 @@ leaves; no peers venv needed."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import bench.peers.accounting as acc
 import bench.peers.loaders as peers
 import bench.peers.setup as _peer_setup
 from bench.common.paths import ROOT, child_env, module_argv
-from bench.peers.loader_rows import DiskPeak
+from bench.peers.loader_rows import DiskPeak, log_boto_retries
 
 SOURCE = {"a.jpg": acc.crc_of(b"a"), "b.jpg": acc.crc_of(b"b"), "c.jpg": acc.crc_of(b"c")}
 
@@ -204,3 +205,30 @@ def test_the_cache_sampler_spaces_its_walks_by_what_they_cost(tmp_path):
     assert peak.stop() == 4000
     # each walk takes milliseconds: at most a twentieth of the second was spent walking
     assert peak.walks >= 1 and peak.cpu_seconds < 0.2
+
+
+def test_the_streaming_row_says_each_retried_request_and_nothing_else(capsys):
+    """A 60 s stall (the read timeout of Streaming's client) shows in the run's log as
+    the failed request and its retry; the request log itself stays out."""
+    endpoint = logging.getLogger("botocore.endpoint")
+    before = list(endpoint.handlers)
+    log_boto_retries()
+    try:
+        endpoint.debug("Sending http request: %s", "<GET shard.00000.mds>")
+        try:
+            raise TimeoutError("Read timeout on endpoint URL")
+        except TimeoutError:
+            endpoint.debug("Exception received when sending HTTP request.", exc_info=True)
+        logging.getLogger("botocore.retries.standard").debug(
+            "Retry needed, retrying request after delay of: %s", 0.5
+        )
+    finally:
+        for name in ("botocore.endpoint", "botocore.retries.standard"):
+            logger = logging.getLogger(name)
+            for handler in [h for h in logger.handlers if h not in before]:
+                logger.removeHandler(handler)
+            logger.setLevel(logging.NOTSET)
+    said = capsys.readouterr().err
+    assert "Sending http request" not in said
+    assert "Exception received" in said and "Read timeout on endpoint URL" in said
+    assert "Retry needed, retrying request after delay of: 0.5" in said
