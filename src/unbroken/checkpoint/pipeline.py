@@ -283,10 +283,11 @@ class SavePipeline:
                     self._pending -= 1
                     self._idle.notify_all()
 
-    def _prepare_arenas(self) -> None:
+    def _prepare_arenas(self, *, spare: bool = True) -> None:
         """Make the arenas the next saves stage in, the stager's own buffers of the same
         tensors dropped first: a rank holds the state twice in host memory, never three
-        times (its first save's buffers, that save's copy in the tier, the next arena)."""
+        times (its first save's buffers, that save's copy in the tier, the next arena;
+        or, at its second save, the first save's copy, the second's and a spare)."""
         if self.arenas is None:
             return
         layout, tier, tell = self._layout, self.memory, self._on_arena
@@ -294,7 +295,7 @@ class SavePipeline:
         # each save) until an arena is ready again.
         if layout and tier and tier.active and tell and self._arena_ready:
             tell(layout)
-        self._arena_ready = self.arenas.prepare(layout)
+        self._arena_ready = self.arenas.prepare(layout, spare=spare)
 
     def _agree(self, problem: str | None, what: str, exc: BaseException | None) -> None:
         """Raise on every rank if ``problem`` is set on any rank (``exc``: this rank's)."""
@@ -387,7 +388,8 @@ class SavePipeline:
         job.checksummed_in_copy_bytes = writer.reused_checksum_bytes
         job.in_place_bytes = writer.in_place_bytes
         self._layout = writer.layout if in_memory else None
-        self._prepare_arenas()  # the next save's arena, made here, not in the loop
+        if job.staged.released:  # the first arena, made here, not in the loop; a spare
+            self._prepare_arenas(spare=False)  # waits for the commit to tidy the older step
 
         problem, exc, records, etags = None, None, [], {}
         # The deferred local writes read the buffers too: each holds a loan of its own.

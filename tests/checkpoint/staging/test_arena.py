@@ -11,6 +11,7 @@ stages apart for that save, then in place again.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -309,3 +310,32 @@ def test_after_the_first_save_the_stager_no_longer_holds_what_the_arena_will(tmp
     finally:
         mgr.close()
     assert all(torch.equal(again[k], v) for k, v in expected.items())
+
+
+def test_while_the_second_save_uploads_the_node_holds_two_copies_not_three(tmp_path):
+    """After a save's local write the older step's copy is still in the tier until the
+    commit: a spare arena made then would be a third copy of the state. It is made once
+    the commit has tidied that step."""
+    n = 2 << 20  # 8 MiB: about 0.4 s to upload at 20 MB/s
+    url = f"emulated::{tmp_path / 'durable'}"
+    options = {"bandwidth": "20MB", "link": private_link("arena-spare")}
+    mgr = ub.CheckpointManager(
+        url, staging_dir=tmp_path / "staging", memory_tier=True, storage_options=options
+    )
+    try:
+        mgr.save(1, {"w": torch.full((n,), 1.0)})
+        mgr.wait()
+        assert len(arenas(tmp_path)) == 1  # the next save's, made once step 1 committed
+        mgr.save(2, {"w": torch.full((n,), 2.0)})
+        deadline = time.monotonic() + 30
+        while not shard(tmp_path, 2).exists():  # step 2 written locally, now uploading
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        during = len(arenas(tmp_path))
+        uploading = mgr.stats.committed == 1
+        mgr.wait()
+        assert uploading and during == 1  # step 1's copy and step 2's arena, no spare yet
+        assert len(arenas(tmp_path)) == 2  # the spare, once step 1 has gone
+        assert not (tier(tmp_path) / step_dir(1)).exists()
+    finally:
+        mgr.close()

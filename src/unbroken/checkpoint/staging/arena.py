@@ -199,11 +199,13 @@ class RankArenas:
                     return arena
         return None
 
-    def prepare(self, layout: TensorLayout | None) -> bool:
+    def prepare(self, layout: TensorLayout | None, *, spare: bool = True) -> bool:
         """Make the arenas the next saves of ``layout`` can take: free ones of another
         layout go, and one more is made while the rank has fewer than its two. A tmpfs
         without room for one is said once; saves then stage apart. False when the make
-        failed."""
+        failed. ``spare`` False: make one only while none of ``layout`` exists (after a
+        save's local write, the older step's copy is still in the tier until the commit:
+        a spare made then would be a third copy of the state)."""
         if layout is None or not layout.slots:
             self.drop_free()
             return True
@@ -217,6 +219,8 @@ class RankArenas:
                 return True
             if any(a.layout == layout and a.free for a in self._arenas):
                 return True  # one is ready: a second is made once this one holds a step
+            if not spare and any(a.layout == layout for a in self._arenas):
+                return True
             try:
                 os.makedirs(self.directory, mode=0o700, exist_ok=True)
                 room = space(self.directory)
