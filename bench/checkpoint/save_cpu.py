@@ -22,7 +22,8 @@ rows the memcpy floor, ``raw put`` (the state's bytes, one file in shared memory
 uploaded as one object by the native store: what any client's upload costs), unbroken
 with its save helper, with the uploads on threads (``save_helper=False``), and with the
 node's copy on the disk tier (``memory_tier=False``: no helper, the upload leaves from
-the host buffers as the shard is written).
+the host buffers as the shard is written), and, where s3torchconnector is installed,
+``dcp s3connector``: ``dcp.save`` through its writer, in this process.
 On a machine whose cores also run the server, a save's cost to training is mostly the
 server's CPU: the column ``server`` says how much of the machine's it is, and
 ``helper`` what the save helper process took.
@@ -36,6 +37,7 @@ busy with before the row), that as a multiple of the memcpy floor's, and wall se
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -233,12 +235,35 @@ def s3_rows(
 
     funcs = {"memcpy floor": memcpy, "raw put": raw_put}
     funcs.update({row[0]: saving(n, *row) for n, row in enumerate(UNBROKEN_S3_ROWS)})
+    if importlib.util.find_spec("s3torchconnector") is not None:
+        funcs["dcp s3connector"] = dcp_s3_save(state, remote)
     return funcs, close
 
 
-def table(
-    results: dict[str, dict[str, float]], all_columns: bool = False, s3: bool = False
-) -> str:
+def dcp_s3_save(state: dict[str, torch.Tensor], remote: S3Remote) -> Callable[[int], None]:
+    """``dcp.save`` through s3torchconnector's writer, in this process: what the same
+    bytes cost the server (and its client) under the request pattern of the peer that
+    leads the one-rank points of the scaling grid."""
+    import torch.distributed.checkpoint as dcp
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector.dcp import S3StorageWriter
+
+    from bench.checkpoint.s3rows import REGION, aws_env
+    from tests.s3server import CREDENTIALS
+
+    os.environ.update(aws_env(remote.endpoint_url, CREDENTIALS["key"], CREDENTIALS["secret"]))
+    root = remote.new_root()
+
+    def save(i: int) -> None:
+        writer = S3StorageWriter(
+            REGION, f"s3://{root}/dcp-{i}", s3client_config=S3ClientConfig(force_path_style=True)
+        )
+        dcp.save(state, storage_writer=writer, no_dist=True)
+
+    return save
+
+
+def table(results: dict[str, dict[str, float]], all_columns: bool = False, s3: bool = False) -> str:
     """CPU per GiB saved, beside the memcpy floor's; user and system split with all_columns;
     with ``s3``, the server's share and the save helper's."""
     floor = results["memcpy floor"]["machine"]
