@@ -666,3 +666,34 @@ def test_the_background_copy_runs_at_the_priority_asked_for(nice):
         assert os.getpriority(os.PRIO_PROCESS, 0) == main  # the training thread untouched
     finally:
         s.close()
+
+
+def test_every_copy_runs_on_one_long_lived_thread_and_a_forked_child_copies_too(stager):
+    """A thread ended per save could end as a DataLoader forks its workers, and on
+    CPython before 3.11.10 (gh-112275) the worker would then hang for good. The copies
+    share one thread that waits for the next; a forked child starts its own."""
+    state = {"w": torch.arange(8192.0)}
+    seen = []
+    for _ in range(4):
+        state["w"].add_(1.0)
+        with stager.stage(state) as staged:
+            staged.wait()
+            assert torch.equal(staged.state_dict["w"], state["w"])
+        time.sleep(0.05)  # a thread of its own per copy would be gone by now
+        seen.append([t.ident for t in threading.enumerate() if t.name == "unbroken-staging"])
+    assert seen[0] and all(idents == seen[0] for idents in seen), seen  # one per nice value
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a copy must still run (its copier is its own; the
+        ok = False  # parent's buffers are not inherited, so a stager of its own)
+        try:
+            mine = StateStager()
+            with mine.stage({"w": torch.ones(8192)}) as staged:
+                staged.wait(timeout=30)
+                ok = bool(torch.equal(staged.state_dict["w"], torch.ones(8192)))
+        finally:
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.waitpid(pid, 0)

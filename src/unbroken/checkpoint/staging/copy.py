@@ -30,6 +30,7 @@ event and checks versions. That path needs CUDA and cannot run on a CPU-only mac
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -188,7 +189,7 @@ class CopyJob:
         if cuda:
             with torch.no_grad():
                 self.events += _enqueue_cuda(cuda, self.streams, fence_current=False)
-        threading.Thread(target=self._run, name="unbroken-staging", daemon=True).start()
+        _copier(self.nice).put(self)
 
     def abort(self) -> None:
         """Stop copying as soon as possible; the job then ends as torn or aborted."""
@@ -199,9 +200,7 @@ class CopyJob:
         return self._abort.is_set()
 
     def _run(self) -> None:
-        name_native_thread()
-        if self.nice:
-            lower_thread_priority(nice=self.nice)
+        """The copy, on its copier's thread (``_copier``)."""
         try:
             self.thread_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         except (OSError, AttributeError):
@@ -331,6 +330,55 @@ class CopyJob:
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class _Copier:
+    """One long-lived thread that runs the process's copy jobs one after another.
+
+    A thread started and ended for every save could end while a DataLoader forks its
+    workers: CPython before 3.11.10 and 3.12 (gh-112275) then leaves the forked worker
+    deadlocked on the interpreter's thread-state lock, which an ending thread takes
+    (seen once in this project's CI, a demo's worker stuck at an epoch's start). A thread
+    that waits for the next job holds no such lock. Reniced once, as it starts.
+    """
+
+    def __init__(self, nice: int) -> None:
+        self._jobs: queue.SimpleQueue[CopyJob] = queue.SimpleQueue()
+        self._nice = nice
+        threading.Thread(target=self._serve, name="unbroken-staging", daemon=True).start()
+
+    def put(self, job: CopyJob) -> None:
+        self._jobs.put(job)
+
+    def _serve(self) -> None:
+        name_native_thread()
+        if self._nice:
+            lower_thread_priority(nice=self._nice)
+        while True:
+            self._jobs.get()._run()
+
+
+_COPIERS: dict[int, _Copier] = {}
+"""This process's copiers, by how far they are reniced (one in practice)."""
+_COPIERS_LOCK = threading.Lock()
+
+
+def _copier(nice: int) -> _Copier:
+    with _COPIERS_LOCK:
+        copier = _COPIERS.get(nice)
+        if copier is None:
+            copier = _COPIERS[nice] = _Copier(nice)
+        return copier
+
+
+def _forget_copiers_after_fork() -> None:
+    """A forked child has none of the parent's threads: its first copy starts its own."""
+    global _COPIERS_LOCK
+    _COPIERS.clear()
+    _COPIERS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_copiers_after_fork)
 
 
 def _numpy_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
