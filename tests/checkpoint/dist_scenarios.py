@@ -525,6 +525,8 @@ def scenario_replicas(a: argparse.Namespace) -> None:
         mgr.maybe_save(step, state)
     mgr.wait()
     assert mgr.stats.replicas_sent == 2, mgr.stats
+    # Rank 1's wait saw its replica acknowledged, older steps dropped: look after it.
+    dist.barrier()
     if rank == 0:
         held = sorted(os.listdir(rank_dir(str(tier), 1) + "/step-000000000006"))
         assert "__1_0.distcp" in held and "manifest.json" in held, held
