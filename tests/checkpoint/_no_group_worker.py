@@ -6,6 +6,13 @@ import sys
 
 import unbroken as ub
 
+
+def say(line: str) -> None:
+    # One write per line: two ranks share torchrun's stdout, and a print's text and its
+    # newline can reach the pipe apart, joining the ranks' lines.
+    os.write(1, (line + "\n").encode())
+
+
 volume = sys.argv[1]
 for name, make in [
     ("manager", lambda: ub.CheckpointManager(sys.argv[2], staging_dir=sys.argv[3])),
@@ -13,6 +20,6 @@ for name, make in [
 ]:
     try:
         make()
-        print(f"{name} {os.environ['RANK']} ACCEPTED", flush=True)
+        say(f"{name} {os.environ['RANK']} ACCEPTED")
     except RuntimeError as exc:
-        print(f"{name} {os.environ['RANK']} REFUSED {exc}", flush=True)
+        say(f"{name} {os.environ['RANK']} REFUSED {exc}")
