@@ -105,10 +105,10 @@ def main(
     steps = calibrate(seconds=window)
     walls: dict[str, list[float]] = {"none": [], "off": [], "on": []}
     tails: dict[str, list[float]] = {"off": [], "on": []}
-    replicator = mgr._pipeline.replicator
+    replicator = mgr._pipeline.node.replicator
     for i in range(3 * reps):
         mode = ("none", "off", "on")[i % 3]
-        mgr._pipeline.replicator = replicator if mode == "on" else None
+        mgr._pipeline.node.replicator = replicator if mode == "on" else None
         state["w"].to_local().add_(1.0)
         dist.barrier()
         t = time.perf_counter()
@@ -120,7 +120,7 @@ def main(
         mgr.wait()  # the commit, and with replication on the replica too
         if mode != "none":
             tails[mode].append(time.perf_counter() - t)
-    mgr._pipeline.replicator = replicator
+    mgr._pipeline.node.replicator = replicator
     state["w"].to_local().copy_(reference)
     mgr.save(100, state)
     mgr.wait()

@@ -464,7 +464,7 @@ class CheckpointManager:
         self._report_failures(raising=False)
         self._size_memory_tier(collect(state))
         self._goodput.restore_begin()
-        memory = self._pipeline.memory_store()
+        memory = self._pipeline.node.memory_store()
         peers = self._peers.peer_stores(self.store) if self._peers is not None else []
         try:
             restored = restore(

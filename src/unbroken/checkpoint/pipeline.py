@@ -10,13 +10,10 @@ every rank has reported its files durable.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 import warnings
@@ -29,41 +26,31 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from unbroken._util.priority import lower_thread_priority
-from unbroken._util.sizes import format_size
 from unbroken._util.thread_names import name_native_thread
-from unbroken.checkpoint import staging_tier
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.commit import commit_step, conflict_fields, generator_digests
 from unbroken.checkpoint.durable_index import DurableIndex
 from unbroken.checkpoint.durable_prune import prune_durable
 from unbroken.checkpoint.errors import OtherJobError, SaveFailedError
-from unbroken.checkpoint.format.manifest import (
-    MANIFEST_NAME,
-    FileRecord,
-    Manifest,
-    committed_by,
-    crc32c_bytes,
-    step_dir,
-)
+from unbroken.checkpoint.format.manifest import FileRecord, Manifest, committed_by, step_dir
 from unbroken.checkpoint.format.planners import PinnedSavePlanner
 from unbroken.checkpoint.format.shard_layout import TensorLayout
 from unbroken.checkpoint.format.writer import TierWriter
 from unbroken.checkpoint.format.writers import claim_step
 from unbroken.checkpoint.local_writes import LOCAL_LOAN, LocalWrites
 from unbroken.checkpoint.memory_tier import MemoryTier
-from unbroken.checkpoint.peers.replica_files import drop_all as drop_replicas
-from unbroken.checkpoint.peers.replicator import Replica, Replicator
+from unbroken.checkpoint.node_copies import NodeCopies
+from unbroken.checkpoint.peers.replicator import Replicator
 from unbroken.checkpoint.save_helper.uploads import HelperSlot
 from unbroken.checkpoint.save_job import (
     SaveJob,
     describe,
     drop_frame_locals,
     lend_until_read,
-    rng_file,
 )
-from unbroken.checkpoint.staging.arena import Arena, RankArenas
+from unbroken.checkpoint.staging.arena import Arena
 from unbroken.checkpoint.staging.owner import claim_staging_dir
-from unbroken.storage import LocalStore, Store
+from unbroken.storage import Store
 from unbroken.storage.errors import RetriesExhaustedError, StoreError, redact
 from unbroken.storage.in_memory import FileInMemory
 from unbroken.storage.retry import RetryPolicy
@@ -73,7 +60,6 @@ log = logging.getLogger(__name__)
 # DCP says so on every single-process save and load; no group is our normal case there.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or")
 
-MANIFEST = MANIFEST_NAME
 _CLAIM_RETRY = RetryPolicy(max_attempts=2, base_delay=0.05, max_delay=0.05)
 
 
@@ -125,20 +111,20 @@ class SavePipeline:
         on_arena: Callable[[TensorLayout], None] | None = None,
     ) -> None:
         self.durable = durable
-        self.replicator = replicator
-        """Sends each commit's files from the memory tier to the replica nodes."""
         self.staging_dir = staging_dir
         self.memory = memory
-        """The node's memory tier: where a save's local copy goes while it has room."""
         self._release_staging = claim_staging_dir(
             staging_dir, group.global_rank, f"saving to {redact(durable.url)}"
         )
-        self.local = LocalStore(staging_dir)
-        self._stores = {staging_dir: self.local}
-        if memory is not None:
-            self._stores[memory.path] = LocalStore(memory.path)
-        # Versions before O_DIRECT staging kept superseded shards here between saves.
-        shutil.rmtree(os.path.join(staging_dir, ".spare"), ignore_errors=True)
+        self.node = NodeCopies(
+            staging_dir,
+            group.global_rank,
+            memory,
+            stage_in_place=config.stage_in_place,
+            on_arena=on_arena,
+            replicator=replicator,
+        )
+        """Where each save's copy on this node goes, and what the node keeps."""
         self.index = DurableIndex(durable)
         """The coordinator's view of the durable tier's committed steps."""
         self.group = group
@@ -153,19 +139,6 @@ class SavePipeline:
         """The step this run is at: its last commit, or what the manager restored. Its
         copy is the one the staging tier keeps (``staging_tier.tidy``)."""
         self._idle = threading.Condition(self._lock)
-        self.arenas = (
-            RankArenas(memory.path, group.global_rank)
-            if memory is not None and config.stage_in_place
-            else None
-        )
-        """This rank's files of the memory tier that saves stage straight into."""
-        self._layout: TensorLayout | None = None
-        """This rank's shard as the last save wrote it to the memory tier."""
-        self._on_arena = on_arena
-        """Told, before an arena of a layout is made, that the next saves stage its
-        tensors there (the stager drops its own buffers of them)."""
-        self._arena_ready = True
-        """The last ``prepare`` left an arena ready (or had nothing to make)."""
         self.helpers = HelperSlot(self.durable, self.memory, self.config)
         """The process that uploads saves whose node copy is in the memory tier (none:
         the uploads run on threads here), started by the worker thread as it starts."""
@@ -174,18 +147,11 @@ class SavePipeline:
 
     # -- foreground side -------------------------------------------------------------
 
-    def memory_store(self) -> LocalStore | None:
-        """The memory tier as a store, for restore (None: no memory tier)."""
-        return self._stores.get(self.memory.path) if self.memory is not None else None
-
     def arena(self) -> Arena | None:
-        """Where the next snapshot can stage in the memory tier: a file of this rank's
-        laid out as its last shard there, made after that save's local write, once no
-        step or snapshot holds it; None otherwise. Ask once the previous snapshot is
-        released (``StateStager.stage(arena=...)`` does)."""
-        if self.arenas is None or self.memory is None or not self.memory.active:
-            return None
-        return self.arenas.take(self._layout)
+        """Where the next snapshot can stage in the memory tier (``NodeCopies.arena``).
+        Ask once the previous snapshot is released (``StateStager.stage(arena=...)``
+        does)."""
+        return self.node.arena()
 
     def submit(self, job: SaveJob) -> None:
         """Queue a job; the worker runs jobs one at a time, in order.
@@ -220,7 +186,7 @@ class SavePipeline:
 
     def wait_replicated(self, timeout: float | None = None) -> bool:
         """Until the newest commit's replica is sent (or given up); False on timeout."""
-        return self.replicator is None or self.replicator.wait(timeout)
+        return self.node.replicator is None or self.node.replicator.wait(timeout)
 
     def drain(self) -> None:
         """Until every submitted job and its retention are finished."""
@@ -232,11 +198,8 @@ class SavePipeline:
         how long the last commit's replica may still go on (a clean end: none)."""
         self._queue.put(None)
         self._thread.join()
-        if self.replicator is not None:  # the last commit's replica, briefly waited for
-            self.replicator.close(timeout=replica_seconds)
+        self.node.close(replica_seconds=replica_seconds)
         self.helpers.close()
-        if self.arenas is not None:
-            self.arenas.close()
         self._release_staging()
 
     # -- worker side -----------------------------------------------------------------
@@ -266,15 +229,14 @@ class SavePipeline:
                 job.staged.release()  # idempotent; covers a failure before the local write
             if job.error is not None:
                 drop_frame_locals(job.error)
-                for root in self._stores:
-                    staging_tier.remove_unfinished(root, job.step)
+                self.node.failed(job.step)
             job.seconds["total"] = time.monotonic() - job.submitted
             try:
                 self._on_done(job)  # before the job leaves _jobs: wait() then sees its error
                 if job.manifest is not None:  # housekeeping, before the next job starts
                     self._after_commit(job.manifest)
-                    self._replicate(job)
-                self._prepare_arenas()  # the tidy may have freed an older step's
+                    self.node.replicate(job)
+                self.node.prepare_arenas()  # the tidy may have freed an older step's
             finally:
                 with self._lock:
                     self._jobs.remove(job)
@@ -282,20 +244,6 @@ class SavePipeline:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
-
-    def _prepare_arenas(self, *, spare: bool = True) -> None:
-        """Make the arenas the next saves stage in, the stager's own buffers of the same
-        tensors dropped first: a rank holds the state twice in host memory, never three
-        times (its first save's buffers, that save's copy in the tier, the next arena;
-        or, at its second save, the first save's copy, the second's and a spare)."""
-        if self.arenas is None:
-            return
-        layout, tier, tell = self._layout, self.memory, self._on_arena
-        # After a failed make the stager keeps its buffers (they would be made again
-        # each save) until an arena is ready again.
-        if layout and tier and tier.active and tell and self._arena_ready:
-            tell(layout)
-        self._arena_ready = self.arenas.prepare(layout, spare=spare)
 
     def _agree(self, problem: str | None, what: str, exc: BaseException | None) -> None:
         """Raise on every rank if ``problem`` is set on any rank (``exc``: this rank's)."""
@@ -339,17 +287,12 @@ class SavePipeline:
         except Exception as e:
             problem, exc = describe(e), e
         self._agree(problem, f"staging step {step}", exc)
-        # The durable tier has no commit of this step, so a local manifest here is stale
-        # (a reused staging_dir): un-commit that copy before writing over it.
-        for root in self._stores:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(root, name, MANIFEST))
-            staging_tier.tidy(root, self.current_step, writing=step)
+        self.node.begin(step, self.current_step)
         staged_bytes = job.staged.stats.get("bytes", 0) - job.staged.stats.get("bytes_in_place", 0)
-        root = self._local_root(int(staged_bytes), name)
+        root = self.node.choose(int(staged_bytes), step)
         job.local_root = root
         # The helper reads the node copy's files in memory: they are whole before it starts.
-        in_memory = self.memory is not None and root == self.memory.path
+        in_memory = self.node.in_memory(root)
         helper = self.helpers.get() if in_memory else None
         local_dir = os.path.join(root, name)
         t1 = time.monotonic()
@@ -387,9 +330,7 @@ class SavePipeline:
         job.seconds["local"] = t2 - t1
         job.checksummed_in_copy_bytes = writer.reused_checksum_bytes
         job.in_place_bytes = writer.in_place_bytes
-        self._layout = writer.layout if in_memory else None
-        if job.staged.released:  # the first arena, made here, not in the loop; a spare
-            self._prepare_arenas(spare=False)  # waits for the commit to tidy the older step
+        self.node.written(root, writer.layout, job.staged.released)
 
         problem, exc, records, etags = None, None, [], {}
         # The deferred local writes read the buffers too: each holds a loan of its own.
@@ -403,7 +344,7 @@ class SavePipeline:
         memory = lent
         writer.parts = {}
         try:
-            records = [*writer.records, self._write_rng(local_dir, job.rng)]
+            records = [*writer.records, self.node.write_rng(local_dir, job.rng)]
             job.records = records
             if not claimed:  # the durable tier was down at staging: claim now, retrying
                 for loan in memory.values():
@@ -450,12 +391,7 @@ class SavePipeline:
         if outcome[0] != "ok":
             raise _PhaseFailed(outcome[1]) from exc
         manifest = Manifest.from_json(outcome[1], where=self.durable.url_for(name))
-        try:  # the local copy counts as whole once its manifest copy is there
-            self._stores[root].write_bytes(f"{name}/{MANIFEST}", outcome[1])
-        except Exception as e:
-            log.warning(
-                "step %d: could not copy the manifest to the staging tier: %s", step, describe(e)
-            )
+        self.node.committed(root, step, outcome[1])
         return manifest
 
     def _claim_quickly(self, name: str, step: int) -> bool:
@@ -482,41 +418,6 @@ class SavePipeline:
             "page cache there, which costs CPU time and memory per byte saved",
             self.staging_dir,
         )
-
-    def _local_root(self, nbytes: int, name: str) -> str:
-        """Where this save's local copy (step directory ``name``) goes: the memory tier
-        while it has room for ``nbytes`` more, else the disk staging tier. Never raises:
-        every rank goes on to the same collectives (a disk that refuses fails the local
-        write, on every rank alike)."""
-        memory = self.memory
-        tight = memory is not None and memory.active and not memory.room_now(nbytes)
-        if tight and memory is not None:  # other nodes' replicas go first, then idle arenas
-            freed = drop_replicas(memory.path)
-            if freed:
-                log.warning(
-                    "memory tier %s: dropped %s of other nodes' replicas to make room for "
-                    "step %s", memory.path, format_size(freed), name,
-                )  # fmt: skip
-            tight = not memory.room_now(nbytes)
-        if tight and self.arenas is not None:  # an idle arena's pages make room for this copy
-            self.arenas.drop_free()
-        if memory is not None and memory.active and memory.has_room(nbytes):
-            try:
-                os.makedirs(os.path.join(memory.path, name), exist_ok=True)
-                return memory.path
-            except OSError as e:
-                memory.active = False
-                log.warning("memory tier %s is off: %s", memory.path, describe(e))
-        with contextlib.suppress(OSError):
-            os.makedirs(os.path.join(self.staging_dir, name), exist_ok=True)
-        return self.staging_dir
-
-    def _write_rng(self, local_dir: str, rng: dict[str, Any]) -> FileRecord:
-        name = rng_file(self.group.global_rank)
-        data = json.dumps(rng, sort_keys=True).encode()
-        store = self._stores[os.path.dirname(local_dir)]
-        store.write_bytes(f"{os.path.basename(local_dir)}/{name}", data)
-        return FileRecord(name=name, size=len(data), crc32c=crc32c_bytes(data))
 
     def _upload(
         self,
@@ -548,27 +449,10 @@ class SavePipeline:
                 f.result()
         return etags
 
-    def _replicate(self, job: SaveJob) -> None:
-        """A commit whose node copy is in the memory tier goes on to the replica nodes
-        (in the replicator's thread: the next save never waits for it)."""
-        if self.replicator is None or self.memory is None or job.manifest is None:
-            return
-        if job.local_root != self.memory.path or not job.records:
-            return
-        self.replicator.submit(
-            Replica(
-                step=job.step,
-                folder=os.path.join(job.local_root, step_dir(job.step)),
-                files={rec.name: rec.crc32c for rec in job.records},
-                manifest=job.manifest.to_json(),
-            )
-        )
-
     def _after_commit(self, manifest: Manifest) -> None:
         """Retention on both tiers (best effort; a failure here never fails the save)."""
         self.current_step = manifest.step
-        for root in self._stores:  # one local copy: the step's own tier keeps it
-            staging_tier.tidy(root, self.current_step)
+        self.node.keep_only(self.current_step)
         if self.group.is_coordinator:
             try:
                 prune_durable(

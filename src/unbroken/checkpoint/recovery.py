@@ -51,7 +51,6 @@ from unbroken.checkpoint.format.manifest import (
 from unbroken.checkpoint.format.planners import SafeLoadPlanner
 from unbroken.checkpoint.format.reader import TierReader
 from unbroken.checkpoint.peers.peer_store import PeerStore
-from unbroken.checkpoint.pipeline import MANIFEST
 from unbroken.checkpoint.restore_checks import (
     check_compatible,
     check_generators,
@@ -473,7 +472,7 @@ def _local_files(store: Store, name: str, manifest: Manifest) -> frozenset[str]:
     Sizes only: every byte read is checked against its crc32c as it is read, and a local
     file that fails sends every rank on to the durable tier."""
     try:
-        local = Manifest.from_json(store.read_bytes(f"{name}/{MANIFEST}"), where=store.url)
+        local = Manifest.from_json(store.read_bytes(f"{name}/{MANIFEST_NAME}"), where=store.url)
     except Exception as e:
         log.debug("step %s: no usable local manifest at %s (%s)", name, store.url, describe(e))
         return frozenset()

@@ -60,7 +60,7 @@ def test_one_process_has_no_peers(tmp_path):
     import unbroken as ub
 
     with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", replicas=3) as mgr:
-        assert mgr._peers is None and mgr._pipeline.replicator is None
+        assert mgr._peers is None and mgr._pipeline.node.replicator is None
 
 
 def test_nodes_that_cannot_hold_a_replica_are_passed_over():

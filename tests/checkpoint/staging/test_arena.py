@@ -265,7 +265,7 @@ def test_the_layout_is_the_one_the_writer_writes(tmp_path, dtype):
     try:
         mgr.save(1, state)
         mgr.wait()
-        layout = mgr._pipeline._layout
+        layout = mgr._pipeline.node.layout
         reader = dcp.FileSystemReader(tier(tmp_path) / step_dir(1))
         where = {
             (i.fqn, tuple(i.offset or ())): info
