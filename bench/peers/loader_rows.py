@@ -603,7 +603,48 @@ def keep_failed(spec: dict) -> str | None:
     kept = os.path.join(spec["failed_dir"], os.path.basename(spec["work"]))
     shutil.move(spec["work"], kept)
     print(f"the failed row's files are kept in {kept}", file=sys.stderr, flush=True)
+    if spec["row"] == "streaming":
+        for line in compare_shards(kept, spec):
+            print(line, file=sys.stderr, flush=True)
     return kept
+
+
+def compare_shards(kept: str, spec: dict) -> list[str]:
+    """Each kept shard against the objects on the server, while the server still runs: is
+    it the object it is named after, another shard's bytes, or neither. Says whether a
+    wrong sample was wrong on the server or went wrong on its way to the worker."""
+    import boto3  # Streaming's own client: in the peers' virtualenv
+
+    client = boto3.client(
+        "s3", endpoint_url=spec["endpoint"], aws_access_key_id=spec["key"],
+        aws_secret_access_key=spec["secret"], region_name="us-east-1",
+    )  # fmt: skip
+    bucket, _, prefix = spec["mds"].partition("/")
+    remote: dict[str, bytes] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            if obj["Key"].endswith(".mds"):
+                body = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+                remote[os.path.basename(obj["Key"])] = body
+    lines = []
+    for path in sorted(glob.glob(os.path.join(kept, "**", "*.mds"), recursive=True)):
+        with open(path, "rb") as f:
+            local = f.read()
+        name = os.path.basename(path)
+        if remote.get(name) == local:
+            lines.append(f"{name}: bitwise the server's object")
+            continue
+        head = local[: 1 << 16]
+        like = [n for n, data in remote.items() if data[: 1 << 16] == head]
+        first_diff = next(
+            (i for i, (a, b) in enumerate(zip(local, remote.get(name, b""))) if a != b), None
+        )
+        lines.append(
+            f"{name}: differs from the server's object ({len(local)} bytes against "
+            f"{len(remote.get(name, b''))}, first differing byte {first_diff}); its first "
+            f"64 KiB are those of {like or 'no object on the server'}"
+        )
+    return lines
 
 
 if __name__ == "__main__":

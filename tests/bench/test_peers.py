@@ -16,7 +16,7 @@ import bench.peers.accounting as acc
 import bench.peers.loaders as peers
 import bench.peers.setup as _peer_setup
 from bench.common.paths import ROOT, child_env, module_argv
-from bench.peers.loader_rows import DiskPeak, log_boto_retries
+from bench.peers.loader_rows import DiskPeak, compare_shards, log_boto_retries
 
 SOURCE = {"a.jpg": acc.crc_of(b"a"), "b.jpg": acc.crc_of(b"b"), "c.jpg": acc.crc_of(b"c")}
 
@@ -179,6 +179,30 @@ def test_a_failed_row_keeps_its_files_the_newest_failure_only(tmp_path):
         assert not work.exists()
     assert sorted(p.name for p in failed.iterdir()) == ["no_such_row-1"]  # the newest only
     assert (failed / "no_such_row-1" / "shard.00000.mds").read_bytes() == b"shard 1"
+
+
+def test_a_kept_shard_is_compared_with_the_objects_on_the_server(tmp_path, s3_server):
+    """A wrong sample is traced to its place: the kept shard is the server's object, or
+    another shard's bytes (gone wrong on the way), or neither."""
+    from tests.s3server import CREDENTIALS
+
+    root = s3_server.new_root()
+    bucket, _, prefix = root.partition("/")
+    shards = {"shard.00000.mds": b"0" * 70_000 + b"tail0", "shard.00001.mds": b"1" * 70_000}
+    client = s3_server.client()
+    for name, data in shards.items():
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=data)
+    kept = tmp_path / "streaming-bench"
+    kept.mkdir()
+    (kept / "shard.00000.mds").write_bytes(shards["shard.00000.mds"])
+    (kept / "shard.00001.mds").write_bytes(b"0" * 70_000)  # shard 0's bytes, shard 1's name
+    spec = {"endpoint": s3_server.endpoint_url, "key": CREDENTIALS["key"],
+            "secret": CREDENTIALS["secret"], "mds": root}  # fmt: skip
+    lines = compare_shards(str(tmp_path), spec)
+    assert lines[0] == "shard.00000.mds: bitwise the server's object"
+    assert lines[1].startswith("shard.00001.mds: differs from the server's object")
+    assert "first differing byte 0" in lines[1]
+    assert "are those of ['shard.00000.mds']" in lines[1]
 
 
 def test_the_cache_sampler_counts_its_own_cpu_so_the_row_is_not_charged_for_it(tmp_path):
