@@ -604,7 +604,11 @@ def keep_failed(spec: dict) -> str | None:
     shutil.move(spec["work"], kept)
     print(f"the failed row's files are kept in {kept}", file=sys.stderr, flush=True)
     if spec["row"] == "streaming":
-        for line in compare_shards(kept, spec):
+        try:  # evidence only: the row's own result must still be printed
+            lines = compare_shards(kept, spec)
+        except Exception as e:
+            lines = [f"the kept shards could not be compared with the server's: {failure(e)}"]
+        for line in lines:
             print(line, file=sys.stderr, flush=True)
     return kept
 
@@ -620,31 +624,44 @@ def compare_shards(kept: str, spec: dict) -> list[str]:
         aws_secret_access_key=spec["secret"], region_name="us-east-1",
     )  # fmt: skip
     bucket, _, prefix = spec["mds"].partition("/")
-    remote: dict[str, bytes] = {}
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for obj in page.get("Contents", []):
-            if obj["Key"].endswith(".mds"):
-                body = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
-                remote[os.path.basename(obj["Key"])] = body
+    keys = {
+        os.path.basename(obj["Key"]): obj["Key"]
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        for obj in page.get("Contents", [])
+        if obj["Key"].endswith(".mds")
+    }
+
+    def get(key: str, head: bool = False) -> bytes:
+        extra = {"Range": f"bytes=0-{(1 << 16) - 1}"} if head else {}
+        return client.get_object(Bucket=bucket, Key=key, **extra)["Body"].read()
+
+    heads = {name: get(key, head=True) for name, key in keys.items()}
     lines = []
     for path in sorted(glob.glob(os.path.join(kept, "**", "*.mds"), recursive=True)):
         with open(path, "rb") as f:
             local = f.read()
         name = os.path.basename(path)
-        if remote.get(name) == local:
+        theirs = get(keys[name]) if name in keys else b""  # one whole object at a time
+        if theirs == local:
             lines.append(f"{name}: bitwise the server's object")
             continue
-        head = local[: 1 << 16]
-        like = [n for n, data in remote.items() if data[: 1 << 16] == head]
-        first_diff = next(
-            (i for i, (a, b) in enumerate(zip(local, remote.get(name, b""))) if a != b), None
-        )
+        like = [n for n, head in heads.items() if head == local[: 1 << 16]]
         lines.append(
             f"{name}: differs from the server's object ({len(local)} bytes against "
-            f"{len(remote.get(name, b''))}, first differing byte {first_diff}); its first "
-            f"64 KiB are those of {like or 'no object on the server'}"
+            f"{len(theirs)}, first differing byte {_first_difference(local, theirs)}); its "
+            f"first 64 KiB are those of {like or 'no object on the server'}"
         )
     return lines
+
+
+def _first_difference(a: bytes, b: bytes) -> int | None:
+    """Where two byte strings first differ (the shorter one's end if one is a prefix)."""
+    block = 1 << 20
+    for start in range(0, min(len(a), len(b)), block):
+        x, y = a[start : start + block], b[start : start + block]
+        if x != y:
+            return start + next(i for i, (p, q) in enumerate(zip(x, y)) if p != q)
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 if __name__ == "__main__":
