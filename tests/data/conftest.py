@@ -51,6 +51,7 @@ class Volume:
                 "persistent_workers",
                 "multiprocessing_context",
                 "fill_ahead",
+                "worker_init_fn",
             )
             if k in kw
         }

@@ -9,11 +9,23 @@ a later one that happens to hold the same pid.
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
+from typing import Any
+
+
+def start_method(multiprocessing_context: Any) -> str:
+    """The start method of a DataLoader's ``multiprocessing_context`` (None: the default)."""
+    if multiprocessing_context is None:
+        method = multiprocessing.get_start_method(allow_none=True)
+        return method or multiprocessing.get_all_start_methods()[0]  # the default
+    if isinstance(multiprocessing_context, str):
+        return multiprocessing_context
+    return multiprocessing_context.get_start_method()
 
 
 def pid_alive(pid: int) -> bool:
@@ -29,14 +41,30 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` from field 3 (the state) on; None without such a process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces
+    except (OSError, IndexError):
+        return None
+    return fields if len(fields) > 19 else None
+
+
 def process_start_ticks(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (Linux), as /proc writes it;
     None where /proc has no such process (or no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]  # field 22: starttime
-    except (OSError, IndexError):
+    fields = _stat_fields(pid)
+    return fields[19] if fields else None  # field 22: starttime
+
+
+def process_activity(pid: int) -> tuple[str, int] | None:
+    """(scheduler state letter, CPU ticks used so far) of ``pid`` (Linux); None where /proc
+    has no such process. "S" with ticks that stop growing: asleep and staying asleep."""
+    fields = _stat_fields(pid)
+    if not fields:
         return None
+    return fields[0], int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime
 
 
 def process_alive(pid: int, started: str | None) -> bool:

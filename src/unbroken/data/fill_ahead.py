@@ -20,7 +20,6 @@ fork-started workers. Elsewhere the workers fetch on their own, in their own pro
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from unbroken._util.procs import start_method
 from unbroken._util.thread_names import name_native_thread
 from unbroken.data.cache.cache import CacheWriteError, LocalCache
 from unbroken.data.metrics import WorkerCounters
@@ -51,14 +51,7 @@ def pays_off(store: Store, multiprocessing_context: Any) -> bool:
     """Whether workers started this way would fetch through this process's relay."""
     if not isinstance(store, NativeStore) or in_forked_child():
         return False
-    if multiprocessing_context is None:
-        method = multiprocessing.get_start_method(allow_none=True)
-        method = method or multiprocessing.get_all_start_methods()[0]  # the default
-    elif isinstance(multiprocessing_context, str):
-        method = multiprocessing_context
-    else:
-        method = multiprocessing_context.get_start_method()
-    return method == "fork"
+    return start_method(multiprocessing_context) == "fork"
 
 
 class FillAhead:

@@ -11,7 +11,9 @@ a state mid-iteration restarts the workers at the loaded position.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +23,7 @@ import torch.utils.data
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
+from unbroken._util.procs import start_method
 from unbroken._util.worker_sigterm import defer_sigterm_in_this_worker
 from unbroken.data.dataset import VolumeDataset
 from unbroken.data.delivery import Delivery
@@ -28,11 +31,16 @@ from unbroken.data.fill_ahead import FillAhead, pays_off
 from unbroken.data.metrics import LoaderMetrics
 from unbroken.data.order import mix_seed
 from unbroken.data.partition import Partition
+from unbroken.data.worker_births import MarkBirth, WorkerBirths
 from unbroken.goodput.recorder import note_data_wait
+
+log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 MAX_EPOCH = 2**62
 """The largest epoch (or count) a state may hold: far past any run, within the int64 plan."""
+MAX_REFORKS = 3
+"""Times the workers are forked again after one was found stuck in ``fork()``."""
 _STATE_KEYS = ("format", "epoch", "position", "seed", "shuffle", "num_samples", "fingerprint")
 
 
@@ -109,6 +117,13 @@ class DataLoader(torch.utils.data.DataLoader):
             generator = torch.Generator()
             generator.manual_seed(mix_seed(dataset.seed, 0x10AD) & 0x7FFFFFFFFFFFFFFF)
         self._plan = torch.zeros(3, dtype=torch.int64).share_memory_()
+        self._births: WorkerBirths | None = None
+        if num_workers > 0 and start_method(kwargs.get("multiprocessing_context")) == "fork":
+            self._births = WorkerBirths(num_workers)
+            kwargs["worker_init_fn"] = MarkBirth(
+                self._births, self._plan, kwargs.get("worker_init_fn")
+            )
+        self._born_pids: tuple[int, ...] = ()
         stream = _PlannedStream(dataset, self._plan, batch_size, drop_last, collate_fn)
         super().__init__(
             stream,
@@ -202,14 +217,14 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _start(self, epoch: int, start: int) -> Iterator[Delivery]:
         self._stop_filling()  # a superseded iterator's, if it was never closed
-        self._generation += 1
-        self._plan.copy_(torch.tensor([self._generation, epoch, start], dtype=torch.int64))
+        self._write_plan(epoch, start)
         self.epoch = epoch
         self._active = self.volume.partition(start, self.batch_size, self.drop_last)
         self._consumed = start
         self._next_start = (epoch + 1, 0)
         self._restart_requested = False
         it = super().__iter__()  # forks the workers, if new: no filling thread is forked
+        it = self._replace_stuck_workers(it, epoch, start)
         if self.fill_ahead and self.num_workers > 0:
             hold, lead = self._fill_window()
             self._filler = self.volume.fill_ahead(
@@ -217,6 +232,46 @@ class DataLoader(torch.utils.data.DataLoader):
                 lead=lead, hold=hold, threads=self.volume.prefetch_threads * self.num_workers,
             )  # fmt: skip
         return it
+
+    def _write_plan(self, epoch: int, start: int) -> None:
+        """A new generation: what workers deliver under an older one is refused."""
+        self._generation += 1
+        self._plan.copy_(torch.tensor([self._generation, epoch, start], dtype=torch.int64))
+
+    def _replace_stuck_workers(self, it: Any, epoch: int, start: int) -> Any:
+        """Wait for the workers just forked to start; one stuck in ``fork()``
+        (``worker_births.py``) is killed and every worker forked again."""
+        for attempt in itertools.count():
+            workers = getattr(it, "_workers", None)
+            if self._births is None or not workers:
+                return it
+            pids = tuple(w.pid for w in workers)
+            if pids == self._born_pids:  # persistent workers resumed: nothing was forked
+                return it
+            stuck = self._births.await_births(workers, self._generation)
+            if not stuck:
+                self._born_pids = pids
+                return it
+            named = ", ".join(f"worker {workers.index(p)} (pid {p.pid})" for p in stuck)
+            python = ".".join(str(v) for v in sys.version_info[:3])
+            if attempt == MAX_REFORKS:
+                _kill_workers(it, stuck)
+                raise RuntimeError(
+                    f"unbroken.DataLoader: {named} never started after fork(), "
+                    f"{MAX_REFORKS + 1} times in a row (asleep, using no CPU); a "
+                    "worker_init_fn that blocks, or a lock held across fork() "
+                    f"(Python {python}: CPython before 3.11.10 can hang there, gh-112275)"
+                )
+            log.warning(
+                "unbroken.DataLoader: %s has not started after fork() and sleeps using no "
+                "CPU: killed, and the workers are forked again (Python %s; CPython before "
+                "3.11.10 can hang a child in fork(), gh-112275)", named, python,
+            )  # fmt: skip
+            _kill_workers(it, stuck)
+            self._iterator = None  # persistent workers: fork a new set
+            self._write_plan(epoch, start)
+            it = super().__iter__()
+        raise AssertionError("unreachable")
 
     def _fill_window(self) -> tuple[int, int]:
         """(hold, lead) in batches: what the workers hold queued and being made; and how
@@ -369,6 +424,21 @@ def default_num_workers() -> int:
 
 def _as_is(item: Any) -> Any:
     return item
+
+
+def _kill_workers(it: Any, stuck: list[Any]) -> None:
+    """SIGKILL ``stuck`` (a child stuck in ``fork()`` never runs the Python handler it
+    inherited for SIGTERM), then shut the iterator down; torch's SIGCHLD handler must not
+    take the kills for a crash."""
+    from torch.utils.data._utils import signal_handling
+
+    if getattr(it, "_worker_pids_set", False):
+        signal_handling._remove_worker_pids(id(it))
+        it._worker_pids_set = False
+    for proc in stuck:
+        proc.kill()
+        proc.join(timeout=5)
+    _shutdown(it)
 
 
 def _shutdown(it: Any) -> None:
