@@ -392,6 +392,27 @@ def scenario_collectives(a: argparse.Namespace) -> None:
     log(f"collectives ok: {s.committed} committed, {s.skipped_busy} skipped busy")
 
 
+def scenario_group(a: argparse.Namespace) -> None:
+    """The checkpoint group's object collectives: each rank's object (of another size on
+    each rank) comes back whole, and the tensors they used are let go once gloo has."""
+    from unbroken.checkpoint import collectives
+
+    group = collectives.Group.create(timeout=60)
+    rank = dist.get_rank()
+    for i in range(40):
+        mine = {"rank": rank, "round": i, "pad": "x" * (rank * 997 + i)}
+        gathered = group.all_gather(mine)
+        want = [{"round": i, "rank": r, "pad": "x" * (r * 997 + i)} for r in range(2)]
+        assert gathered == want, f"round {i}: gathered {gathered!r:.200}"
+        chosen = group.broadcast([i, "from", rank] if rank == 0 else None)
+        assert chosen == [i, "from", 0], f"round {i}: broadcast gave {chosen!r}"
+        assert group.any(rank == 1, i == 7, False) == (True, i == 7, False)
+    time.sleep(0.5)  # gloo's threads have let go of every work by now
+    collectives.keep_until_released()
+    assert collectives._kept == [], f"{len(collectives._kept)} tensors still held"
+    log("group ok")
+
+
 def scenario_retention(a: argparse.Namespace) -> None:
     """On every rank, wait() returns once the save's retention is done (the coordinator
     runs it, on a slow remote): the durable tier then holds keep_last commits."""
@@ -589,6 +610,7 @@ SCENARIOS = {
     "fsdp_load": scenario_fsdp_load,
     "collectives": scenario_collectives,
     "retention": scenario_retention,
+    "group": scenario_group,
     "generators_save": scenario_generators_save,
     "peer_dies_mid_save": scenario_peer_dies_mid_save,
     "generators_load": scenario_generators_load,

@@ -97,6 +97,11 @@ def test_user_collectives_during_async_saves_do_not_deadlock(tmp_path):
     assert out.count("collectives ok") == 2
 
 
+def test_the_groups_object_collectives_round_trip_and_let_go_of_their_tensors(tmp_path):
+    out = check(torchrun(2, "group", "--url", str(tmp_path / "d"), "--staging", str(tmp_path)))
+    assert out.count("group ok") == 2
+
+
 def test_wait_covers_the_coordinators_retention_on_every_rank(tmp_path):
     durable = "emulated::" + str(tmp_path / "d")
     out = check(torchrun(2, "retention", "--url", durable, "--staging", str(tmp_path / "s{rank}")))

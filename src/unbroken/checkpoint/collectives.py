@@ -4,15 +4,40 @@ Background saves must never issue collectives on the default process group: the 
 loop's own collectives run there, and two threads interleaving collectives on one group
 deadlock. Each :class:`CheckpointManager` makes its own groups in ``__init__`` (a
 collective call, so every rank constructs its managers in the same order).
+
+The tensors a collective used stay referenced here until gloo's thread has let go of
+them (:func:`keep_until_released`). Dropped sooner, the last reference falls to that
+thread, which must then take the GIL from a thread Python does not know: it makes a
+thread state under CPython's thread-state lock, without the GIL, and a DataLoader forking
+at that instant on CPython before 3.11.10 leaves a worker hung in ``fork()``
+(gh-112275; ``data/worker_births.py``). The object collectives are written here for
+that reason: torch's own drop the tensors they make inside.
 """
 
 from __future__ import annotations
 
+import pickle
+import threading
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+MAX_KEPT = 256
+"""Tensors kept at most; past it the oldest go whether gloo let go or not (a hung peer)."""
+
+_kept: list[torch.Tensor] = []
+_kept_lock = threading.Lock()
+
+
+def keep_until_released(*tensors: torch.Tensor) -> None:
+    """Hold ``tensors`` (which a collective used) until nothing but this holds them, and
+    let go of the ones held earlier that gloo has released."""
+    global _kept
+    with _kept_lock:
+        _kept = [t for t in _kept if t._use_count() > 1][-MAX_KEPT:]
+        _kept.extend(tensors)
 
 
 class Group:
@@ -39,22 +64,52 @@ class Group:
         """Every rank's ``obj``, in group-rank order (objects travel pickled between ranks)."""
         if self.pg is None:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
+        mine = _to_bytes(obj)
+        size = torch.tensor([mine.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        padded, gathered = mine, []
+        try:
+            dist.all_gather(sizes, size, group=self.pg)
+            longest = max(int(s) for s in sizes)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[: mine.numel()] = mine
+            gathered = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+            dist.all_gather(gathered, padded, group=self.pg)
+            return [_from_bytes(t, int(n)) for t, n in zip(gathered, sizes, strict=True)]
+        finally:
+            keep_until_released(size, *sizes, padded, *gathered)
 
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every rank."""
         if self.pg is None:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.pg, group_src=0)
-        return box[0]
+        mine = _to_bytes(obj) if self.is_coordinator else None
+        size = torch.tensor([mine.numel() if mine is not None else 0], dtype=torch.int64)
+        payload = mine
+        try:
+            dist.broadcast(size, group=self.pg, group_src=0)
+            if payload is None:
+                payload = torch.empty(int(size), dtype=torch.uint8)
+            dist.broadcast(payload, group=self.pg, group_src=0)
+            return obj if self.is_coordinator else _from_bytes(payload, int(size))
+        finally:
+            keep_until_released(size, *([payload] if payload is not None else []))
 
     def any(self, *flags: bool) -> tuple[bool, ...]:
         """For each flag, whether it is true on any rank (one small all_reduce)."""
         if self.pg is None:
             return tuple(bool(f) for f in flags)
         t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
-        return tuple(bool(v) for v in t.tolist())
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+            return tuple(bool(v) for v in t.tolist())
+        finally:
+            keep_until_released(t)
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _from_bytes(t: torch.Tensor, size: int) -> Any:
+    return pickle.loads(t[:size].numpy().tobytes())

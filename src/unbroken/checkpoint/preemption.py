@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken._util import worker_sigterm
-from unbroken.checkpoint.collectives import Group
+from unbroken.checkpoint.collectives import Group, keep_until_released
 
 log = logging.getLogger(__name__)
 _watches: weakref.WeakSet[PreemptionWatch] = weakref.WeakSet()
@@ -221,7 +221,10 @@ class PreemptionWatch:
                 agreed = self._read_pending()
                 if agreed:
                     return True
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group.pg)
+            try:
+                dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group.pg)
+            finally:
+                keep_until_released(mine)
             self._every = int(mine[1])
             return bool(mine[0])
         agreed = self._read_pending()
@@ -236,6 +239,7 @@ class PreemptionWatch:
         work, flags = self._pending
         work.wait()
         self._pending = None
+        keep_until_released(flags)
         self._every = int(flags[1])
         return bool(flags[0])
 
