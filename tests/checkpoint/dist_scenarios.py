@@ -407,6 +407,10 @@ def scenario_group(a: argparse.Namespace) -> None:
         chosen = group.broadcast([i, "from", rank] if rank == 0 else None)
         assert chosen == [i, "from", 0], f"round {i}: broadcast gave {chosen!r}"
         assert group.any(rank == 1, i == 7, False) == (True, i == 7, False)
+    big = group.all_gather("y" * (4 << 20))  # its buffers are not held past the call
+    assert [len(b) for b in big] == [4 << 20] * 2
+    held = collectives._nbytes(collectives._kept)
+    assert held <= collectives.KEPT_BYTES_WAIT, f"{held} bytes held after the call"
     time.sleep(0.5)  # gloo's threads have let go of every work by now
     collectives.keep_until_released()
     assert collectives._kept == [], f"{len(collectives._kept)} tensors still held"

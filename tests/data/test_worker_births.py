@@ -8,6 +8,7 @@ leave no stuck process behind.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -91,6 +92,33 @@ def test_workers_that_never_start_end_in_an_error_naming_them(make_volume, arm):
     never = r"worker 0 \(pid \d+\) never started after fork\(\), 4 times"
     with pytest.raises(RuntimeError, match=never):
         next(iter(loader))
+
+
+def _write_marker(folder: str, worker_id: int) -> None:
+    open(os.path.join(folder, f"init-{worker_id}"), "w").close()
+
+
+def test_a_worker_init_fn_set_after_construction_still_runs_after_the_mark(
+    make_volume, arm, caplog, tmp_path
+):
+    vol = make_volume(12)
+    expected = epoch(vol.loader(batch_size=2, num_workers=2, persistent_workers=False))
+    loader = vol.loader(batch_size=2, num_workers=2, persistent_workers=False)
+    loader.worker_init_fn = functools.partial(_write_marker, str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="unbroken.data.loader"):
+        assert epoch(loader) == expected
+    assert "fork()" not in caplog.text  # marked born, not taken for stuck
+    assert sorted(p.name for p in tmp_path.glob("init-*")) == ["init-0", "init-1"]
+
+
+def test_after_the_error_a_persistent_loader_forks_afresh(make_volume, arm):
+    vol = make_volume(12)
+    loader = vol.loader(batch_size=2, num_workers=1, persistent_workers=True)
+    arm("always")
+    with pytest.raises(RuntimeError, match="never started after fork"):
+        next(iter(loader))
+    _armed.clear()
+    assert len(epoch(loader)) == 6
 
 
 def test_a_slow_running_start_is_waited_for_not_killed(make_volume, arm, caplog):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -26,18 +27,29 @@ import torch.distributed as dist
 
 MAX_KEPT = 256
 """Tensors kept at most; past it the oldest go whether gloo let go or not (a hung peer)."""
+KEPT_BYTES_WAIT = 1 << 20
+"""Past this many bytes held, a call waits (up to ``RELEASE_WAIT_SECONDS``) for gloo to let
+go, so that a large object's buffers are not held until the next collective."""
+RELEASE_WAIT_SECONDS = 0.05
 
 _kept: list[torch.Tensor] = []
 _kept_lock = threading.Lock()
 
 
 def keep_until_released(*tensors: torch.Tensor) -> None:
-    """Hold ``tensors`` (which a collective used) until nothing but this holds them, and
-    let go of the ones held earlier that gloo has released."""
+    """Hold ``tensors`` (which a collective used) until nothing but this holds them; let
+    go of every held tensor gloo has released."""
     global _kept
+    deadline = time.monotonic() + RELEASE_WAIT_SECONDS
     with _kept_lock:
-        _kept = [t for t in _kept if t._use_count() > 1][-MAX_KEPT:]
-        _kept.extend(tensors)
+        _kept = [t for t in (*_kept, *tensors) if t._use_count() > 1][-MAX_KEPT:]
+        while _nbytes(_kept) > KEPT_BYTES_WAIT and time.monotonic() < deadline:
+            time.sleep(0.0005)  # gloo's thread frees a finished work within microseconds
+            _kept = [t for t in _kept if t._use_count() > 1]
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Group:

@@ -119,10 +119,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._plan = torch.zeros(3, dtype=torch.int64).share_memory_()
         self._births: WorkerBirths | None = None
         if num_workers > 0 and start_method(kwargs.get("multiprocessing_context")) == "fork":
-            self._births = WorkerBirths(num_workers)
-            kwargs["worker_init_fn"] = MarkBirth(
-                self._births, self._plan, kwargs.get("worker_init_fn")
-            )
+            self._births = WorkerBirths(num_workers)  # worker_init_fn is wrapped from here
         self._born_pids: tuple[int, ...] = ()
         stream = _PlannedStream(dataset, self._plan, batch_size, drop_last, collate_fn)
         super().__init__(
@@ -153,6 +150,14 @@ class DataLoader(torch.utils.data.DataLoader):
         """Whether this process fills the cache ahead of the workers (``fill_ahead.py``):
         on by default with workers, so that a worker's miss is a local read."""
         self._filler: FillAhead | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A ``worker_init_fn``, given or set later, runs after the worker marks its start
+        (``worker_births.py``)."""
+        births = self.__dict__.get("_births")
+        if name == "worker_init_fn" and births is not None and not isinstance(value, MarkBirth):
+            value = MarkBirth(births, self._plan, value)
+        super().__setattr__(name, value)
 
     def __len__(self) -> int:
         """Batches per rank in a whole epoch."""
@@ -256,6 +261,7 @@ class DataLoader(torch.utils.data.DataLoader):
             python = ".".join(str(v) for v in sys.version_info[:3])
             if attempt == MAX_REFORKS:
                 _kill_workers(it, stuck)
+                self._iterator = None  # the next iter(loader) forks afresh
                 raise RuntimeError(
                     f"unbroken.DataLoader: {named} never started after fork(), "
                     f"{MAX_REFORKS + 1} times in a row (asleep, using no CPU); a "
