@@ -17,11 +17,10 @@ import secrets
 import selectors
 import socket
 import subprocess
-import sys
 import warnings
 from dataclasses import dataclass
 
-import unbroken
+from unbroken._util.spawn import start_module
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.memory_tier import MemoryTier, tier_key
 from unbroken.checkpoint.peers import replica_files
@@ -176,13 +175,9 @@ def _loopback(host: str) -> bool:
 
 
 def _start_server(tier: str, host: str, token: str) -> tuple[subprocess.Popen, tuple[str, int]]:
-    env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(unbroken.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "unbroken.checkpoint.peers.server"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-    )  # fmt: skip
+    proc = start_module(
+        "unbroken.checkpoint.peers.server", stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     assert proc.stdin is not None and proc.stdout is not None
     settings = {"tier": tier, "host": host, "token": token, "parent": os.getpid()}
     try:

@@ -7,11 +7,10 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from typing import Any
 
-import unbroken
+from unbroken._util.spawn import start_module
 from unbroken.checkpoint.save_helper import messages
 from unbroken.storage.errors import StoreError
 
@@ -77,22 +76,14 @@ class SaveHelper:
 
     def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(unbroken.__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (package_root, env.get("PYTHONPATH", "")) if p
-        )
         try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "unbroken.checkpoint.save_helper",
-                 str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
+            self._proc = start_module(
+                "unbroken.checkpoint.save_helper", str(theirs.fileno()), str(os.getpid()),
+                handed=[theirs], stdin=subprocess.DEVNULL,
             )  # fmt: skip
         except OSError:
             ours.close()
             raise
-        finally:
-            theirs.close()
         self._sock, self._greeted = ours, False
         self.started += 1
         try:  # it reads this while we go on; answered first
