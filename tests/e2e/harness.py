@@ -9,6 +9,7 @@ held then; :func:`check_run` compares a crashed run with an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,6 +180,22 @@ class Agent:
         except psutil.NoSuchProcess:
             return False
         return True
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Every rank stopped (SIGSTOP) while the block runs: what the tiers hold cannot
+        change between looking and killing, however late the harness runs on a loaded
+        machine. The ranks left alive go on after it."""
+        ranks = self.workers()
+        for rank in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for rank in ranks:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    rank.send_signal(signal.SIGCONT)
 
     def helpers(self) -> list[psutil.Process]:
         """The save helpers of this agent's ranks (each rank's upload process)."""
@@ -352,16 +371,56 @@ def kill_at_random_moments(
         if moment == "helper":
             log.helper_kills += kill_a_helper(agent, rng, durable, staging, started, world_size)
         if moment == "memory commit":
-            wait_for(agent, lambda t=started: node_commit_pending(durable, staging, t))
+            kill = kill_in_node_commit(agent, rng, durable, staging, started, world_size)
         else:
             agent.wait_for_step(rng.randint(now + 1, min(steps - 1, now + span)), line)
             time.sleep(rng.uniform(0.0, jitter))
-        phase = save_phase(durable, staging, started, world_size)
-        committed = committed_steps(durable)
-        if agent.proc.poll() is not None or not agent.kill_one_rank(rng):
+            kill = kill_now(agent, rng, durable, staging, started, world_size)
+        if kill is None:
             break  # the job had already finished
-        log.kills.append(Kill(time.time(), phase, committed))
+        log.kills.append(kill)
     return log
+
+
+def kill_now(
+    agent: Agent,
+    rng: random.Random,
+    durable: Path,
+    staging: list[Path],
+    since: float,
+    world_size: int,
+) -> Kill | None:
+    """Kill a random rank, recording what the tiers held; None if no rank was left."""
+    phase = save_phase(durable, staging, since, world_size)
+    committed = committed_steps(durable)
+    if agent.proc.poll() is not None or not agent.kill_one_rank(rng):
+        return None
+    return Kill(time.time(), phase, committed)
+
+
+def kill_in_node_commit(
+    agent: Agent,
+    rng: random.Random,
+    durable: Path,
+    staging: list[Path],
+    since: float,
+    world_size: int,
+    timeout: float = 120,
+) -> Kill | None:
+    """Kill a rank inside a node's commit: the ranks are stopped once one is seen, and
+    killed only if it is still under way (else they go on to the next save's)."""
+    deadline = time.monotonic() + timeout
+
+    def pending() -> bool:
+        return node_commit_pending(durable, staging, since)
+
+    while wait_for(agent, pending, timeout=max(0.0, deadline - time.monotonic())):
+        with agent.frozen():
+            # else it ended before the ranks stopped (or the next save's files hide
+            # it): wait for the next
+            if pending() and save_phase(durable, staging, since, world_size) == "commit":
+                return kill_now(agent, rng, durable, staging, since, world_size)
+    return kill_now(agent, rng, durable, staging, since, world_size)
 
 
 def wait_for(agent: Agent, found, timeout: float = 120) -> bool:
