@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from tests.data.helpers import flatten
 from unbroken.data import DataLoader
 from unbroken.data.cache.cache import LocalCache
-from unbroken.data.fill_ahead import GIVE_UP_AFTER, FillAhead
+from unbroken.data.fill_ahead import CLOSE_SECONDS, GIVE_UP_AFTER, FillAhead
 
 
 def _cached(cache: LocalCache, entries) -> int:
@@ -27,6 +29,29 @@ def _wait_for(predicate, timeout: float = 30.0) -> None:
 
 def _fill_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "unbroken-fill-ahead"]
+
+
+@pytest.fixture(autouse=True)
+def _no_fill_thread_left():
+    """A fill thread still running after a test names where it waits (CI saw some stay
+    for minutes once); one left by an earlier test fails that test, not this one."""
+    before = set(_fill_threads())
+    yield
+    _wait_for(lambda: not (set(_fill_threads()) - before), timeout=5.0 + CLOSE_SECONDS)
+
+
+def _where(threads: list[threading.Thread]) -> str:
+    frames = sys._current_frames()
+    return "\n".join(
+        f"{t.name} {t.ident}:\n" + "".join(traceback.format_stack(frames[t.ident]))
+        for t in threads
+        if t.ident in frames
+    )
+
+
+def _assert_fill_ended(message: str = "the fill did not end") -> None:
+    left = _fill_threads()
+    assert not left, f"{message}; its threads wait here:\n{_where(left)}"
 
 
 def test_fills_in_order_and_never_past_the_lead(make_volume, tmp_path):
@@ -48,7 +73,7 @@ def test_fills_in_order_and_never_past_the_lead(make_volume, tmp_path):
     assert not any(cache.contains(e) for e in entries[9:])
     assert fill.take_stats()["misses"] == 9
     assert fill.failed == 0
-    assert not _fill_threads()
+    _assert_fill_ended()
 
 
 def test_a_file_it_cannot_fetch_is_left_to_the_worker(make_volume, tmp_path):
@@ -86,7 +111,7 @@ def test_workers_read_what_the_training_process_fetched(make_volume, backend, fi
         assert fetched_here > 0
     else:
         assert fetched_here == 0
-    assert not _fill_threads(), "the epoch ended but its fill did not"
+    _assert_fill_ended("the epoch ended but its fill did not")
     # the warm epoch: every file a hit, nothing fetched again
     assert sorted(s for b in loader for s in flatten(b)) == list(range(64))
     assert loader.metrics.misses == 64
@@ -101,7 +126,7 @@ def test_a_loop_that_stops_early_stops_the_fill(make_volume):
     assert loader._filler is not None
     it.close()
     assert loader._filler is None
-    assert not _fill_threads()
+    _assert_fill_ended()
 
 
 @pytest.mark.multiprocess

@@ -508,6 +508,42 @@ def test_a_forked_child_does_not_keep_its_parents_fill_lock(tmp_path):
             os.close(end)
 
 
+@pytest.mark.multiprocess
+def test_workers_forked_while_a_thread_reads_keep_no_pin_that_blocks_eviction(tmp_path):
+    """A DataLoader worker forked while another thread held a read pin shared the pin's
+    file description: the file could not be evicted while the worker lived."""
+    store = open_store(str(tmp_path / "store"))
+    (entry,) = put_files(store, 1)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    cache.read(entry)
+    name, size = cache._name(entry), entry.size
+    stop = threading.Event()
+
+    def read_on() -> None:
+        while not stop.is_set():
+            assert cache.layout.read_pinned(name, size) is not None
+
+    reader = threading.Thread(target=read_on)
+    reader.start()
+    children = []
+    try:
+        for _ in range(30):  # the reader holds a pin most of the time: most forks meet one
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(120)
+                os._exit(0)
+            children.append(pid)
+            time.sleep(0.005)
+        stop.set()
+        reader.join()
+        assert cache.layout.remove_if_unpinned(name) == size, "a forked child keeps a pin"
+    finally:
+        stop.set()
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
 def test_a_platform_without_ofd_locks_is_refused_clearly(store, tmp_path, monkeypatch):
     from unbroken.data.cache import range_locks
 

@@ -22,6 +22,12 @@ The kernel drops a dead holder's locks, so a crash never blocks anyone; its temp
 (fixed name) and its record under ``fillers/`` are the evidence that it died. Readers
 hold a shared ``flock`` on the file while they read it (the pin); eviction takes an
 exclusive one without waiting and skips the file when it cannot.
+
+Fill locks and pins belong to an open file description, which a forked child (a
+DataLoader worker) shares: its copy would keep a lock or a pin alive after this process
+let go, for as long as the worker lives. Every descriptor that carries one is opened
+and registered with no fork in between (``_open_held``), and a child closes the ones
+it inherited first thing (``after_fork``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import threading
 from collections.abc import Iterator
 
 from unbroken._util.fileio import pread_exactly
+from unbroken._util.spawn import forks_wait
 from unbroken.data.cache.eviction import Candidate
 from unbroken.data.cache.filler_records import FillerRecords
 from unbroken.data.cache.range_locks import lock_offset, range_lock, require_range_locks
@@ -112,21 +119,33 @@ class CacheLayout:
         """
         path = self.temp_path(name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        # a child forked while this is open closes its copy: kept, it would hold the
+        # file's blocks on disk after an eviction, past what the ledger counts
         try:
-            fd = os.open(path, flags, 0o644)
+            fd = self._open_held(path, flags)
         except FileExistsError:
             self.crash_seen = True
             self._remove_temps_of(name)  # we hold its lock: every temp of it is stale
-            fd = os.open(path, flags, 0o644)
-        # a child forked while this is open closes its copy: kept, it would hold the
-        # file's blocks on disk after an eviction, past what the ledger counts
-        self._held.add(fd)
+            fd = self._open_held(path, flags)
         return path, fd
 
     def close_temp(self, fd: int) -> None:
         """Close a temp file's fd from :meth:`create_temp`."""
-        self._held.discard(fd)
-        os.close(fd)
+        self.close_held(fd)
+
+    def _open_held(self, path: str, flags: int) -> int:
+        """Open ``path`` (close-on-exec), registered for closing in a forked child before
+        any fork can copy it."""
+        with forks_wait():
+            fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+            self._held.add(fd)
+        return fd
+
+    def close_held(self, fd: int) -> None:
+        """Close a descriptor from :meth:`_open_held` (a pin from :meth:`pin` too)."""
+        with forks_wait():  # no fork between: the child would keep what it no longer sees
+            self._held.discard(fd)
+            os.close(fd)
 
     def _remove_temps_of(self, name: str) -> None:
         """Remove ``name``'s temp file and any download temp beside it (``..<name>...``)."""
@@ -144,24 +163,20 @@ class CacheLayout:
         Each call opens its own file description, so the lock also excludes the other
         threads of this process.
         """
-        fd = os.open(self.fill_locks, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        self._held.add(fd)  # before the lock: a fork at any moment closes the child's copy
+        fd = self._open_held(self.fill_locks, os.O_RDWR | os.O_CREAT)
         try:
             locked = range_lock(fd, lock_offset(name))
         except BaseException:
-            self._held.discard(fd)
-            os.close(fd)
+            self.close_held(fd)
             raise
         if not locked:
-            self._held.discard(fd)
-            os.close(fd)
+            self.close_held(fd)
             return None
         return fd
 
     def unlock(self, name: str, fd: int) -> None:
         """Release a fill lock taken by :meth:`try_lock` (closing its description does)."""
-        self._held.discard(fd)
-        os.close(fd)
+        self.close_held(fd)
 
     # -- pinned reads and eviction -------------------------------------------------------
 
@@ -172,7 +187,7 @@ class CacheLayout:
         """
         path = self.object_path(name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = self._open_held(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:  # absent, or a symlink someone planted: a miss
             return None
         try:
@@ -185,12 +200,17 @@ class CacheLayout:
                     os.utime(fd)
             return data
         finally:
-            os.close(fd)
+            self.close_held(fd)
 
     def pin(self, path: str) -> int:
-        """Open ``path`` under a shared pin; the caller reads it and closes the fd."""
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        """Open ``path`` under a shared pin; the caller reads it and lets go with
+        :meth:`close_held`."""
+        fd = self._open_held(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            self.close_held(fd)
+            raise
         return fd
 
     @staticmethod
@@ -216,7 +236,7 @@ class CacheLayout:
         """Delete a published file unless a reader pins it; its size, or None if kept."""
         path = path or self.object_path(name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = self._open_held(path, os.O_RDONLY | os.O_NOFOLLOW)
         except (FileNotFoundError, OSError):
             return None
         try:
@@ -230,7 +250,7 @@ class CacheLayout:
             os.unlink(path)
             return size
         finally:
-            os.close(fd)
+            self.close_held(fd)
 
     def scan_objects(self) -> list[Candidate]:
         """Published regular files (never symlinks, never temp files) under objects/."""
