@@ -544,6 +544,39 @@ def test_workers_forked_while_a_thread_reads_keep_no_pin_that_blocks_eviction(tm
             os.waitpid(pid, 0)
 
 
+@pytest.mark.multiprocess
+def test_a_child_closes_a_lock_a_parent_thread_had_just_opened(tmp_path):
+    """A descriptor opened a moment before the fork, not yet known to any object (where a
+    parent thread stands between its open and its bookkeeping), is closed too."""
+    cache, name = _one_cached_name(tmp_path)
+    from unbroken.data.cache.range_locks import lock_offset, range_lock
+
+    fd = os.open(cache.layout.fill_locks, os.O_RDWR | os.O_CLOEXEC)
+    assert range_lock(fd, lock_offset(name))
+    log = os.open(tmp_path / "beside-the-cache.log", os.O_WRONLY | os.O_CREAT)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:  # the user's own descriptor outside the cache's files stays open
+            os.fstat(log)
+            os.write(w, b"s")
+        except OSError:
+            os.write(w, b"f")
+        time.sleep(60)
+        os._exit(0)
+    try:
+        assert os.read(r, 1) == b"s", "the child lost a descriptor that is not the cache's"
+        os.close(fd)
+        probe = LocalCache(cache.store, cache.cache_dir).layout.try_lock(name)
+        assert probe is not None, "the forked child still holds the parent's fill lock"
+        os.close(probe)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        for end in (r, w, log):
+            os.close(end)
+
+
 def test_a_platform_without_ofd_locks_is_refused_clearly(store, tmp_path, monkeypatch):
     from unbroken.data.cache import range_locks
 

@@ -304,7 +304,7 @@ class LocalCache:
             raise
         finally:
             if pin is not None:
-                self.layout.close_held(pin)
+                os.close(pin)
         self._stats.add(
             misses=1, bytes_fetched=entry.size, fetch_seconds=time.monotonic() - started
         )

@@ -23,11 +23,13 @@ The kernel drops a dead holder's locks, so a crash never blocks anyone; its temp
 hold a shared ``flock`` on the file while they read it (the pin); eviction takes an
 exclusive one without waiting and skips the file when it cannot.
 
-Fill locks and pins belong to an open file description, which a forked child (a
-DataLoader worker) shares: its copy would keep a lock or a pin alive after this process
-let go, for as long as the worker lives. Every descriptor that carries one is opened
-and registered with no fork in between (``_open_held``), and a child closes the ones
-it inherited first thing (``after_fork``).
+Fill locks, pins and filler records belong to an open file description, which a forked
+child (a DataLoader worker) shares with its parent: a copy kept by the child would hold
+a lock or a pin after the parent let go, for as long as the worker lives (a pin: a file
+that can never be evicted). A parent thread may be anywhere between opening such a
+descriptor and closing it when another thread forks, so the child closes every
+descriptor it inherited into the cache (``after_fork``), found through /proc rather
+than from a registry that a fork could split from the open.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ import threading
 from collections.abc import Iterator
 
 from unbroken._util.fileio import pread_exactly
-from unbroken._util.spawn import forks_wait
 from unbroken.data.cache.eviction import Candidate
 from unbroken.data.cache.filler_records import FillerRecords
 from unbroken.data.cache.range_locks import lock_offset, range_lock, require_range_locks
@@ -76,7 +77,9 @@ class CacheLayout:
         os.close(os.open(self.fill_locks, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
         self.fillers = FillerRecords(os.path.join(self.root, "fillers"))
         self._made: set[str] = set()
-        self._held: set[int] = set()
+        real = os.path.realpath(self.root)  # what /proc shows
+        self._inherited_dirs = (os.path.join(real, "objects"), os.path.join(real, "fillers"))
+        self._inherited_files = (os.path.join(real, "fill.locks"), os.path.join(real, "usage"))
         self._ledger_fd: int | None = None
         self._ledger_pid = 0
         self._ledger_mutex = threading.Lock()
@@ -84,15 +87,12 @@ class CacheLayout:
         """Set when a fill found the temp file of a dead filler: the ledger may be off."""
 
     def after_fork(self) -> None:
-        """In a forked child: drop the parent's locks, ledger handle and record."""
-        for fd in self._held:
+        """In a forked child: close the parent's locks, pins, temp files, ledger handle
+        and record, and forget them. Plans are the access plan's (``access_plan.py``)."""
+        for fd in _fds_of(self._inherited_dirs, self._inherited_files):
             with contextlib.suppress(OSError):
-                os.close(fd)  # the parent's copy still holds the lock; ours must not
-        self._held = set()
-        if self._ledger_fd is not None and self._ledger_pid != os.getpid():
-            with contextlib.suppress(OSError):
-                os.close(self._ledger_fd)
-            self._ledger_fd = None
+                os.close(fd)  # the parent's copy keeps its lock; ours must not outlive it
+        self._ledger_fd = None
         self._ledger_mutex = threading.Lock()
         self.fillers.after_fork()
 
@@ -119,33 +119,19 @@ class CacheLayout:
         """
         path = self.temp_path(name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        # a child forked while this is open closes its copy: kept, it would hold the
-        # file's blocks on disk after an eviction, past what the ledger counts
         try:
-            fd = self._open_held(path, flags)
+            fd = os.open(path, flags, 0o644)
         except FileExistsError:
             self.crash_seen = True
             self._remove_temps_of(name)  # we hold its lock: every temp of it is stale
-            fd = self._open_held(path, flags)
+            fd = os.open(path, flags, 0o644)
+        # a child forked while this is open closes its copy (after_fork): kept, it would
+        # hold the file's blocks on disk after an eviction, past what the ledger counts
         return path, fd
 
     def close_temp(self, fd: int) -> None:
         """Close a temp file's fd from :meth:`create_temp`."""
-        self.close_held(fd)
-
-    def _open_held(self, path: str, flags: int) -> int:
-        """Open ``path`` (close-on-exec), registered for closing in a forked child before
-        any fork can copy it."""
-        with forks_wait():
-            fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
-            self._held.add(fd)
-        return fd
-
-    def close_held(self, fd: int) -> None:
-        """Close a descriptor from :meth:`_open_held` (a pin from :meth:`pin` too)."""
-        with forks_wait():  # no fork between: the child would keep what it no longer sees
-            self._held.discard(fd)
-            os.close(fd)
+        os.close(fd)
 
     def _remove_temps_of(self, name: str) -> None:
         """Remove ``name``'s temp file and any download temp beside it (``..<name>...``)."""
@@ -163,20 +149,20 @@ class CacheLayout:
         Each call opens its own file description, so the lock also excludes the other
         threads of this process.
         """
-        fd = self._open_held(self.fill_locks, os.O_RDWR | os.O_CREAT)
+        fd = os.open(self.fill_locks, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             locked = range_lock(fd, lock_offset(name))
         except BaseException:
-            self.close_held(fd)
+            os.close(fd)
             raise
         if not locked:
-            self.close_held(fd)
+            os.close(fd)
             return None
         return fd
 
     def unlock(self, name: str, fd: int) -> None:
         """Release a fill lock taken by :meth:`try_lock` (closing its description does)."""
-        self.close_held(fd)
+        os.close(fd)
 
     # -- pinned reads and eviction -------------------------------------------------------
 
@@ -187,7 +173,7 @@ class CacheLayout:
         """
         path = self.object_path(name)
         try:
-            fd = self._open_held(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:  # absent, or a symlink someone planted: a miss
             return None
         try:
@@ -200,17 +186,12 @@ class CacheLayout:
                     os.utime(fd)
             return data
         finally:
-            self.close_held(fd)
+            os.close(fd)
 
     def pin(self, path: str) -> int:
-        """Open ``path`` under a shared pin; the caller reads it and lets go with
-        :meth:`close_held`."""
-        fd = self._open_held(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        except BaseException:
-            self.close_held(fd)
-            raise
+        """Open ``path`` under a shared pin; the caller reads it and closes the fd."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_SH)
         return fd
 
     @staticmethod
@@ -236,7 +217,7 @@ class CacheLayout:
         """Delete a published file unless a reader pins it; its size, or None if kept."""
         path = path or self.object_path(name)
         try:
-            fd = self._open_held(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except (FileNotFoundError, OSError):
             return None
         try:
@@ -250,7 +231,7 @@ class CacheLayout:
             os.unlink(path)
             return size
         finally:
-            self.close_held(fd)
+            os.close(fd)
 
     def scan_objects(self) -> list[Candidate]:
         """Published regular files (never symlinks, never temp files) under objects/."""
@@ -423,3 +404,22 @@ def _subdirs(directory: str) -> list[str]:
         return sorted(e.name for e in os.scandir(directory) if e.is_dir(follow_symlinks=False))
     except FileNotFoundError:
         return []
+
+
+def _fds_of(dirs: tuple[str, ...], files: tuple[str, ...]) -> list[int]:
+    """This process's descriptors of ``files`` and of files under ``dirs`` (deleted ones
+    too; Linux /proc, none found elsewhere)."""
+    found = []
+    try:
+        entries = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for entry in entries:
+        try:
+            target = os.readlink(f"/proc/self/fd/{entry}")
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+        target = target.removesuffix(" (deleted)")
+        if target in files or target.startswith(tuple(d + os.sep for d in dirs)):
+            found.append(int(entry))
+    return found
