@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 
 import pytest
@@ -129,6 +130,35 @@ def test_a_slow_running_start_is_waited_for_not_killed(make_volume, arm, caplog)
     with caplog.at_level(logging.WARNING, logger="unbroken.data.loader"):
         assert epoch(loader) == expected
     assert "fork()" not in caplog.text
+
+
+def test_the_fill_runs_while_the_workers_are_being_born(make_volume, arm):
+    """The training process fills the cache from the fork on: a fill started only once
+    every worker was born left the first ones to fetch alone meanwhile (CI: a fill that
+    fetched nothing at all)."""
+    vol = make_volume(48)
+    loader = vol.loader(batch_size=2, num_workers=2, fill_ahead=True, timeout=60)
+    cache = loader.volume._per_process().cache
+    arm("busy")  # worker 0 runs 1.5 s before its mark
+    fetched_before_birth: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            births, filler = loader._births, loader._filler
+            unborn = births is not None and int(births.marks[0]) != loader._generation
+            if filler is not None and unborn:
+                fetched_before_birth.append(cache.stats.misses)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert len(epoch(loader)) == 24
+    finally:
+        stop.set()
+        watcher.join()
+    assert max(fetched_before_birth, default=0) > 0, "the fill waited for the births"
 
 
 def test_a_worker_dead_before_it_started_is_torchs_error_not_a_wait(make_volume, arm):

@@ -229,14 +229,20 @@ class DataLoader(torch.utils.data.DataLoader):
         self._next_start = (epoch + 1, 0)
         self._restart_requested = False
         it = super().__iter__()  # forks the workers, if new: no filling thread is forked
-        it = self._replace_stuck_workers(it, epoch, start)
+        self._start_filling(epoch, start)  # now, not once they are born: they start at once
+        try:
+            return self._replace_stuck_workers(it, epoch, start)
+        except BaseException:
+            self._stop_filling()
+            raise
+
+    def _start_filling(self, epoch: int, start: int) -> None:
         if self.fill_ahead and self.num_workers > 0:
             hold, lead = self._fill_window()
             self._filler = self.volume.fill_ahead(
                 epoch, start, batch_size=self.batch_size, drop_last=self.drop_last,
                 lead=lead, hold=hold, threads=self.volume.prefetch_threads * self.num_workers,
             )  # fmt: skip
-        return it
 
     def _write_plan(self, epoch: int, start: int) -> None:
         """A new generation: what workers deliver under an older one is refused."""
@@ -276,7 +282,9 @@ class DataLoader(torch.utils.data.DataLoader):
             _kill_workers(it, stuck)
             self._iterator = None  # persistent workers: fork a new set
             self._write_plan(epoch, start)
+            self._stop_filling()  # no fill thread across the fork, as at the first one
             it = super().__iter__()
+            self._start_filling(epoch, start)
         raise AssertionError("unreachable")
 
     def _fill_window(self) -> tuple[int, int]:
