@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -370,57 +370,46 @@ def kill_at_random_moments(
         moment = moments.get(attempt, "random")
         if moment == "helper":
             log.helper_kills += kill_a_helper(agent, rng, durable, staging, started, world_size)
+
+        def kill_now(since: float = started) -> Kill | None:
+            """Kill a random rank, recording what the tiers held; None if none was left."""
+            phase = save_phase(durable, staging, since, world_size)
+            committed = committed_steps(durable)
+            if agent.proc.poll() is not None or not agent.kill_one_rank(rng):
+                return None
+            return Kill(time.time(), phase, committed)
+
+        def in_node_commit(since: float = started) -> bool:
+            return node_commit_pending(durable, staging, since) and (
+                save_phase(durable, staging, since, world_size) == "commit"
+            )
+
         if moment == "memory commit":
-            kill = kill_in_node_commit(agent, rng, durable, staging, started, world_size)
+            kill = kill_in_node_commit(agent, in_node_commit, kill_now)
         else:
             agent.wait_for_step(rng.randint(now + 1, min(steps - 1, now + span)), line)
             time.sleep(rng.uniform(0.0, jitter))
-            kill = kill_now(agent, rng, durable, staging, started, world_size)
+            kill = kill_now()
         if kill is None:
             break  # the job had already finished
         log.kills.append(kill)
     return log
 
 
-def kill_now(
-    agent: Agent,
-    rng: random.Random,
-    durable: Path,
-    staging: list[Path],
-    since: float,
-    world_size: int,
-) -> Kill | None:
-    """Kill a random rank, recording what the tiers held; None if no rank was left."""
-    phase = save_phase(durable, staging, since, world_size)
-    committed = committed_steps(durable)
-    if agent.proc.poll() is not None or not agent.kill_one_rank(rng):
-        return None
-    return Kill(time.time(), phase, committed)
-
-
 def kill_in_node_commit(
     agent: Agent,
-    rng: random.Random,
-    durable: Path,
-    staging: list[Path],
-    since: float,
-    world_size: int,
+    in_commit: Callable[[], bool],
+    kill: Callable[[], Kill | None],
     timeout: float = 120,
 ) -> Kill | None:
     """Kill a rank inside a node's commit: the ranks are stopped once one is seen, and
     killed only if it is still under way (else they go on to the next save's)."""
     deadline = time.monotonic() + timeout
-
-    def pending() -> bool:
-        return node_commit_pending(durable, staging, since)
-
-    while wait_for(agent, pending, timeout=max(0.0, deadline - time.monotonic())):
+    while wait_for(agent, in_commit, timeout=max(0.0, deadline - time.monotonic())):
         with agent.frozen():
-            # else it ended before the ranks stopped (or the next save's files hide
-            # it): wait for the next
-            if pending() and save_phase(durable, staging, since, world_size) == "commit":
-                return kill_now(agent, rng, durable, staging, since, world_size)
-    return kill_now(agent, rng, durable, staging, since, world_size)
+            if in_commit():  # else it ended before the ranks stopped: wait for the next
+                return kill()
+    return kill()
 
 
 def wait_for(agent: Agent, found, timeout: float = 120) -> bool:
