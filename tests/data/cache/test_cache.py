@@ -577,6 +577,37 @@ def test_a_child_closes_a_lock_a_parent_thread_had_just_opened(tmp_path):
             os.close(end)
 
 
+@pytest.mark.multiprocess
+def test_a_child_keeps_no_pin_when_the_objects_link_to_another_disk(tmp_path):
+    """/proc names the link's target: each directory is resolved on its own."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    for sub in ("objects", "fillers"):
+        (tmp_path / "big-disk" / sub).mkdir(parents=True)
+        (root / sub).symlink_to(tmp_path / "big-disk" / sub)
+    store = open_store(str(tmp_path / "store"))
+    (entry,) = put_files(store, 1)
+    cache = LocalCache(store, str(root))
+    cache.read(entry)
+    name = cache._name(entry)
+    pin = cache.layout.pin(cache.layout.object_path(name))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, b"s")
+        time.sleep(60)
+        os._exit(0)
+    try:
+        assert os.read(r, 1) == b"s"
+        os.close(pin)
+        assert cache.layout.remove_if_unpinned(name) == entry.size, "the child keeps a pin"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
+
+
 def test_a_platform_without_ofd_locks_is_refused_clearly(store, tmp_path, monkeypatch):
     from unbroken.data.cache import range_locks
 

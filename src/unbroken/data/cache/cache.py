@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from unbroken._util.sizes import parse_size
 from unbroken.data.cache.access_plan import PlanReader, PlanWriter
 from unbroken.data.cache.eviction import evict_until, next_use
-from unbroken.data.cache.files import CacheLayout, Ledger, object_name
+from unbroken.data.cache.files import CacheLayout, Ledger, close_inherited, object_name
 from unbroken.data.cache.stats import CacheStats
 from unbroken.storage import Entry, Store
 from unbroken.storage.errors import redact
@@ -406,12 +406,14 @@ _live: weakref.WeakSet[LocalCache] = weakref.WeakSet()
 
 def _after_fork() -> None:
     """A forked child gets fresh locks: a parent thread may have held one at the fork."""
-    for cache in list(_live):
+    caches = list(_live)
+    for cache in caches:
         cache._mutex = threading.Lock()
         cache._local_fills = {}
         cache._plan = None  # the parent's plan and cursor are not this process's
         cache._stats._lock = threading.Lock()
         cache.layout.after_fork()
+    close_inherited(cache.layout for cache in caches)
 
 
 os.register_at_fork(after_in_child=_after_fork)

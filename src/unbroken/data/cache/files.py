@@ -28,8 +28,8 @@ child (a DataLoader worker) shares with its parent: a copy kept by the child wou
 a lock or a pin after the parent let go, for as long as the worker lives (a pin: a file
 that can never be evicted). A parent thread may be anywhere between opening such a
 descriptor and closing it when another thread forks, so the child closes every
-descriptor it inherited into the cache (``after_fork``), found through /proc rather
-than from a registry that a fork could split from the open.
+descriptor it inherited into the cache (``close_inherited``), found through /proc
+rather than from a registry that a fork could split from the open.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from unbroken._util.fileio import pread_exactly
 from unbroken.data.cache.eviction import Candidate
@@ -77,9 +77,13 @@ class CacheLayout:
         os.close(os.open(self.fill_locks, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
         self.fillers = FillerRecords(os.path.join(self.root, "fillers"))
         self._made: set[str] = set()
-        real = os.path.realpath(self.root)  # what /proc shows
-        self._inherited_dirs = (os.path.join(real, "objects"), os.path.join(real, "fillers"))
-        self._inherited_files = (os.path.join(real, "fill.locks"), os.path.join(real, "usage"))
+        # as /proc names them: each resolved on its own (objects/ may link to a bigger disk)
+        self.inherited_dirs = tuple(
+            os.path.realpath(d) for d in (self.objects, self.fillers.directory)
+        )
+        self.inherited_files = tuple(
+            os.path.realpath(os.path.join(self.root, f)) for f in ("fill.locks", "usage")
+        )
         self._ledger_fd: int | None = None
         self._ledger_pid = 0
         self._ledger_mutex = threading.Lock()
@@ -87,11 +91,11 @@ class CacheLayout:
         """Set when a fill found the temp file of a dead filler: the ledger may be off."""
 
     def after_fork(self) -> None:
-        """In a forked child: close the parent's locks, pins, temp files, ledger handle
-        and record, and forget them. Plans are the access plan's (``access_plan.py``)."""
-        for fd in _fds_of(self._inherited_dirs, self._inherited_files):
+        """In a forked child: close and forget the parent's ledger handle and record.
+        What its threads held open besides goes in :func:`close_inherited`."""
+        if self._ledger_fd is not None and self._ledger_pid != os.getpid():
             with contextlib.suppress(OSError):
-                os.close(fd)  # the parent's copy keeps its lock; ours must not outlive it
+                os.close(self._ledger_fd)
         self._ledger_fd = None
         self._ledger_mutex = threading.Lock()
         self.fillers.after_fork()
@@ -191,7 +195,11 @@ class CacheLayout:
     def pin(self, path: str) -> int:
         """Open ``path`` under a shared pin; the caller reads it and closes the fd."""
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
     @staticmethod
@@ -406,20 +414,27 @@ def _subdirs(directory: str) -> list[str]:
         return []
 
 
-def _fds_of(dirs: tuple[str, ...], files: tuple[str, ...]) -> list[int]:
-    """This process's descriptors of ``files`` and of files under ``dirs`` (deleted ones
-    too; Linux /proc, none found elsewhere)."""
-    found = []
+def close_inherited(layouts: Iterable[CacheLayout]) -> None:
+    """In a forked child: close every descriptor of the layouts' lock, ledger, object
+    and record files, found in one pass over /proc/self/fd (deleted files too): the
+    parent's threads opened them, and a copy kept here would keep their locks and pins
+    alive. Plans are left to the access plan (``access_plan.py``)."""
+    dirs, files = set(), set()
+    for layout in layouts:
+        dirs.update(d + os.sep for d in layout.inherited_dirs)
+        files.update(layout.inherited_files)
+    if not dirs:
+        return
+    prefixes = tuple(dirs)
     try:
         entries = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
+    except OSError:  # no /proc: the ledger and records were closed by after_fork
+        return
     for entry in entries:
         try:
-            target = os.readlink(f"/proc/self/fd/{entry}")
+            target = os.readlink(f"/proc/self/fd/{entry}").removesuffix(" (deleted)")
         except OSError:  # the listing's own descriptor, closed since
             continue
-        target = target.removesuffix(" (deleted)")
-        if target in files or target.startswith(tuple(d + os.sep for d in dirs)):
-            found.append(int(entry))
-    return found
+        if target in files or target.startswith(prefixes):
+            with contextlib.suppress(OSError):
+                os.close(int(entry))  # the parent's copy keeps its lock; ours must not

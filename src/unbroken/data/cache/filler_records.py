@@ -63,9 +63,9 @@ class FillerRecords:
             self._fd = None
 
     def after_fork(self) -> None:
-        """In a forked child: forget the parent's record (``CacheLayout.after_fork``
-        closed the child's copy of it, with every other descriptor into the cache)."""
-        if self._pid != os.getpid():
+        if self._fd is not None and self._pid != os.getpid():
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # the parent's lock lives on in the parent's copy
             self._fd = None
             self.reserved = 0
 
