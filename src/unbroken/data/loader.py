@@ -228,7 +228,9 @@ class DataLoader(torch.utils.data.DataLoader):
         self._consumed = start
         self._next_start = (epoch + 1, 0)
         self._restart_requested = False
-        it = super().__iter__()  # forks the workers, if new: no filling thread is forked
+        # forks the workers, if new (a fill thread still finishing a fetch is harmless: a
+        # child resets the cache's locks and closes what it inherited, cache.py)
+        it = super().__iter__()
         self._start_filling(epoch, start)  # now, not once they are born: they start at once
         try:
             return self._replace_stuck_workers(it, epoch, start)
@@ -282,9 +284,7 @@ class DataLoader(torch.utils.data.DataLoader):
             _kill_workers(it, stuck)
             self._iterator = None  # persistent workers: fork a new set
             self._write_plan(epoch, start)
-            self._stop_filling()  # no fill thread across the fork, as at the first one
-            it = super().__iter__()
-            self._start_filling(epoch, start)
+            it = super().__iter__()  # the fill goes on: same plan, and forks are safe
         raise AssertionError("unreachable")
 
     def _fill_window(self) -> tuple[int, int]:
