@@ -526,22 +526,28 @@ def test_workers_forked_while_a_thread_reads_keep_no_pin_that_blocks_eviction(tm
     reader = threading.Thread(target=read_on)
     reader.start()
     children = []
+    born, told = os.pipe()  # a child writes once its after-fork hooks have run
     try:
         for _ in range(30):  # the reader holds a pin most of the time: most forks meet one
             pid = os.fork()
             if pid == 0:
+                os.write(told, b"b")
                 time.sleep(120)
                 os._exit(0)
             children.append(pid)
             time.sleep(0.005)
         stop.set()
         reader.join()
+        for _ in children:  # under load a child may not have run yet: not a kept pin
+            assert os.read(born, 1) == b"b"
         assert cache.layout.remove_if_unpinned(name) == size, "a forked child keeps a pin"
     finally:
         stop.set()
         for pid in children:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+        os.close(born)
+        os.close(told)
 
 
 @pytest.mark.multiprocess
