@@ -18,8 +18,9 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from tests.worker_exit import exit_after_checks
 from unbroken import __version__, open_store
+from unbroken.checkpoint.format.dcp_load import load_state_dict
 from unbroken.checkpoint.format.manifest import FileRecord, Manifest, read_manifest, write_manifest
-from unbroken.checkpoint.format.reader import TierReader, load_state_dict
+from unbroken.checkpoint.format.reader import TierReader
 from unbroken.checkpoint.format.writer import TierWriter
 
 warnings.filterwarnings("ignore")

@@ -13,8 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from unbroken import __version__
+from unbroken.checkpoint.format.dcp_load import load_state_dict
 from unbroken.checkpoint.format.manifest import Manifest, step_dir, write_manifest
-from unbroken.checkpoint.format.reader import TierReader, load_state_dict
+from unbroken.checkpoint.format.reader import TierReader
 from unbroken.checkpoint.format.tensor_record import raw_view
 from unbroken.checkpoint.format.writer import TierWriter
 from unbroken.storage import Store

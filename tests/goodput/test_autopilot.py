@@ -61,7 +61,7 @@ def test_auto_saves_at_the_interval_it_chose_and_logs_it(tmp_path, monkeypatch):
     mgr = ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st",
                                every_seconds="auto", mtbf=2.0, keep_last=None)  # fmt: skip
     assert mgr.config.every_steps is None  # "auto" sets the cadence by itself
-    pilot = mgr._autopilot
+    pilot = mgr._cadence.autopilot
     choices = []  # (the figures it chose from, what it chose); a commit may land after
     choose = pilot.interval
 
@@ -103,7 +103,7 @@ def test_auto_counts_the_failures_of_earlier_attempts(tmp_path):
         proc = subprocess.run([sys.executable, "-c", crash, *args], env=env, timeout=120)
         assert proc.returncode == 9
     mgr = ub.CheckpointManager(args[0], staging_dir=args[1], every_seconds="auto")
-    pilot = mgr._autopilot
+    pilot = mgr._cadence.autopilot
     mgr.close()
     assert pilot.failures == 2 and pilot.observed_seconds > 0
     assert pilot.current_mtbf() < autopilot.PRIOR_SECONDS  # two failures in seconds

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import threading
 import time
 import warnings
@@ -37,8 +36,10 @@ from unbroken.checkpoint.peers.network import PeerNetwork, replica_stores
 from unbroken.checkpoint.peers.replicator import Replicator
 from unbroken.checkpoint.pipeline import REPLICA_CLOSE_SECONDS, PipelineConfig, SavePipeline
 from unbroken.checkpoint.preemption import EXIT_CODE, PreemptionWatch
+from unbroken.checkpoint.save_cadence import SaveCadence
 from unbroken.checkpoint.save_job import SaveJob
 from unbroken.checkpoint.staging.stager import StateStager
+from unbroken.checkpoint.staging_tier import check_staging_dir
 from unbroken.checkpoint.state_dicts import FlatState, collect, state_bytes
 from unbroken.goodput import autopilot
 from unbroken.goodput import recorder as goodput_recorder
@@ -100,8 +101,7 @@ class CheckpointManager:
             config.url, retry=config.retry, **(config.storage_options or {})
         )
         self.staging_dir = os.path.abspath(config.staging_dir or default_staging_dir(config.url))
-        self._check_tiers()
-        _check_staging_dir(self.staging_dir)
+        check_staging_dir(self.staging_dir, self.store)
         self.staging = LocalStore(self.staging_dir)
         self.stats = SaveStats()
         # Two groups: the worker's, and one for foreground agreement (due / busy), so the
@@ -116,12 +116,14 @@ class CheckpointManager:
             owner=self,
             mlflow=config.mlflow,
         )
-        self._autopilot = (
+        self._cadence = SaveCadence(
+            config.every_steps,
+            config.every_seconds,
             autopilot.start(self.store, self._fg_group, self._goodput, config.mtbf)
             if config.every_seconds == "auto"
-            else None
+            else None,
+            self._goodput,
         )
-        self._last_call: float | None = None
         self._stager = StateStager(
             max_bytes=config.staging_max_bytes, shared_memory=config.staging_shared_memory
         )
@@ -136,9 +138,6 @@ class CheckpointManager:
         self.failures: list[SaveFailedError] = []
         """Every background save failure so far (reported or not)."""
         self._lock = threading.Lock()
-        self._last_step: int | None = None
-        self._last_start = time.monotonic()
-        self._committed: set[int] = set()
         self._closed = False
         self.last_restore: Any = None
         """What the last restore() loaded (step, tier, url, seconds), or None."""
@@ -202,28 +201,17 @@ class CheckpointManager:
         if abandon is not None:
             abandon()
 
-    def _check_tiers(self) -> None:
-        if isinstance(self.store, LocalStore):
-            durable = os.path.realpath(self.store.url)
-            staging = os.path.realpath(self.staging_dir)
-            if staging == durable or staging.startswith(durable + os.sep):
-                raise ValueError(
-                    f"CheckpointManager: staging_dir {self.staging_dir} is inside the durable "
-                    f"tier {self.store.url}; give it a directory of its own"
-                )
-
     # -- saving ----------------------------------------------------------------------
 
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
         _check_step(step)
         self._goodput.step(step)
-        if self._autopilot is not None:
-            self._time_step()
+        self._cadence.time_step(lambda: self._pipeline.in_flight is not None)
         self._report_failures(raising=False)
         if self._preemption is not None and self._preemption.poll():
             return self._save_before_preemption(step, state)
-        due = self._is_due(step)
+        due = self._cadence.is_due(step)
         busy = self._stager.busy  # a snapshot still waits for its local write or upload
         if self._fg_group.world_size > 1 and (
             self.config.every_seconds is not None or (due and self.config.when_busy == "skip")
@@ -256,42 +244,13 @@ class CheckpointManager:
         self._report_failures(raising=False)
         return self._save(step, state, skip_if_busy=False)
 
-    def _is_due(self, step: int) -> bool:
-        if step == self._last_step or step in self._committed:
-            return False
-        c = self.config
-        if c.every_steps is not None and step > 0 and step % c.every_steps == 0:
-            return True
-        every = self._every_seconds()
-        return every is not None and time.monotonic() - self._last_start >= every
-
-    def _every_seconds(self) -> float | None:
-        if self._autopilot is None:
-            return self.config.every_seconds  # type: ignore[return-value]
-        before = self._autopilot.chosen
-        now = self._autopilot.interval()
-        if abs(now - before) > 0.1 * before:  # a change worth telling
-            cost = self._autopilot.save_cost()
-            self._goodput.interval(now, save_cost=cost, mtbf=self._autopilot.current_mtbf())
-            log.info("every_seconds='auto': saving every %.1f s", now)
-        return now
-
-    def _time_step(self) -> None:
-        """The autopilot's view of the loop: each step's length, with a save in flight or
-        not (how much a background save slows the steps is part of its cost)."""
-        now = time.monotonic()
-        if self._last_call is not None:
-            saving = self._pipeline.in_flight is not None
-            self._autopilot.step(now - self._last_call, saving=saving)  # type: ignore[union-attr]
-        self._last_call = now
-
     def _save(self, step: int, state: Mapping[str, Any], *, skip_if_busy: bool) -> bool:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         self._check_group()
         t0 = time.monotonic()
         self.stats.requested += 1
-        if step == self._last_step or step in self._committed:
+        if self._cadence.has(step):
             self.stats.skipped_committed += 1
             return False
         if skip_if_busy:  # agreed by every rank, whatever this rank's own worker is doing
@@ -315,14 +274,13 @@ class CheckpointManager:
             pinned=frozenset(flat.first),
         )
         self._pipeline.submit(job)
-        self._last_step, self._last_start = step, time.monotonic()
+        self._cadence.started(step)
         self.stats.started += 1
         if not self.config.async_save:
             job.done.wait()
             self._report_failures(raising=self.config.raise_on_failure)
         self.stats.seconds_blocked += time.monotonic() - t0
-        if self._autopilot is not None:
-            self._autopilot.saved(time.monotonic() - t0)
+        self._cadence.blocked(time.monotonic() - t0)
         self._goodput.save_end(step)
         return self.config.async_save or job.error is None
 
@@ -355,9 +313,8 @@ class CheckpointManager:
                 nbytes=job.manifest.nbytes if job.manifest is not None else 0,
                 upload_seconds=job.seconds.get("upload"),
             )
+            self._cadence.finished(job.step, ok=job.error is None, seconds=job.seconds.get("total"))
             if job.error is not None:
-                if self._last_step == job.step:  # a later save of this step may try again
-                    self._last_step = None
                 self.stats.failed += 1
                 self._failures.append(job.error)
                 self.failures.append(job.error)
@@ -366,10 +323,7 @@ class CheckpointManager:
                 assert job.manifest is not None
                 self.stats.committed += 1
                 self.stats.last_commit_seconds = job.seconds.get("total")
-                if self._autopilot is not None:
-                    self._autopilot.committed(job.seconds.get("total"))
                 self.stats.bytes_committed += job.manifest.nbytes
-                self._committed.add(job.step)
 
     def _report_failures(self, *, raising: bool) -> None:
         """Each failure is reported once: raised, or warned about (then kept in .failures).
@@ -488,9 +442,8 @@ class CheckpointManager:
             self._goodput.restore_end(restored.step, tier=restored.tier)
         if restored is None:
             return None
-        self._committed.add(restored.step)
+        self._cadence.restored(restored.step)
         self._pipeline.current_step = restored.step  # its local copy is the one to keep
-        self._last_step, self._last_start = restored.step, time.monotonic()
         return restored.step
 
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -502,23 +455,6 @@ class CheckpointManager:
             f"CheckpointManager({redact(self.store.url)!r}, staging_dir={self.staging_dir!r}, "
             f"every_steps={self.config.every_steps}, keep_last={self.config.keep_last})"
         )
-
-
-def _check_staging_dir(path: str) -> None:
-    """Create the staging directory and prove it writable, so that a bad one is refused
-    here, by path, rather than failing every save later."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"CheckpointManager: staging_dir {path} is not a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".unbroken-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ValueError(
-            f"CheckpointManager: staging_dir {path} is not writable "
-            f"({type(e).__name__}: {e.strerror or e})"
-        ) from e
 
 
 def _check_step(step: Any) -> None:

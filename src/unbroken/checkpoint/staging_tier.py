@@ -1,5 +1,6 @@
-"""What the local staging tier keeps between saves: one committed copy, the step being
-written, nothing else (disk on the training node is bounded: two copies of a shard)."""
+"""The local staging tier: a writable directory of its own, keeping between saves one
+committed copy and the step being written, nothing else (disk on the training node is
+bounded: two copies of a shard)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,37 @@ import contextlib
 import logging
 import os
 import shutil
+import tempfile
 
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME, parse_step_dir, step_dir
+from unbroken.storage import LocalStore, Store
 
 log = logging.getLogger(__name__)
+
+
+def check_staging_dir(path: str, durable: Store) -> None:
+    """Create the staging directory and prove it writable, apart from the durable tier,
+    so that a bad one is refused here, by path, rather than failing every save later."""
+    if isinstance(durable, LocalStore):
+        real_durable = os.path.realpath(durable.url)
+        staging = os.path.realpath(path)
+        if staging == real_durable or staging.startswith(real_durable + os.sep):
+            raise ValueError(
+                f"CheckpointManager: staging_dir {path} is inside the durable "
+                f"tier {durable.url}; give it a directory of its own"
+            )
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"CheckpointManager: staging_dir {path} is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".unbroken-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(
+            f"CheckpointManager: staging_dir {path} is not writable "
+            f"({type(e).__name__}: {e.strerror or e})"
+        ) from e
 
 
 def tidy(staging_dir: str, current_step: int | None, *, writing: int | None = None) -> None:

@@ -15,8 +15,9 @@ from tests.checkpoint.format_dist_worker import STEP, full
 from unbroken import open_store
 from unbroken.checkpoint.catalog import list_checkpoints, verify_checkpoint
 from unbroken.checkpoint.format.dcp_json import metadata_from_json
+from unbroken.checkpoint.format.dcp_load import load_state_dict
 from unbroken.checkpoint.format.manifest import read_manifest
-from unbroken.checkpoint.format.reader import TierReader, load_state_dict
+from unbroken.checkpoint.format.reader import TierReader
 
 pytestmark = [
     pytest.mark.multiprocess,
