@@ -134,6 +134,7 @@ class Epoch:
         outside_before = {name: clock() for name, clock in outside.items()}
         machine_before = machine_cpu_ticks()
         cpu_before = tree_cpu_seconds()
+        own_before = time.process_time()
         started = time.perf_counter()
         first_at, first_images = None, 0
         for batch in loader:
@@ -142,6 +143,10 @@ class Epoch:
                 first_at, first_images = time.perf_counter(), self.images
         ended = time.perf_counter()
         tree_ms = (tree_cpu_seconds() - cpu_before) * 1000 / max(self.images, 1)
+        self.own_ms = (time.process_time() - own_before) * 1000 / max(self.images, 1)
+        """CPU milliseconds per image of this process alone (every thread of it, its
+        in-process ``outside`` clocks included): with :attr:`cpu_ms`, how a loader's cost
+        splits between the training process and its workers."""
         self.machine_busy = _busy_between(machine_before, machine_cpu_ticks())
         """Share of the whole machine's CPU busy over the pass (every job's), or None."""
         self.outside_ms = {

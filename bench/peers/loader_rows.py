@@ -562,6 +562,7 @@ def measure(spec: dict) -> dict:
         result[f"epoch{n}"] = {
             "images": e.images, "seconds": round(e.seconds, 3), "rate": round(e.rate, 1),
             "first_batch_s": round(e.first_batch, 3), "cpu_ms": round(e.cpu_ms, 3),
+            "own_cpu_ms": round(e.own_ms - e.outside_ms["disk sampler"], 3),
         }  # fmt: skip
     result["epoch_check"] = account(tally.delivered, spec["source_crcs"]).as_dict()
     stateful = built.stateful

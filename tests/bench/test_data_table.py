@@ -99,3 +99,28 @@ def test_a_tiny_s3_run_prints_each_profile_and_the_json(tmp_path):
         assert summary[profile]["unbroken_e1_images_per_s"] > 0
         assert summary[profile]["stock_boto3_server_cpu_ms_per_image"] > 0
     assert summary["far"]["stock_boto3_proxy_cpu_ms_per_image"] > 0
+
+
+def test_an_epoch_splits_its_cpu_between_this_process_and_its_children():
+    """``own_ms`` is this process's share of ``cpu_ms``: a child's spin counts only in the
+    whole, this process's spin in both."""
+    import subprocess
+    import sys
+    import time
+
+    from bench.common.jpeg_workload import Epoch
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+
+    def batches():
+        subprocess.run([sys.executable, "-c", spin], check=True)  # a worker's CPU
+        yield [0]
+        started = time.process_time()
+        while time.process_time() - started < 0.3:  # the training process's own
+            pass
+        yield [1]
+
+    epoch = Epoch(batches())
+    assert epoch.images == 2
+    assert 0.3 * 1000 / 2 <= epoch.own_ms < epoch.cpu_ms
+    assert epoch.cpu_ms - epoch.own_ms >= 0.3 * 1000 / 2 * 0.9
