@@ -181,6 +181,37 @@ def test_background_failure_surfaces_and_commits_nothing(tmp_path):
         assert again.restore(fresh) == 2
 
 
+def test_a_save_that_fails_before_submit_returns_is_tried_again_at_the_same_step(tmp_path):
+    """The pipeline may fail a job before the training thread is back from handing it
+    over (descheduled there): the step must still count as not saved."""
+    switch = tmp_path / "outage"
+    opts = {"latency": 0, "bandwidth": None, "outage_file": str(switch)}
+    mgr = manager(
+        tmp_path,
+        url="emulated::" + str(tmp_path / "durable"),
+        storage_options=opts,
+        retry=FAST_RETRY,
+    )
+    state = make_state()
+    handed = mgr._pipeline.submit
+
+    def submit_then_wait_for_the_end(job) -> None:
+        handed(job)
+        job.done.wait()
+
+    mgr._pipeline.submit = submit_then_wait_for_the_end
+    switch.write_text("down")
+    with pytest.warns(RuntimeWarning, match="step 6 failed"):
+        assert mgr.save(6, state)
+        mgr._report_failures(raising=False)
+    switch.unlink()
+    mgr._pipeline.submit = handed
+    assert mgr.save(6, state), "the failed step was taken for saved"
+    mgr.close()
+    assert mgr.stats.skipped_committed == 0
+    assert [c.step for c in mgr.checkpoints() if c.committed] == [6]
+
+
 def test_raise_on_failure_stops_training(tmp_path):
     switch = tmp_path / "outage"
     switch.write_text("down")

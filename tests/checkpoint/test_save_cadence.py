@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-import time
+from types import SimpleNamespace
 
+import pytest
+
+from unbroken.checkpoint import save_cadence
 from unbroken.checkpoint.save_cadence import SaveCadence
 
 
 def _cadence(every_steps=None, every_seconds=None) -> SaveCadence:
-    return SaveCadence(every_steps, every_seconds, autopilot=None, goodput=None)
+    config = SimpleNamespace(every_steps=every_steps, every_seconds=every_seconds)
+    return SaveCadence(config, autopilot=None, goodput=None)
+
+
+class _Clock:
+    """time.monotonic as the test sets it: no test depends on how fast the machine is."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now = 1000.0
+        monkeypatch.setattr(save_cadence.time, "monotonic", lambda: self.now)
 
 
 def test_every_steps_is_due_on_its_multiples_but_not_at_step_0():
@@ -40,15 +52,32 @@ def test_a_failure_of_an_older_step_keeps_the_newer_one_started():
     assert not cadence.is_due(10)
 
 
-def test_every_seconds_counts_from_the_last_start_and_from_a_restore():
-    cadence = _cadence(every_seconds=0.05)
+def test_every_seconds_counts_from_the_last_start_and_from_a_restore(monkeypatch):
+    clock = _Clock(monkeypatch)
+    cadence = _cadence(every_seconds=30.0)
+    clock.now += 29.0
     assert not cadence.is_due(1)
-    time.sleep(0.06)
+    clock.now += 1.0
     assert cadence.is_due(1)
     cadence.restored(1)
+    clock.now += 29.0
     assert not cadence.is_due(2) and not cadence.is_due(1)
-    time.sleep(0.06)
+    clock.now += 1.0
     assert cadence.is_due(2) and not cadence.is_due(1)
+    cadence.started(2)
+    assert not cadence.is_due(3)
+
+
+def test_the_config_is_read_at_each_step_as_the_manager_reads_it():
+    cadence = _cadence(every_steps=500)
+    assert not cadence.is_due(2)
+    cadence.config.every_steps = 2
+    assert cadence.is_due(2)
+
+
+def test_auto_without_an_autopilot_is_refused():
+    with pytest.raises(ValueError, match="autopilot"):
+        _cadence(every_seconds="auto")
 
 
 def test_without_an_autopilot_step_timing_asks_nothing():

@@ -117,8 +117,7 @@ class CheckpointManager:
             mlflow=config.mlflow,
         )
         self._cadence = SaveCadence(
-            config.every_steps,
-            config.every_seconds,
+            config,
             autopilot.start(self.store, self._fg_group, self._goodput, config.mtbf)
             if config.every_seconds == "auto"
             else None,
@@ -273,8 +272,12 @@ class CheckpointManager:
             rng=capture_rng_state(flat.generators),
             pinned=frozenset(flat.first),
         )
-        self._pipeline.submit(job)
         self._cadence.started(step)
+        try:
+            self._pipeline.submit(job)
+        except BaseException:
+            self._cadence.finished(step, ok=False, seconds=None)
+            raise
         self.stats.started += 1
         if not self.config.async_save:
             job.done.wait()

@@ -9,6 +9,7 @@ when the last save began.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,21 +22,22 @@ log = logging.getLogger(__name__)
 class SaveCadence:
     """The steps saved so far and the clock of the next save.
 
-    ``every_seconds`` is a number, None, or ``"auto"`` (then ``autopilot`` chooses it and
-    each change worth telling goes to ``goodput``'s event log).
+    ``config``'s ``every_steps`` and ``every_seconds`` are read at each step, as the
+    manager reads them. ``every_seconds="auto"`` needs ``autopilot``, which then chooses
+    the interval; each change worth telling goes to ``goodput``'s event log.
+
+    The training thread starts saves and the pipeline's thread finishes them: every
+    change of :attr:`last_step` holds one lock, so a failure of an older save never
+    clears the newer one.
     """
 
-    def __init__(
-        self,
-        every_steps: int | None,
-        every_seconds: float | str | None,
-        autopilot: Autopilot | None,
-        goodput: Any,
-    ) -> None:
-        self.every_steps = every_steps
-        self.every_seconds = every_seconds
+    def __init__(self, config: Any, autopilot: Autopilot | None, goodput: Any) -> None:
+        if config.every_seconds == "auto" and autopilot is None:
+            raise ValueError('SaveCadence: every_seconds="auto" needs an autopilot')
+        self.config = config
         self.autopilot = autopilot
         self._goodput = goodput
+        self._lock = threading.Lock()
         self.last_step: int | None = None
         """The step of the newest save started (or restored); None after it failed."""
         self.last_start = time.monotonic()
@@ -49,7 +51,8 @@ class SaveCadence:
     def is_due(self, step: int) -> bool:
         if self.has(step):
             return False
-        if self.every_steps is not None and step > 0 and step % self.every_steps == 0:
+        every_steps = self.config.every_steps
+        if every_steps is not None and step > 0 and step % every_steps == 0:
             return True
         every = self._interval()
         return every is not None and time.monotonic() - self.last_start >= every
@@ -65,8 +68,10 @@ class SaveCadence:
         self._last_call = now
 
     def started(self, step: int) -> None:
-        """A save of ``step`` is under way (handed to the background)."""
-        self.last_step, self.last_start = step, time.monotonic()
+        """A save of ``step`` is being handed to the background: call it before the
+        hand-off, so that a save failing at once can still be tried again."""
+        with self._lock:
+            self.last_step, self.last_start = step, time.monotonic()
 
     def blocked(self, seconds: float) -> None:
         """The loop was blocked ``seconds`` by the save it just made."""
@@ -76,8 +81,9 @@ class SaveCadence:
     def finished(self, step: int, *, ok: bool, seconds: float | None) -> None:
         """Background thread: the save of ``step`` committed (``ok``) or failed."""
         if not ok:
-            if self.last_step == step:  # a later save of this step may try again
-                self.last_step = None
+            with self._lock:
+                if self.last_step == step:  # a later save of this step may try again
+                    self.last_step = None
             return
         self.committed.add(step)
         if self.autopilot is not None:
@@ -86,11 +92,12 @@ class SaveCadence:
     def restored(self, step: int) -> None:
         """The run goes on from ``step``: it counts as saved, and the clock starts now."""
         self.committed.add(step)
-        self.last_step, self.last_start = step, time.monotonic()
+        with self._lock:
+            self.last_step, self.last_start = step, time.monotonic()
 
     def _interval(self) -> float | None:
         if self.autopilot is None:
-            return self.every_seconds  # type: ignore[return-value]
+            return self.config.every_seconds
         before = self.autopilot.chosen
         now = self.autopilot.interval()
         if abs(now - before) > 0.1 * before:  # a change worth telling
