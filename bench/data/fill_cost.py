@@ -8,7 +8,7 @@ loopback, the CPU per file of each layer on its own:
   disk write   a new file of the same size written and renamed, no S3: what the local
                disk costs the fill on this machine
 
-    python -m bench.data.fill_cost [--files 2000] [--size 100000] [--threads 32]
+    python -m bench.data.fill_cost [--files 2000] [--size 100000] [--threads 32] [--dir D]
 """
 
 from __future__ import annotations
@@ -29,17 +29,26 @@ from unbroken.storage import Entry, Store, open_store
 def cpu_ms_per_item(
     items: Sequence[object], work: Callable[[object], object], threads: int
 ) -> float:
-    """This process's CPU milliseconds per item of ``work`` over ``items`` on ``threads``."""
-    todo = iter(items)
+    """This process's CPU milliseconds per item of ``work`` over ``items`` on ``threads``.
+
+    Every item is worked once; the first error any thread met is raised, so a fetch that
+    fails can never pass for a cheap one."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    todo = iter(range(len(items)))
     lock = threading.Lock()
+    errors: list[BaseException] = []
 
     def drain() -> None:
-        while True:
+        while not errors:
             with lock:
-                item = next(todo, None)
-            if item is None:
+                index = next(todo, None)
+            if index is None:
                 return
-            work(item)
+            try:
+                work(items[index])
+            except BaseException as exc:  # raised below, on the caller's thread
+                errors.append(exc)
 
     started = time.process_time()
     pool = [threading.Thread(target=drain) for _ in range(threads)]
@@ -47,6 +56,8 @@ def cpu_ms_per_item(
         thread.start()
     for thread in pool:
         thread.join()
+    if errors:
+        raise errors[0]
     return (time.process_time() - started) * 1000 / max(len(items), 1)
 
 
@@ -61,11 +72,16 @@ def write_new_file(directory: str, index: int, payload: bytes) -> None:
 
 
 def measure(store: Store, entries: list[Entry], size: int, threads: int, work_dir: str) -> dict:
+    """CPU ms per file of each layer; the disk layers write under ``work_dir`` (put it
+    on the disk the cache would use)."""
     rows = {"get": cpu_ms_per_item(entries, lambda e: store.read_bytes(e.key), threads)}
     cache_dir = tempfile.mkdtemp(prefix="cache-", dir=work_dir)
     cache = LocalCache(store, cache_dir)
     try:
         rows["cache fetch"] = cpu_ms_per_item(entries, cache.fetch, threads)
+        missing = [e.key for e in entries if not cache.contains(e)]
+        if missing:
+            raise RuntimeError(f"the cache fetch left {len(missing)} files uncached: {missing[:3]}")
     finally:
         cache.close()
         shutil.rmtree(cache_dir)
@@ -92,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--files", type=int, default=2000)
     parser.add_argument("--size", type=int, default=100_000, help="bytes per file")
     parser.add_argument("--threads", type=int, default=32, help="the fill's default: 32")
+    parser.add_argument(
+        "--dir", default=None, help="where the cache and disk layers write (a temp dir)"
+    )
     return parser.parse_args(argv)
 
 
@@ -100,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     remote = S3Remote()
-    work_dir = tempfile.mkdtemp(prefix="unbroken-fill-cost-")
+    work_dir = tempfile.mkdtemp(prefix="unbroken-fill-cost-", dir=args.dir)
     try:
         store = open_store(f"s3://{remote.new_root()}", **remote.storage_options)
         entries = put_files(store, args.files, args.size)
