@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import pickle
+import select
 import signal
 import threading
 import time
@@ -539,6 +540,7 @@ def test_workers_forked_while_a_thread_reads_keep_no_pin_that_blocks_eviction(tm
         stop.set()
         reader.join()
         for _ in children:  # under load a child may not have run yet: not a kept pin
+            assert select.select([born], [], [], 60)[0], "a forked child never ran"
             assert os.read(born, 1) == b"b"
         assert cache.layout.remove_if_unpinned(name) == size, "a forked child keeps a pin"
     finally:
