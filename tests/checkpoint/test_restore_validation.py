@@ -268,6 +268,15 @@ def test_a_staging_dir_that_is_a_file_is_refused_naming_it(tmp_path):
     assert path.read_text() == "my notes"
 
 
+def test_a_staging_dir_linked_to_nowhere_is_refused_naming_both(tmp_path):
+    """A node-local scratch disk that is not mounted leaves the job's link dangling."""
+    path = tmp_path / "staging"
+    path.symlink_to(tmp_path / "scratch-not-mounted" / "ckpt")
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*scratch-not-mounted.*not exist"):
+        ub.CheckpointManager(tmp_path / "durable", staging_dir=path)
+    assert not (tmp_path / "scratch-not-mounted").exists()
+
+
 def test_an_unwritable_staging_dir_is_refused_naming_it(tmp_path):
     if os.geteuid() == 0:
         path = Path("/proc/self/fdinfo")  # root writes anywhere permissions would stop it

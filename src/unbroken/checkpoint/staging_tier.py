@@ -27,6 +27,11 @@ def check_staging_dir(path: str, durable: Store) -> None:
                 f"CheckpointManager: staging_dir {path} is inside the durable "
                 f"tier {durable.url}; give it a directory of its own"
             )
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ValueError(
+            f"CheckpointManager: staging_dir {path} is a link to {os.readlink(path)}, "
+            "which does not exist; create that directory or point the link elsewhere"
+        )
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"CheckpointManager: staging_dir {path} is not a directory")
     try:
