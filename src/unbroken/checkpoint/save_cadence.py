@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from unbroken.checkpoint.config import CheckpointConfig
 from unbroken.goodput.autopilot import Autopilot
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class SaveCadence:
     clears the newer one.
     """
 
-    def __init__(self, config: Any, autopilot: Autopilot | None, goodput: Any) -> None:
+    def __init__(self, config: CheckpointConfig, autopilot: Autopilot | None, goodput: Any) -> None:
         if config.every_seconds == "auto" and autopilot is None:
             raise ValueError('SaveCadence: every_seconds="auto" needs an autopilot')
         self.config = config
