@@ -184,14 +184,7 @@ def test_background_failure_surfaces_and_commits_nothing(tmp_path):
 def test_a_save_that_fails_before_submit_returns_is_tried_again_at_the_same_step(tmp_path):
     """The pipeline may fail a job before the training thread is back from handing it
     over (descheduled there): the step must still count as not saved."""
-    switch = tmp_path / "outage"
-    opts = {"latency": 0, "bandwidth": None, "outage_file": str(switch)}
-    mgr = manager(
-        tmp_path,
-        url="emulated::" + str(tmp_path / "durable"),
-        storage_options=opts,
-        retry=FAST_RETRY,
-    )
+    mgr, switch = outage_manager(tmp_path)
     state = make_state()
     handed = mgr._pipeline.submit
 
@@ -213,16 +206,8 @@ def test_a_save_that_fails_before_submit_returns_is_tried_again_at_the_same_step
 
 
 def test_raise_on_failure_stops_training(tmp_path):
-    switch = tmp_path / "outage"
+    mgr, switch = outage_manager(tmp_path, raise_on_failure=True)
     switch.write_text("down")
-    opts = {"latency": 0, "bandwidth": None, "outage_file": str(switch)}
-    mgr = manager(
-        tmp_path,
-        url="emulated::" + str(tmp_path / "d"),
-        storage_options=opts,
-        raise_on_failure=True,
-        retry=FAST_RETRY,
-    )
     state = make_state()
     mgr.save(2, state)
     mgr._pipeline.wait()
