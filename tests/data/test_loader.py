@@ -213,7 +213,7 @@ def test_breaking_out_starts_the_next_epoch(make_volume):
     ld = vol.loader(batch_size=2, num_workers=1, seed=6)
     for _ in ld:
         break
-    assert ld.state_dict()["position"] == 2 and ld.epoch == 0
+    assert ld.state_dict()["position"] == 2 and ld.epoch == 0  # a save here resumes here
     second = [flatten(b) for b in ld]
     assert ld.epoch == 1
     reference = vol.loader(batch_size=2, seed=6)
@@ -225,6 +225,66 @@ def test_breaking_out_starts_the_next_epoch(make_volume):
         it2 = iter(ld)
         next(it2)
         next(it1)
+
+
+def test_leaving_an_epoch_whose_position_was_saved_says_what_a_resume_would_serve(
+    make_volume, caplog
+):
+    vol = make_volume(12)
+    ld = vol.loader(batch_size=2, seed=6)
+    for i, _ in enumerate(ld):
+        if i == 1:
+            ld.state_dict()  # a save inside the loop
+            break
+    with caplog.at_level("WARNING", logger="unbroken.data.loader"):
+        list(ld)
+    assert "epoch 0 was left at position 4 of 12 for epoch 1" in caplog.text
+    assert "loader.end_epoch()" in caplog.text
+    caplog.clear()
+    for i, _ in enumerate(ld):  # no state taken in epoch 1: nothing to say
+        if i == 1:
+            break
+    with caplog.at_level("WARNING", logger="unbroken.data.loader"):
+        list(ld)
+        for i, _ in enumerate(ld):  # a state taken, then end_epoch: said nowhere either
+            if i == 1:
+                ld.end_epoch()
+                ld.state_dict()
+        list(ld)
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loop_that_ends_its_epochs_early_resumes_as_it_went_on(make_volume, workers):
+    """3 batches an epoch, a save at each epoch's last batch, still inside the ``for``."""
+    vol = make_volume(20)
+
+    def run(loader, epochs):
+        seen, states = [], []
+        for _ in range(epochs):
+            for i, batch in enumerate(loader):
+                seen.append((loader.epoch, flatten(batch)))
+                if i == 2:
+                    loader.end_epoch()
+                    states.append(loader.state_dict())
+                    break
+        return seen, states
+
+    live, states = run(vol.loader(batch_size=2, num_workers=workers, seed=5), 3)
+    assert [s["epoch"] for s in states] == [1, 2, 3]
+    assert [e for e, _ in live] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    resumed = vol.loader(batch_size=2, num_workers=workers, seed=5)
+    resumed.load_state_dict(states[0])  # saved at epoch 0's third batch
+    assert run(resumed, 2)[0] == live[3:]
+    it = iter(resumed)
+    reference = vol.loader(batch_size=2, seed=5)
+    epoch3_first = [[flatten(b) for b in reference] for _ in range(4)][3][0]
+    assert flatten(next(it)) == epoch3_first and resumed.epoch == 3
+    resumed.end_epoch()  # the iterator stops at once
+    assert list(it) == [] and resumed.state_dict()["epoch"] == 4
+    fresh = vol.loader(batch_size=2, seed=5)
+    fresh.end_epoch()  # before any batch: nothing to end
+    assert fresh.state_dict()["epoch"] == 0
 
 
 def test_metrics_count_waits_and_worker_work(make_volume, backend):

@@ -38,7 +38,14 @@ def _launch(out: Path, volume: Path, script: Path = JOB, **kwargs) -> Run:
 
 
 def _fit(
-    tmp_path, volume, steps: int, *, every: int = 4, theirs: bool = False, **module_args
+    tmp_path,
+    volume,
+    steps: int,
+    *,
+    every: int = 4,
+    theirs: bool = False,
+    limit: int | None = None,
+    **module_args,
 ) -> tuple[str, dict, int]:
     """One fit in this process, resumed from ``tmp_path/ckpt`` if anything is committed;
     the digest of the weights and optimizer state, the samples of each step, and the
@@ -52,7 +59,7 @@ def _fit(
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, plugins=[io], callbacks=[io.callback],
         logger=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=tmp_path,
+        default_root_dir=tmp_path, limit_train_batches=limit,
     )  # fmt: skip
     if theirs:  # a torch DataLoader, shuffled, over the same samples
         loader = torch.utils.data.DataLoader(_Samples(), batch_size=4, shuffle=True)
@@ -78,6 +85,21 @@ def test_a_fit_stopped_and_resumed_from_last_equals_an_uninterrupted_one(tmp_pat
     assert resumed_epoch == epoch  # the save at the fit's end is mid-epoch, as at any step
     assert sorted(i for s in range(1, 17) for i in seen[s]) == list(range(FILES))
     assert not (tmp_path / "job" / "checkpoints").exists()  # Lightning's default folder
+
+
+def test_a_fit_with_limit_train_batches_resumed_from_an_epochs_last_batch_goes_on_as_it_did(
+    tmp_path,
+):
+    """3 of the 16 batches an epoch, a save every 3 steps: each at an epoch's last batch,
+    after which Lightning starts the next epoch, and so must the resumed fit."""
+    volume = toy_volume(tmp_path, files=FILES)
+    reference, seen, epoch = _fit(tmp_path / "reference", volume, 11, every=3, limit=3)
+    _, first, _ = _fit(tmp_path / "job", volume, 6, every=3, limit=3)
+    resumed, rest, resumed_epoch = _fit(tmp_path / "job", volume, 11, every=3, limit=3)
+    assert min(rest) == 7 and {**first, **rest} == seen
+    assert resumed == reference and resumed_epoch == epoch
+    epochs = [sorted(i for s in range(e * 3 + 1, e * 3 + 4) for i in seen[s]) for e in range(3)]
+    assert epochs[1] != epochs[0] and epochs[2] != epochs[1]  # each a new epoch's first batches
 
 
 class _Samples(torch.utils.data.Dataset):

@@ -144,6 +144,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._active: Partition | None = None
         self._consumed = 0
         self._restart_requested = False
+        self._state_taken_in: tuple[int, int] | None = None
         self._iter_id = 0
         self._generation = 0
         self.fill_ahead = bool(fill_ahead)
@@ -195,7 +196,7 @@ class DataLoader(torch.utils.data.DataLoader):
                     "unbroken.DataLoader: this iterator was superseded by a newer "
                     "`iter(loader)`; iterate one at a time"
                 )
-            if self._restart_requested:
+            if self._restart_requested or self._active is None:  # load_state / end_epoch
                 return
             t0 = time.perf_counter()
             d = next(it, None)
@@ -213,6 +214,20 @@ class DataLoader(torch.utils.data.DataLoader):
             if d.batch is not None:
                 yield d.batch
 
+    def end_epoch(self) -> None:
+        """Take no more batches from the epoch being served: its iterator stops, and the
+        state and the next ``for`` both start the next epoch.
+
+        After a ``break`` the state stays where the loop stopped (a save there resumes
+        mid-epoch, as a run that stopped at a step count and goes on wants), while the
+        next ``for`` of this loader starts the next epoch. A loop that ends its epochs
+        early on purpose (a fixed number of batches each, Lightning's
+        ``limit_train_batches``) calls this where it does, before it saves: otherwise a
+        run resumed from that save serves the rest of an epoch this run left out.
+        """
+        if self._active is not None and not self._restart_requested:
+            self._active = None
+
     def _take_next_start(self) -> tuple[int, int]:
         """Where the next epoch (or the restart) begins; skips an already-finished epoch."""
         epoch, start = self._next_start
@@ -222,6 +237,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _start(self, epoch: int, start: int) -> Iterator[Delivery]:
         self._stop_filling()  # a superseded iterator's, if it was never closed
+        self._warn_if_a_saved_position_was_left(epoch)
         self._write_plan(epoch, start)
         self.epoch = epoch
         self._active = self.volume.partition(start, self.batch_size, self.drop_last)
@@ -320,6 +336,22 @@ class DataLoader(torch.utils.data.DataLoader):
             )
         self._active = None
 
+    def _warn_if_a_saved_position_was_left(self, epoch: int) -> None:
+        """A state was taken mid-epoch, and this run then left that epoch for the next
+        one (a ``break`` without ``end_epoch``): a run resumed from it would serve what
+        this one skipped. Said once per such epoch, when it happens."""
+        left, self._state_taken_in = self._state_taken_in, None
+        if left is None or self._restart_requested or self._active is None:
+            return
+        if left[0] < epoch:
+            log.warning(
+                "unbroken.DataLoader: epoch %d was left at position %d of %d for epoch %d, "
+                "after a state was taken in it at position %d; a run resumed from that "
+                "state serves the rest of epoch %d, which this run skipped. Where a loop "
+                "ends its epochs early, call loader.end_epoch() there, before the save",
+                left[0], self._consumed, self._active.end, epoch, left[1], left[0],
+            )  # fmt: skip
+
     def _persistent_workers_on(self) -> bool:
         return bool(self.persistent_workers and self.num_workers > 0)
 
@@ -331,6 +363,8 @@ class DataLoader(torch.utils.data.DataLoader):
             epoch, position = self.epoch, self._consumed
             if position >= self._active.end:  # end of epoch: resume at the next one
                 epoch, position = epoch + 1, 0
+            else:
+                self._state_taken_in = (epoch, position)
         else:
             epoch, position = self._next_start
         return {

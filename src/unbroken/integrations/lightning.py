@@ -51,6 +51,7 @@ from unbroken.checkpoint.catalog import list_checkpoints
 from unbroken.checkpoint.errors import NoCheckpointError
 from unbroken.checkpoint.format.manifest import manifest_key, parse_step_dir, read_manifest
 from unbroken.checkpoint.manager import CheckpointManager, SaveStats
+from unbroken.data.loader import DataLoader
 from unbroken.integrations import checkpoint_dict
 from unbroken.integrations.live_state import LiveState
 from unbroken.state.rng import capture_rng_state, restore_rng_state
@@ -331,6 +332,8 @@ class UnbrokenCallback(OnExceptionCheckpoint):
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
     ) -> None:
+        if idx + 1 >= trainer.num_training_batches:  # Lightning ends its epoch here
+            _end_epoch_of(trainer.train_dataloader)
         if 0 <= trainer.max_steps <= trainer.global_step:  # the fit's last step
             # Saved here, mid-epoch like every other save: by on_train_end Lightning has
             # counted the epoch done, and a longer fit resumed from that state would start
@@ -350,6 +353,20 @@ class UnbrokenCallback(OnExceptionCheckpoint):
 
     def teardown(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+def _end_epoch_of(loaders: Any) -> None:
+    """Tell each ``ub.DataLoader`` among ``loaders`` that Lightning takes no more of its
+    epoch (``limit_train_batches``): a save at this batch then resumes at the next epoch,
+    as the uninterrupted fit goes on. A loader served to its end is not changed."""
+    if isinstance(loaders, DataLoader):
+        loaders.end_epoch()
+    elif isinstance(loaders, Mapping):
+        for loader in loaders.values():
+            _end_epoch_of(loader)
+    elif isinstance(loaders, (list, tuple)):
+        for loader in loaders:
+            _end_epoch_of(loader)
 
 
 def _dump(trainer: Any) -> dict[str, Any]:
