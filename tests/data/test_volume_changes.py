@@ -15,6 +15,8 @@ import pytest
 
 import unbroken as ub
 from tests.data.helpers import flatten
+from unbroken.data.cache.cache import SourceChangedError
+from unbroken.data.dataset import SampleReadError
 from unbroken.data.index import EmptyVolumeError, load_or_build_index
 from unbroken.data.index import _write as write_index
 from unbroken.data.loader import LoaderStateError
@@ -59,6 +61,34 @@ def test_a_same_size_rewrite_is_served_new_not_from_the_cache(make_volume, backe
     assert served(vol.dataset()) == list(range(6))
     rewrite_same_size(vol, "d0/s0003.txt", b"7")
     assert served(vol.dataset()) == [0, 1, 2, 4, 5, 7]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_rewrite_after_the_listing_is_refused_and_never_cached_as_the_listed_version(
+    make_volume, backend, workers
+):
+    """Rewritten between the listing and its read, then put back (the same bytes: the
+    same ETag on S3): the cache must not keep the other bytes under the listed version's
+    name, or every later start would serve them."""
+    vol = make_volume(6, backend)
+    listed = vol.dataset()  # before the rewrite
+    original = vol.store.read_bytes("d0/s0003.txt")
+    rewrite_same_size(vol, "d0/s0003.txt", b"7")
+    with pytest.raises(SampleReadError, match=r"s0003\.txt.*changed since the index") as err:
+        list(ub.DataLoader(listed, batch_size=1, num_workers=workers, fill_ahead=False))
+    assert workers or isinstance(err.value.__cause__, SourceChangedError)
+    if "://" in vol.url:
+        vol.store.write_bytes("d0/s0003.txt", original)  # the same ETag as listed
+    else:  # the listed mtime back
+        path = os.path.join(vol.url, "d0/s0003.txt")
+        with open(path, "wb") as f:
+            f.write(original)
+        version = listed.index.entries[[e.key for e in listed.index.entries].index("d0/s0003.txt")]
+        mtime = int(version.etag.split("-")[0], 16)
+        os.utime(path, ns=(mtime, mtime))
+    again = vol.dataset()
+    assert again.fingerprint == listed.fingerprint
+    assert served(again) == list(range(6))
 
 
 @pytest.mark.parametrize("change", ["added", "deleted", "rewritten"])

@@ -126,6 +126,13 @@ class Store(ABC):
             self._past_end("read_bytes", key, f"start {start} is")
         return data
 
+    def read_versioned(self, key: str) -> tuple[bytes, str | None]:
+        """The whole object and the version (etag) those bytes are, from the same read,
+        for a caller that must know the bytes are the version it listed (a cache naming
+        its files by etag); None where this backend cannot tell from the read itself."""
+        key = check_key(key)
+        return self._run("read_bytes", key, lambda: self._read_versioned(key))
+
     def read_range(self, key: str, start: int, end: int) -> Buffer:
         """The bytes [start, end) of the object as a read-only bytes-like object, which a
         backend may hand over without copying (obstore's own buffer): for a caller that
@@ -272,6 +279,10 @@ class Store(ABC):
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
         """The bytes in [start, end), clamped to the object (b'' past its end): the
         public method tells a short answer from the data and raises."""
+
+    def _read_versioned(self, key: str) -> tuple[bytes, str | None]:
+        """The whole object and its etag as of that read; None if the read cannot say."""
+        return self._read_bytes(key, None, None), None
 
     def _read_range(self, key: str, start: int, end: int) -> Buffer:
         """[start, end), clamped to the object; a backend with a buffer of its own may

@@ -201,6 +201,12 @@ class EmulatedStore(Store):
         self._move(len(data), ready)
         return data
 
+    def _read_versioned(self, key: str) -> tuple[bytes, str | None]:
+        ready = self._request("read_bytes", key)
+        data, etag = self.inner._read_versioned(key)
+        self._move(len(data), ready)
+        return data, etag
+
     def _download(self, key: str, local_path: str) -> None:
         ready = self._request("download", key)
         self.inner._download(key, local_path)

@@ -39,8 +39,8 @@ from typing import Any
 from unbroken.storage.errors import TransientStoreError
 
 RELAYED = frozenset(
-    {"_read_bytes", "_write_bytes", "_create_bytes", "_upload", "_download", "_info", "_list",
-     "_delete"}
+    {"_read_bytes", "_read_versioned", "_write_bytes", "_create_bytes", "_upload",
+     "_download", "_info", "_list", "_delete"}
 )  # fmt: skip
 """The store hooks a child may relay; each takes and returns picklable values."""
 

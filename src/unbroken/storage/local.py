@@ -59,6 +59,18 @@ class LocalStore(Store):
         atomic_local_write(self.path_for(key), _fill_with(data), key, create_only=True)
 
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
+        return self._read_with_stat(key, start, end)[0]
+
+    def _read_versioned(self, key: str) -> tuple[bytes, str | None]:
+        data, before = self._read_with_stat(key, None, None)
+        return data, _version(before)
+
+    def _read_with_stat(
+        self, key: str, start: int | None, end: int | None
+    ) -> tuple[bytes, os.stat_result]:
+        """The bytes and the file's stat from the same open file. A file rewritten in
+        place while it was read shows another mtime after the read: that stat is given
+        (the cache then sees another version than it listed)."""
         fd = os.open(self.path_for(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
@@ -66,7 +78,9 @@ class LocalStore(Store):
                 raise IsADirectoryError(errno.EISDIR, "Is a directory", self.path_for(key))
             start = start or 0
             stop = st.st_size if end is None else min(end, st.st_size)
-            return pread_exactly(fd, max(0, stop - start), start)
+            data = pread_exactly(fd, max(0, stop - start), start)
+            after = os.fstat(fd)
+            return data, st if _version(after) == _version(st) else after
         finally:
             os.close(fd)
 
@@ -108,7 +122,7 @@ class LocalStore(Store):
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
             raise IsADirectoryError(f"{path} is a directory, not an object")
-        return Entry(key, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}")
+        return Entry(key, st.st_size, _version(st))
 
     def _list(self, prefix: str) -> list[Entry]:
         top = self.path_for(prefix)
@@ -123,7 +137,7 @@ class LocalStore(Store):
                     st = os.stat(os.path.join(dirpath, name))
                 except FileNotFoundError:  # deleted while we walked
                     continue
-                entries.append(Entry(key, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}"))
+                entries.append(Entry(key, st.st_size, _version(st)))
         return entries
 
     def _delete(self, key: str) -> None:
@@ -174,3 +188,8 @@ def _owner_pid(name: str) -> int | None:
         return int(name.split(TEMP_MARKER, 1)[1].split("-", 1)[0])
     except (IndexError, ValueError):
         return None
+
+
+def _version(st: os.stat_result) -> str:
+    """A local file's etag: its mtime and size (a rewrite changes the mtime)."""
+    return f"{st.st_mtime_ns:x}-{st.st_size:x}"

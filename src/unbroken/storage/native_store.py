@@ -124,6 +124,13 @@ class NativeStore(Store):
             except BaseError as exc:
                 return self._nothing_past_end(key, exc)
 
+    def _read_versioned(self, key: str) -> tuple[bytes, str | None]:
+        if (forked := self._in_fork()) is not None:
+            return forked._read_versioned(key)
+        with self._errors(key):
+            got = obstore.get(self._store, key)
+            return bytes(got.bytes()), _etag(got.meta)
+
     def _read_range(self, key: str, start: int, end: int) -> Any:
         """obstore's own buffer of the range (no copy into bytes)."""
         if (forked := self._in_fork()) is not None:

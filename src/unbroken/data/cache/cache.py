@@ -269,8 +269,9 @@ class LocalCache:
                     self.layout.crash_seen = False
                     self._recover()
                 if entry.size <= self.small_file:
-                    data = self.store.read_bytes(entry.key)
+                    data, version = self.store.read_versioned(entry.key)
                     self._check_size(entry, len(data))
+                    self._check_version(entry, version)
                     with self._local_write(entry):
                         _write_all(fd, data)
             finally:
@@ -320,6 +321,16 @@ class LocalCache:
                 f"LocalCache: cannot store {entry.key!r} ({entry.size} bytes) in the cache "
                 f"at {self.cache_dir}: {exc.strerror or exc}"
             ) from exc
+
+    def _check_version(self, entry: Entry, version: str | None) -> None:
+        """Bytes of another version than the index's must not be kept under its name:
+        they would be served whenever the listing names that version again."""
+        if entry.etag is not None and version is not None and version != entry.etag:
+            raise SourceChangedError(
+                f"{redact(self.store.url_for(entry.key))}: the remote file is now version "
+                f"{version!r} but the index says {entry.etag!r}; it changed since the index "
+                f"was built (rebuild the index)"
+            )
 
     def _check_size(self, entry: Entry, got: int) -> None:
         if got != entry.size:
