@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
-from tests.data.helpers import flatten
+from tests.data.helpers import flatten, serve
 from unbroken.data import VolumeDataset
 from unbroken.data.dataset import SampleReadError
 from unbroken.data.index import EmptyVolumeError
@@ -60,6 +62,18 @@ def test_a_batch_of_only_bad_files_is_skipped_whole(make_volume):
     assert len(batches) == 2 and ld.metrics.skipped == 2 and ld.metrics.batches == 2
 
 
+def test_a_whole_batch_of_bad_files_on_one_rank_of_several_is_raised_not_skipped(make_volume):
+    """Skipped whole, that rank would take one step fewer than the others: a hang at
+    their next collective, or gradients of different steps averaged."""
+    vol = make_volume(8)
+    vol.store.write_bytes("d0/s0003.txt", b"corrupt")
+    ranks = vol.ranks(2, batch_size=1, decode=picky_decode, on_error="skip", shuffle=False)
+    with pytest.raises(SampleReadError, match=r"every file of batch \d+ of epoch 0 on rank 1 of 2"):
+        serve(ranks)
+    (alone,) = vol.ranks(1, batch_size=1, decode=picky_decode, on_error="skip", shuffle=False)
+    assert sorted(s for b in alone for s in flatten(b)) == [0, 1, 2, 4, 5, 6, 7]
+
+
 def test_bad_arguments_are_refused(make_volume, tmp_path):
     vol = make_volume(4)
     with pytest.raises(ValueError, match="on_error must be 'raise' or 'skip'"):
@@ -109,3 +123,32 @@ def test_a_cache_dir_that_cannot_hold_files_is_refused_at_construction(make_volu
     cache_dir = str(blocker if where == "a file" else blocker / "cache")
     with pytest.raises(OSError, match=rf"cache_dir {re.escape(cache_dir)}"):
         vol.dataset(cache_dir=cache_dir)
+
+
+FULL_CACHE_DISK = """
+import resource, signal, sys
+import unbroken as ub
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # a nearly full disk
+ds = ub.VolumeDataset(sys.argv[1], cache_dir=sys.argv[2], on_error="skip", shuffle=False)
+try:
+    print("served", sum(len(b) for b in ub.DataLoader(ds, batch_size=1, num_workers=0)))
+except ub.CacheWriteError as e:
+    print("ERROR:", e)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_full_cache_disk_is_raised_even_where_bad_files_are_skipped(tmp_path):
+    """A full local disk is not a bad file: skipping would train on a shrinking subset."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    for i in range(4):
+        (volume / f"{i}.bin").write_bytes(bytes([i]) * 100_000)
+    run = subprocess.run(
+        [sys.executable, "-c", FULL_CACHE_DISK, str(volume), str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "ERROR: LocalCache: cannot store '0.bin' (100000 bytes) in the cache at " in run.stdout
+    assert str(tmp_path / "cache") in run.stdout and "skipped" not in run.stderr

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from unbroken._util.world import require_group
-from unbroken.data.cache.cache import LocalCache, default_cache_dir
+from unbroken.data.cache.cache import CacheWriteError, LocalCache, default_cache_dir
 from unbroken.data.delivery import Delivery
 from unbroken.data.fill_ahead import FillAhead
 from unbroken.data.index import FileIndex, check_max_age, load_or_build_index
@@ -203,6 +203,8 @@ class VolumeDataset(IterableDataset):
         for k, indices in batches:
             with preserved_rngs():  # decode reseeds them per sample; put them back
                 items = [s for s in (next(samples) for _ in indices) if s is not _SKIP]
+            if not items and len(indices) and self.world_size > 1:
+                raise SampleReadError(self._whole_batch_skipped(epoch, k))
             yield Delivery(
                 batch=collate_fn(items) if items else None,
                 epoch=epoch,
@@ -289,12 +291,25 @@ class VolumeDataset(IterableDataset):
         cache.close()  # withdraw this process's access plan: nothing more is coming
 
     def _failed(self, entry: Entry, what: str, exc: BaseException, counters: WorkerCounters):
+        if isinstance(exc, CacheWriteError):  # the local disk, not the file: never skipped
+            raise exc
         message = f"VolumeDataset: cannot {what} {entry.key!r} from {self.url}: {exc}"
         if self.on_error == "raise":
             raise SampleReadError(message) from exc
         counters.add("skipped")
         log.warning("%s (skipped: on_error='skip')", message)
         return _SKIP
+
+    def _whole_batch_skipped(self, epoch: int, batch: int) -> str:
+        """No batch at all on one rank would put it a step behind the others: their next
+        collective waits for it (a hang), or they average gradients of other steps."""
+        return (
+            f"VolumeDataset: every file of batch {batch} of epoch {epoch} on rank "
+            f"{self.rank} of {self.world_size} failed (warned about above); on_error='skip' "
+            f"skips files, not whole batches, where ranks must stay in step. Fix or remove "
+            f"those files in {self.url} (the index is rebuilt at the next start), or use a "
+            f"larger batch_size"
+        )
 
     # -- per-process resources -------------------------------------------------------
 

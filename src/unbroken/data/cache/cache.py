@@ -256,7 +256,8 @@ class LocalCache:
         the ledger's lock, so a recount at any moment agrees with the ledger.
         """
         path = self.layout.object_path(name)
-        self._reserve(entry.size)
+        with self._local_write(entry):  # its record of reserved bytes is a file too
+            self._reserve(entry.size)
         started = time.monotonic()
         pin = None
         published = False
