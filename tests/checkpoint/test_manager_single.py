@@ -213,7 +213,8 @@ def test_raise_on_failure_stops_training(tmp_path):
     mgr._pipeline.wait()
     with pytest.raises(SaveFailedError, match="step 2"):
         mgr.maybe_save(3, state)
-    mgr.close()
+    with pytest.raises(SaveFailedError, match=r"step 2 failed.*reported before"):
+        mgr.close()  # the run ends without it
 
 
 def test_corrupt_newest_falls_back_to_previous(tmp_path):
@@ -305,25 +306,34 @@ def test_a_bad_durable_file_met_in_the_staging_attempt_is_not_read_again(tmp_pat
     assert_same(snapshot(fresh), expected)
 
 
-def test_a_rolled_back_run_keeps_its_own_step_in_the_staging_tier(tmp_path):
-    """After restore(step=2) the run saves 3: the staging tier keeps 3, not the newer
-    step 4 of the abandoned branch (whose copy would otherwise evict each new commit)."""
+def test_a_run_restored_at_an_older_step_refuses_to_save_among_the_newer_ones(tmp_path, caplog):
+    """restore(step=2) where 4 is committed: saves into that URL would mix the two runs
+    (4 stays the newest, so a restart loads it), so they are refused, by name; the run
+    goes on into another URL, as the error says."""
     state = make_state()
     with manager(tmp_path, keep_last=5) as mgr:
-        train_and_save(mgr, state, (2, 4))
+        saved = train_and_save(mgr, state, (2, 4))
     with manager(tmp_path, keep_last=5) as mgr:
-        assert mgr.restore(state, step=2) == 2
+        with caplog.at_level("WARNING", logger="unbroken.checkpoint.manager"):
+            assert mgr.restore(state, step=2) == 2
+        assert "restored step 2 of " in caplog.text and "steps 4 are committed" in caplog.text
         train(state, [3])
+        for save in (mgr.save, mgr.maybe_save):
+            with pytest.raises(
+                ub.OlderStepRestoredError, match="automatic restart would load step 4"
+            ):
+                save(4, state)
+        branched = snapshot(state)
+    assert [c.step for c in ub.CheckpointManager(str(tmp_path / "durable")).checkpoints()] == [2, 4]
+    with manager(tmp_path, url=str(tmp_path / "branch")) as mgr:
         mgr.save(3, state)
-        mgr.wait()
-        expected = snapshot(state)
-        local = sorted(n for n in os.listdir(tmp_path / "staging") if n != "_goodput")
-        assert local == [step_dir(3)]
     fresh = make_state(9)
-    with manager(tmp_path) as mgr:
-        assert mgr.restore(fresh, step=3) == 3
-        assert mgr.last_restore.tier == "staging"
-    assert_same(snapshot(fresh), expected)
+    with manager(tmp_path, url=str(tmp_path / "branch")) as mgr:
+        assert mgr.restore(fresh) == 3
+    assert_same(snapshot(fresh), branched)
+    with manager(tmp_path) as mgr:  # the first run's newest is untouched
+        assert mgr.restore(fresh) == 4
+    assert_same(snapshot(fresh), saved[4])
 
 
 def test_every_copy_corrupt_raises(tmp_path):
@@ -833,7 +843,22 @@ def test_a_failed_synchronous_save_returns_false(tmp_path):
     with pytest.warns(RuntimeWarning, match="step 2 failed"):
         assert mgr.save(2, make_state()) is False
     assert [e.step for e in mgr.failures] == [2]
-    mgr.close()
+    with pytest.raises(SaveFailedError, match=r"step 2 failed.*reported before"):
+        mgr.close()
+
+
+def test_a_run_whose_last_saves_failed_does_not_end_quietly(tmp_path):
+    """maybe_save warns of each failure once; close() must still say that the run ends
+    without its progress saved, or a loop that only calls maybe_save exits 0."""
+    mgr, switch = outage_manager(tmp_path)
+    state = make_state()
+    switch.write_text("down")
+    with pytest.warns(RuntimeWarning, match="step 2 failed"):
+        for step in range(1, 6):
+            mgr.maybe_save(step, state)
+            mgr._pipeline.wait()
+    with pytest.raises(SaveFailedError, match=r"step 4 failed.*no save committed after it"):
+        mgr.close()
 
 
 def test_a_failure_kept_in_failures_does_not_keep_the_staging_buffers(tmp_path):

@@ -268,6 +268,16 @@ def test_a_staging_dir_that_is_a_file_is_refused_naming_it(tmp_path):
     assert path.read_text() == "my notes"
 
 
+@pytest.mark.parametrize("where", ["the-file", "the-file/ckpt"])
+def test_a_durable_path_that_is_a_file_or_under_one_is_refused_naming_it(tmp_path, where):
+    """Else restore() finds nothing and the job trains from scratch, every save failing."""
+    notes = tmp_path / "the-file"
+    notes.write_text("my notes")
+    with pytest.raises(ValueError, match=re.escape(str(notes)) + " is a file"):
+        ub.CheckpointManager(tmp_path / where, staging_dir=tmp_path / "staging")
+    assert notes.read_text() == "my notes"
+
+
 def test_a_staging_dir_linked_to_nowhere_is_refused_naming_both(tmp_path):
     """A node-local scratch disk that is not mounted leaves the job's link dangling."""
     path = tmp_path / "staging"

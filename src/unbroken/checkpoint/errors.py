@@ -55,6 +55,11 @@ class NoCheckpointError(CheckpointError):
     """No (committed) checkpoint where one was required."""
 
 
+class OlderStepRestoredError(CheckpointError):
+    """A save into a URL where the run was restored at an older step than its newest:
+    the two runs' checkpoints would mix, and an automatic restart would load the other's."""
+
+
 class SaveFailedError(CheckpointError):
     """A background save failed; ``step`` says which, ``__cause__`` and ``cause`` why."""
 
@@ -88,9 +93,7 @@ class OtherJobError(SaveFailedError, OtherWriterError):
     of it, whatever ``raise_on_failure`` says: two jobs on one URL skip each other's steps
     and restore each other's checkpoints. ``this_job`` and ``other_job`` name both."""
 
-    def __init__(
-        self, message: str, *, step: int, url: str, this_job: str, other_job: str
-    ) -> None:
+    def __init__(self, message: str, *, step: int, url: str, this_job: str, other_job: str) -> None:
         CheckpointError.__init__(self, message)
         self.step = step
         self.url = url

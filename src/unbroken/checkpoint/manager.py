@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from unbroken._util.world import require_group
 from unbroken.checkpoint import json_values
-from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
+from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints, steps_after
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.config import (
     CheckpointConfig,
@@ -30,7 +30,7 @@ from unbroken.checkpoint.config import (
     default_staging_dir,
 )
 from unbroken.checkpoint.elastic_env import warn_if_restarts_may_hang
-from unbroken.checkpoint.errors import OtherJobError, SaveFailedError
+from unbroken.checkpoint.errors import OlderStepRestoredError, OtherJobError, SaveFailedError
 from unbroken.checkpoint.memory_tier import MemoryTier
 from unbroken.checkpoint.peers.network import PeerNetwork, replica_stores
 from unbroken.checkpoint.peers.replicator import Replicator
@@ -39,7 +39,7 @@ from unbroken.checkpoint.preemption import EXIT_CODE, PreemptionWatch
 from unbroken.checkpoint.save_cadence import SaveCadence
 from unbroken.checkpoint.save_job import SaveJob
 from unbroken.checkpoint.staging.stager import StateStager
-from unbroken.checkpoint.staging_tier import check_staging_dir
+from unbroken.checkpoint.staging_tier import check_local_durable, check_staging_dir
 from unbroken.checkpoint.state_dicts import FlatState, collect, state_bytes
 from unbroken.goodput import autopilot
 from unbroken.goodput import recorder as goodput_recorder
@@ -101,6 +101,7 @@ class CheckpointManager:
             config.url, retry=config.retry, **(config.storage_options or {})
         )
         self.staging_dir = os.path.abspath(config.staging_dir or default_staging_dir(config.url))
+        check_local_durable(self.store)
         check_staging_dir(self.staging_dir, self.store)
         self.staging = LocalStore(self.staging_dir)
         self.stats = SaveStats()
@@ -140,6 +141,10 @@ class CheckpointManager:
         self._closed = False
         self.last_restore: Any = None
         """What the last restore() loaded (step, tier, url, seconds), or None."""
+        self._last_error: SaveFailedError | None = None
+        """The newest save's failure; None once a later save committed."""
+        self._left_newer: tuple[int, list[int]] | None = None
+        """After ``restore(step=)`` of an older step: that step and the newer ones."""
         self.memory_tier = (
             MemoryTier.open(
                 self.staging_dir, self._group.global_rank, required=bool(config.memory_tier)
@@ -246,6 +251,8 @@ class CheckpointManager:
     def _save(self, step: int, state: Mapping[str, Any], *, skip_if_busy: bool) -> bool:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+        if self._left_newer is not None:
+            raise OlderStepRestoredError(self._older_step_restored(*self._left_newer))
         self._check_group()
         t0 = time.monotonic()
         self.stats.requested += 1
@@ -317,6 +324,7 @@ class CheckpointManager:
                 upload_seconds=job.seconds.get("upload"),
             )
             self._cadence.finished(job.step, ok=job.error is None, seconds=job.seconds.get("total"))
+            self._last_error = job.error
             if job.error is not None:
                 self.stats.failed += 1
                 self._failures.append(job.error)
@@ -395,6 +403,11 @@ class CheckpointManager:
             self._goodput.close(preempted=self.preempted)
         # After the worker stopped: a failure recorded while close() waited is raised too.
         self._report_failures(raising=True)
+        last = self._last_error
+        if clean and last is not None:  # warned about, but the run ends without it
+            raise SaveFailedError(
+                last.step, message=f"{last} (reported before; no save committed after it)"
+            ) from last
         if clean and self.memory_tier is not None:
             self.memory_tier.remove_own()
 
@@ -447,7 +460,23 @@ class CheckpointManager:
             return None
         self._cadence.restored(restored.step)
         self._pipeline.current_step = restored.step  # its local copy is the one to keep
+        newer = steps_after(self.store, restored.step) if step is not None else []
+        if newer:
+            self._left_newer = (restored.step, newer)
+            log.warning("%s", self._older_step_restored(restored.step, newer))
         return restored.step
+
+    def _older_step_restored(self, step: int, newer: list[int]) -> str:
+        shown = ", ".join(map(str, newer[:8])) + (", ..." if len(newer) > 8 else "")
+        url = redact(self.store.url)
+        return (
+            f"restored step {step} of {url}, where steps {shown} are committed too: "
+            f"an automatic restart would load step {newer[-1]}, and this run's saves would "
+            f"mix with them (a committed step is never overwritten), so this manager refuses "
+            f"every save. To go on from step {step} as a new run, restore with this manager and "
+            f"save with a CheckpointManager of another URL; or move steps {shown} out of "
+            f"{url} and restore again"
+        )
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint in the durable tier, committed or not, by step."""

@@ -16,6 +16,25 @@ from unbroken.storage import LocalStore, Store
 log = logging.getLogger(__name__)
 
 
+def check_local_durable(durable: Store) -> None:
+    """A durable path that is a file, or under one, can hold no checkpoint: refused here,
+    by path, not found by a restore that quietly starts from scratch. (A read-only one is
+    fine: a manager may only restore.)"""
+    if not isinstance(durable, LocalStore):
+        return
+    path = os.path.abspath(durable.url)
+    while True:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(
+                f"CheckpointManager: the durable tier {durable.url} cannot hold checkpoints: "
+                f"{path} is a file, not a directory"
+            )
+        parent = os.path.dirname(path)
+        if parent == path or os.path.isdir(path):
+            return
+        path = parent
+
+
 def check_staging_dir(path: str, durable: Store) -> None:
     """Create the staging directory and prove it writable, apart from the durable tier,
     so that a bad one is refused here, by path, rather than failing every save later."""
