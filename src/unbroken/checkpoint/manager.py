@@ -143,6 +143,8 @@ class CheckpointManager:
         """What the last restore() loaded (step, tier, url, seconds), or None."""
         self._last_error: SaveFailedError | None = None
         """The newest save's failure; None once a later save committed."""
+        self._warned: SaveFailedError | None = None
+        """The newest failure reported by a warning alone (not raised)."""
         self._left_newer: tuple[int, list[int]] | None = None
         """After ``restore(step=)`` of an older step: that step and the newer ones."""
         self.memory_tier = (
@@ -346,6 +348,7 @@ class CheckpointManager:
             return
         conflicts = [err for err in pending if isinstance(err, OtherJobError)]
         if raising or self.config.raise_on_failure or conflicts:
+            self._warned = None
             raised = conflicts[-1] if conflicts else pending[-1]
             for err in pending:
                 if err is not raised:
@@ -353,6 +356,7 @@ class CheckpointManager:
             raise raised
         for err in pending:
             warnings.warn(str(err), RuntimeWarning, stacklevel=3)
+        self._warned = pending[-1]
 
     # -- waiting and closing -----------------------------------------------------------
 
@@ -404,9 +408,9 @@ class CheckpointManager:
         # After the worker stopped: a failure recorded while close() waited is raised too.
         self._report_failures(raising=True)
         last = self._last_error
-        if clean and last is not None:  # warned about, but the run ends without it
+        if clean and last is not None and last is self._warned:  # the run ends without it
             raise SaveFailedError(
-                last.step, message=f"{last} (reported before; no save committed after it)"
+                last.step, message=f"{last} (warned before; no save committed after it)"
             ) from last
         if clean and self.memory_tier is not None:
             self.memory_tier.remove_own()
