@@ -59,6 +59,21 @@ class OlderStepRestoredError(CheckpointError):
     """A save into a URL where the run was restored at an older step than its newest:
     the two runs' checkpoints would mix, and an automatic restart would load the other's."""
 
+    def __init__(self, url: str, step: int, newer: list[int]) -> None:
+        from unbroken.checkpoint.format.manifest import step_dir  # it imports this module
+
+        shown = ", ".join(map(str, newer[:8])) + (", ..." if len(newer) > 8 else "")
+        super().__init__(
+            f"restored step {step} of {url}, where steps {shown} are committed too: an "
+            f"automatic restart would load step {newer[-1]}, and this run's saves would mix "
+            f"with them (a committed step is never overwritten), so this manager refuses "
+            f"every save. To go on from step {step} as a new run, save into another URL "
+            f"(restore with this manager, save with a CheckpointManager of that URL; or copy "
+            f"{step_dir(step)} there and run on it); or move steps {shown} out of {url} and "
+            f"restore again"
+        )
+        self.step, self.newer = step, newer
+
 
 class SaveFailedError(CheckpointError):
     """A background save failed; ``step`` says which, ``__cause__`` and ``cause`` why."""

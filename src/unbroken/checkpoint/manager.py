@@ -254,7 +254,7 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         if self._left_newer is not None:
-            raise OlderStepRestoredError(self._older_step_restored(*self._left_newer))
+            raise OlderStepRestoredError(redact(self.store.url), *self._left_newer)
         self._check_group()
         t0 = time.monotonic()
         self.stats.requested += 1
@@ -467,20 +467,8 @@ class CheckpointManager:
         newer = steps_after(self.store, restored.step) if step is not None else []
         if newer:
             self._left_newer = (restored.step, newer)
-            log.warning("%s", self._older_step_restored(restored.step, newer))
+            log.warning("%s", OlderStepRestoredError(redact(self.store.url), restored.step, newer))
         return restored.step
-
-    def _older_step_restored(self, step: int, newer: list[int]) -> str:
-        shown = ", ".join(map(str, newer[:8])) + (", ..." if len(newer) > 8 else "")
-        url = redact(self.store.url)
-        return (
-            f"restored step {step} of {url}, where steps {shown} are committed too: "
-            f"an automatic restart would load step {newer[-1]}, and this run's saves would "
-            f"mix with them (a committed step is never overwritten), so this manager refuses "
-            f"every save. To go on from step {step} as a new run, restore with this manager and "
-            f"save with a CheckpointManager of another URL; or move steps {shown} out of "
-            f"{url} and restore again"
-        )
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint in the durable tier, committed or not, by step."""
