@@ -72,6 +72,9 @@ def test_a_whole_batch_of_bad_files_on_one_rank_of_several_is_raised_not_skipped
         serve(ranks)
     (alone,) = vol.ranks(1, batch_size=1, decode=picky_decode, on_error="skip", shuffle=False)
     assert sorted(s for b in alone for s in flatten(b)) == [0, 1, 2, 4, 5, 6, 7]
+    # iterated alone (a plain torch DataLoader) nothing keeps ranks in step: skipped
+    second = vol.dataset(rank=1, world_size=2, decode=picky_decode, on_error="skip", shuffle=False)
+    assert sorted(second) == [1, 5, 7]
 
 
 def test_bad_arguments_are_refused(make_volume, tmp_path):

@@ -72,7 +72,10 @@ class OlderStepRestoredError(CheckpointError):
             f"{step_dir(step)} there and run on it); or move steps {shown} out of {url} and "
             f"restore again"
         )
-        self.step, self.newer = step, newer
+        self.url, self.step, self.newer = url, step, newer
+
+    def __reduce__(self) -> tuple:  # its arguments, not its message: it crosses processes
+        return (type(self), (self.url, self.step, self.newer))
 
 
 class SaveFailedError(CheckpointError):

@@ -212,6 +212,8 @@ class CheckpointManager:
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
         _check_step(step)
+        if self._left_newer is not None:  # at once, not at the first due step
+            raise OlderStepRestoredError(redact(self.store.url), *self._left_newer)
         self._goodput.step(step)
         self._cadence.time_step(lambda: self._pipeline.in_flight is not None)
         self._report_failures(raising=False)
@@ -407,13 +409,13 @@ class CheckpointManager:
             self._goodput.close(preempted=self.preempted)
         # After the worker stopped: a failure recorded while close() waited is raised too.
         self._report_failures(raising=True)
+        if clean and self.memory_tier is not None:
+            self.memory_tier.remove_own()
         last = self._last_error
         if clean and last is not None and last is self._warned:  # the run ends without it
             raise SaveFailedError(
                 last.step, message=f"{last} (warned before; no save committed after it)"
             ) from last
-        if clean and self.memory_tier is not None:
-            self.memory_tier.remove_own()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -436,6 +438,7 @@ class CheckpointManager:
         self._check_group()
         self._pipeline.drain()
         self._report_failures(raising=False)
+        self._left_newer = None  # a restore of the newest step lifts it
         self._size_memory_tier(collect(state))
         self._goodput.restore_begin()
         memory = self._pipeline.node.memory_store()
@@ -464,11 +467,22 @@ class CheckpointManager:
             return None
         self._cadence.restored(restored.step)
         self._pipeline.current_step = restored.step  # its local copy is the one to keep
-        newer = steps_after(self.store, restored.step) if step is not None else []
+        newer = self._steps_after(restored.step) if step is not None else []
         if newer:
             self._left_newer = (restored.step, newer)
             log.warning("%s", OlderStepRestoredError(redact(self.store.url), restored.step, newer))
         return restored.step
+
+    def _steps_after(self, step: int) -> list[int]:
+        """The coordinator's steps above ``step`` on every rank (ranks that listed apart
+        could disagree: one would refuse a save the others wait in)."""
+        newer: list[int] = []
+        if self._group.is_coordinator:
+            try:
+                newer = steps_after(self.store, step)
+            except Exception as e:  # the restore went well: not failed for this
+                log.warning("could not list the steps after %d at %s: %s", step, self.store.url, e)
+        return self._group.broadcast(newer)
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint in the durable tier, committed or not, by step."""

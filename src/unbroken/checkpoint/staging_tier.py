@@ -68,7 +68,7 @@ def check_staging_dir(path: str, durable: Store) -> None:
 def tidy(staging_dir: str, current_step: int | None, *, writing: int | None = None) -> None:
     """Keep the copy of the step this run is at (``current_step``; before a commit or
     restore, the newest directory holding a manifest) and the step being written,
-    nothing else: older copies, newer committed ones (a rolled-back or restarted run's)
+    nothing else: older copies, newer committed ones (a run that fell back past them)
     and partial ones a killed job left.
 
     After a commit (no ``writing``) a newer directory without a manifest stays: a rank of

@@ -175,7 +175,7 @@ class VolumeDataset(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         deliveries = self.iter_batches(
             self.epoch, 0, batch_size=1, drop_last=True, collate_fn=list,
-            worker=worker, num_workers=workers,
+            worker=worker, num_workers=workers, in_step=False,
         )  # fmt: skip
         for d in deliveries:
             if d.batch:
@@ -192,8 +192,12 @@ class VolumeDataset(IterableDataset):
         worker: int = 0,
         num_workers: int = 1,
         generation: int = 0,
+        in_step: bool = True,
     ) -> Iterator[Delivery]:
-        """This worker's batches of this rank, from global position ``start`` of ``epoch``."""
+        """This worker's batches of this rank, from global position ``start`` of ``epoch``.
+
+        ``in_step``: the ranks take a step per batch together (``ub.DataLoader``), so a
+        batch of only skipped files is an error where there are several ranks."""
         part = self.partition(start, batch_size, drop_last)
         every = self.batch_indices(epoch, start, batch_size, drop_last)
         batches = [(k, every[k]) for k in worker_batches(part.num_batches, worker, num_workers)]
@@ -203,7 +207,7 @@ class VolumeDataset(IterableDataset):
         for k, indices in batches:
             with preserved_rngs():  # decode reseeds them per sample; put them back
                 items = [s for s in (next(samples) for _ in indices) if s is not _SKIP]
-            if not items and len(indices) and self.world_size > 1:
+            if in_step and not items and len(indices) and self.world_size > 1:
                 raise SampleReadError(self._whole_batch_skipped(epoch, k))
             yield Delivery(
                 batch=collate_fn(items) if items else None,

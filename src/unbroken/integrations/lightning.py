@@ -325,6 +325,9 @@ class UnbrokenCallback(OnExceptionCheckpoint):
             _take_sigterm_from_lightning(trainer)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+        if idx + 1 >= trainer.num_training_batches:  # Lightning ends its epoch here, so
+            _end_epoch_of(trainer.train_dataloader)  # does every save in this batch (ours,
+            # a ModelCheckpoint's, in whatever order Lightning runs the callbacks)
         rng, self.io._restored_rng = self.io._restored_rng, None
         if rng is not None:
             restore_rng_state(rng)
@@ -332,8 +335,6 @@ class UnbrokenCallback(OnExceptionCheckpoint):
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
     ) -> None:
-        if idx + 1 >= trainer.num_training_batches:  # Lightning ends its epoch here
-            _end_epoch_of(trainer.train_dataloader)
         if 0 <= trainer.max_steps <= trainer.global_step:  # the fit's last step
             # Saved here, mid-epoch like every other save: by on_train_end Lightning has
             # counted the epoch done, and a longer fit resumed from that state would start

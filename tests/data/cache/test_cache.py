@@ -16,7 +16,7 @@ import pytest
 from tests.data._cache_util import FAST_RETRY, disk_bytes, put_files, slow, spawn
 from unbroken import open_store
 from unbroken.data.cache.cache import LocalCache, SourceChangedError, default_cache_dir
-from unbroken.storage import Entry, ObjectNotFoundError, StoreError
+from unbroken.storage import Entry, LocalStore, ObjectNotFoundError, StoreError
 
 SHARED = ["local", "s3"]  # backends that several processes can reach
 
@@ -712,3 +712,41 @@ def test_fills_in_flight_past_the_limit_are_evicted_back_under_it(store, tmp_pat
         t.join(30)
     assert disk_bytes(cache.cache_dir) <= 3000
     assert cache.used_bytes == disk_bytes(cache.cache_dir)
+
+
+class _RenamingVersions(LocalStore):
+    """A server that names each version one way in a listing and another in a read."""
+
+    def __init__(self, url: str, read_name) -> None:
+        super().__init__(url)
+        self.read_name = read_name
+
+    def _read_versioned(self, key: str) -> tuple[bytes, str | None]:
+        data, version = super()._read_versioned(key)
+        return data, self.read_name(version)
+
+
+@pytest.mark.parametrize(
+    "read_name", [lambda v: f'W/"{v}"', lambda v: "d41d8cd98f00b204e9800998ecf8427e"]
+)
+def test_versions_named_two_ways_by_one_server_are_not_taken_for_a_change(
+    tmp_path, read_name, caplog
+):
+    store = _RenamingVersions(str(tmp_path / "store"), read_name)
+    entries = put_files(store, 3)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    with caplog.at_level("WARNING", logger="unbroken.data.cache.cache"):
+        assert [cache.read(e) for e in entries] == [store.read_bytes(e.key) for e in entries]
+    quirk = "W/" not in read_name("x")  # a weak mark alone is the same name
+    assert caplog.text.count("are not compared with the listing") == int(quirk)
+
+
+def test_a_version_changed_under_a_server_that_names_versions_two_ways_is_refused(tmp_path):
+    store = _RenamingVersions(str(tmp_path / "store"), lambda v: "some-other-name")
+    (entry,) = put_files(store, 1)
+    path = os.path.join(store.root, entry.key)
+    os.utime(path, ns=(1, 1))  # a new version: the listing names it too
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    with pytest.raises(SourceChangedError, match="changed since the index was built"):
+        cache.read(entry)
+    assert not cache.contains(entry)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -34,6 +35,7 @@ EVICT_SLACK = 0.02
 """When the cache is full, evict this fraction of the limit beyond what is needed, so
 that the directory scan behind an eviction is paid once per batch, not once per file."""
 _POLL_MIN, _POLL_MAX = 0.002, 0.05
+log = logging.getLogger(__name__)
 _ABSENT = object()
 
 
@@ -118,6 +120,7 @@ class LocalCache:
         self._local_fills: dict[str, threading.Event] = {}
         self._mutex = threading.Lock()
         self._touch = self.limit is not None  # mtimes only order evictions
+        self._compare_versions = True  # until the store names versions two ways
         _live.add(self)
 
     def __getstate__(self) -> dict:
@@ -325,13 +328,31 @@ class LocalCache:
 
     def _check_version(self, entry: Entry, version: str | None) -> None:
         """Bytes of another version than the index's must not be kept under its name:
-        they would be served whenever the listing names that version again."""
-        if entry.etag is not None and version is not None and version != entry.etag:
-            raise SourceChangedError(
-                f"{redact(self.store.url_for(entry.key))}: the remote file is now version "
-                f"{version!r} but the index says {entry.etag!r}; it changed since the index "
-                f"was built (rebuild the index)"
-            )
+        they would be served whenever the listing names that version again.
+
+        Some servers name a version one way in listings and another in a GET's answer
+        (an MD5 against an opaque id, an empty etag): where a new listing of the file
+        still says the listed version, the GET's is taken for such a quirk, and this
+        process stops comparing them."""
+        listed = _plain_etag(entry.etag)
+        if listed is None or not self._compare_versions or _plain_etag(version) in (None, listed):
+            return
+        again = [e for e in self.store.list(entry.key) if e.key == entry.key]
+        now = _plain_etag(again[0].etag) if again else None
+        if now == listed:
+            self._compare_versions = False
+            log.warning(
+                "LocalCache: %s names %r in its listing and %r in a read of the same version "
+                "of %s; its reads are not compared with the listing from now on",
+                self.store.url, entry.etag, version, entry.key,
+            )  # fmt: skip
+            return
+        raise SourceChangedError(
+            f"{redact(self.store.url_for(entry.key))}: the remote file is now version "
+            f"{now or version!r} but the index says {entry.etag!r}; it changed since the "
+            f"index was built (the next start lists the volume again; with index_max_age "
+            f"set, pass refresh_index=True)"
+        )
 
     def _check_size(self, entry: Entry, got: int) -> None:
         if got != entry.size:
@@ -429,3 +450,11 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
+
+
+def _plain_etag(etag: str | None) -> str | None:
+    """An etag without its quotes or weak mark (``W/"x"`` and ``x`` name one version)."""
+    if not etag:
+        return None
+    etag = etag.strip()
+    return (etag[2:] if etag.startswith("W/") else etag).strip('"') or None
