@@ -750,3 +750,21 @@ def test_a_version_changed_under_a_server_that_names_versions_two_ways_is_refuse
     with pytest.raises(SourceChangedError, match="changed since the index was built"):
         cache.read(entry)
     assert not cache.contains(entry)
+
+
+@pytest.mark.parametrize("small_file", [10_000, 100])
+def test_a_file_rewritten_after_the_listing_is_never_cached_as_the_listed_version(
+    tmp_path, small_file
+):
+    """Read in one request or downloaded in ranges (a file over small_file)."""
+    store = open_store(str(tmp_path / "store"))
+    (entry,) = put_files(store, 1, size=1000)
+    path = os.path.join(store.root, entry.key)
+    with open(path, "r+b") as f:  # the same size, other bytes, a new mtime
+        f.write(b"x" * 1000)
+    os.utime(path, ns=(10**18, 10**18))
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    cache.small_file = small_file
+    with pytest.raises(SourceChangedError, match="changed since the index was built"):
+        cache.read(entry)
+    assert not cache.contains(entry)

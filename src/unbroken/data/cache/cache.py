@@ -283,6 +283,8 @@ class LocalCache:
             if entry.size > self.small_file:
                 self.store.download(entry.key, tmp, sync=False)  # a copy: see module doc
                 self._check_size(entry, os.path.getsize(tmp))
+                # ranged reads name no version: the object's, once they are all in
+                self._check_version(entry, self.store.info(entry.key).etag)
                 data = None
                 if want:
                     pin = self.layout.pin(tmp)  # so it cannot vanish before it is read
