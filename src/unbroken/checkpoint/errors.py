@@ -111,7 +111,9 @@ class OtherJobError(SaveFailedError, OtherWriterError):
     of it, whatever ``raise_on_failure`` says: two jobs on one URL skip each other's steps
     and restore each other's checkpoints. ``this_job`` and ``other_job`` name both."""
 
-    def __init__(self, message: str, *, step: int, url: str, this_job: str, other_job: str) -> None:
+    def __init__(
+        self, message: str, *, step: int, url: str, this_job: str, other_job: str
+    ) -> None:
         CheckpointError.__init__(self, message)
         self.step = step
         self.url = url
