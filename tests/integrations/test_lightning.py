@@ -45,6 +45,7 @@ def _fit(
     every: int = 4,
     theirs: bool = False,
     limit: int | None = None,
+    their_every: int | None = None,
     **module_args,
 ) -> tuple[str, dict, int]:
     """One fit in this process, resumed from ``tmp_path/ckpt`` if anything is committed;
@@ -56,8 +57,14 @@ def _fit(
     io = UnbrokenCheckpointIO(
         tmp_path / "ckpt", staging_dir=tmp_path / "stage", every_steps=every, when_busy="wait"
     )
+    callbacks = [io.callback]
+    if their_every:  # a ModelCheckpoint of the user's, listed first, saving through io
+        theirs_cb = L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=tmp_path / "theirs", every_n_train_steps=their_every, save_last=True
+        )
+        callbacks.insert(0, theirs_cb)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, plugins=[io], callbacks=[io.callback],
+        accelerator="cpu", devices=1, max_steps=steps, plugins=[io], callbacks=callbacks,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=tmp_path, limit_train_batches=limit,
     )  # fmt: skip
@@ -87,15 +94,20 @@ def test_a_fit_stopped_and_resumed_from_last_equals_an_uninterrupted_one(tmp_pat
     assert not (tmp_path / "job" / "checkpoints").exists()  # Lightning's default folder
 
 
+@pytest.mark.parametrize(
+    "saves", [{"every": 3}, {"every": 1000, "their_every": 3}], ids=["ours", "theirs-first"]
+)
 def test_a_fit_with_limit_train_batches_resumed_from_an_epochs_last_batch_goes_on_as_it_did(
-    tmp_path,
+    tmp_path, saves
 ):
-    """3 of the 16 batches an epoch, a save every 3 steps: each at an epoch's last batch,
-    after which Lightning starts the next epoch, and so must the resumed fit."""
+    """3 of the 16 batches an epoch, a save every 3 steps (ours, or a ModelCheckpoint's
+    listed before our callback): each at an epoch's last batch, after which Lightning
+    starts the next epoch, and so must the resumed fit."""
     volume = toy_volume(tmp_path, files=FILES)
-    reference, seen, epoch = _fit(tmp_path / "reference", volume, 11, every=3, limit=3)
-    _, first, _ = _fit(tmp_path / "job", volume, 6, every=3, limit=3)
-    resumed, rest, resumed_epoch = _fit(tmp_path / "job", volume, 11, every=3, limit=3)
+    fit = functools.partial(_fit, volume=volume, limit=3, **saves)
+    reference, seen, epoch = fit(tmp_path / "reference", steps=11)
+    _, first, _ = fit(tmp_path / "job", steps=6)
+    resumed, rest, resumed_epoch = fit(tmp_path / "job", steps=11)
     assert min(rest) == 7 and {**first, **rest} == seen
     assert resumed == reference and resumed_epoch == epoch
     epochs = [sorted(i for s in range(e * 3 + 1, e * 3 + 4) for i in seen[s]) for e in range(3)]
