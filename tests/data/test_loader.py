@@ -244,6 +244,8 @@ def test_leaving_an_epoch_whose_position_was_saved_says_what_a_resume_would_serv
     for i, _ in enumerate(ld):  # no state taken in epoch 1: nothing to say
         if i == 1:
             break
+    for _, _ in zip(range(len(ld)), ld):  # served to its end, never seeing StopIteration
+        ld.state_dict()
     with caplog.at_level("WARNING", logger="unbroken.data.loader"):
         list(ld)
         for i, _ in enumerate(ld):  # a state taken, then end_epoch: said nowhere either

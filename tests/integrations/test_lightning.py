@@ -46,13 +46,14 @@ def _fit(
     theirs: bool = False,
     limit: int | None = None,
     their_every: int | None = None,
+    module: type = Regressor,
     **module_args,
 ) -> tuple[str, dict, int]:
     """One fit in this process, resumed from ``tmp_path/ckpt`` if anything is committed;
     the digest of the weights and optimizer state, the samples of each step, and the
     epoch Lightning counts at the end."""
     L.seed_everything(0, verbose=False)
-    model, seen = Regressor(**module_args), {}
+    model, seen = module(**module_args), {}
     model.seen = lambda step, ids: seen.__setitem__(step, ids)
     io = UnbrokenCheckpointIO(
         tmp_path / "ckpt", staging_dir=tmp_path / "stage", every_steps=every, when_busy="wait"
@@ -94,8 +95,18 @@ def test_a_fit_stopped_and_resumed_from_last_equals_an_uninterrupted_one(tmp_pat
     assert not (tmp_path / "job" / "checkpoints").exists()  # Lightning's default folder
 
 
+class _PullsBatches(Regressor):
+    """A training_step that takes Lightning's dataloader_iter and fetches its batch."""
+
+    def training_step(self, dataloader_iter):  # type: ignore[override]
+        batch, idx, _ = next(dataloader_iter)
+        return super().training_step(batch, idx)
+
+
 @pytest.mark.parametrize(
-    "saves", [{"every": 3}, {"every": 1000, "their_every": 3}], ids=["ours", "theirs-first"]
+    "saves",
+    [{"every": 3}, {"every": 1000, "their_every": 3}, {"every": 3, "module": _PullsBatches}],
+    ids=["ours", "theirs-first", "dataloader-iter"],
 )
 def test_a_fit_with_limit_train_batches_resumed_from_an_epochs_last_batch_goes_on_as_it_did(
     tmp_path, saves

@@ -343,6 +343,8 @@ class DataLoader(torch.utils.data.DataLoader):
         left, self._state_taken_in = self._state_taken_in, None
         if left is None or self._restart_requested or self._active is None:
             return
+        if self._consumed >= self._active.end:  # served to its end: nothing was skipped
+            return
         if left[0] < epoch:
             log.warning(
                 "unbroken.DataLoader: epoch %d was left at position %d of %d for epoch %d, "

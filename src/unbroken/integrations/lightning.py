@@ -39,6 +39,7 @@ try:
     from lightning.pytorch.callbacks.callback import Callback
     from lightning.pytorch.strategies import Strategy
     from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError(
         "unbroken.integrations.lightning needs lightning: pip install 'unbroken[lightning]'"
@@ -325,9 +326,10 @@ class UnbrokenCallback(OnExceptionCheckpoint):
             _take_sigterm_from_lightning(trainer)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
-        if idx + 1 >= trainer.num_training_batches:  # Lightning ends its epoch here, so
-            _end_epoch_of(trainer.train_dataloader)  # does every save in this batch (ours,
-            # a ModelCheckpoint's, in whatever order Lightning runs the callbacks)
+        if idx + 1 >= trainer.num_training_batches and not _pulls_batches(pl_module):
+            # Lightning ends its epoch at this batch, so does every save in it (ours, a
+            # ModelCheckpoint's, in whatever order Lightning runs the callbacks)
+            _end_epoch_of(trainer.train_dataloader)
         rng, self.io._restored_rng = self.io._restored_rng, None
         if rng is not None:
             restore_rng_state(rng)
@@ -335,6 +337,10 @@ class UnbrokenCallback(OnExceptionCheckpoint):
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
     ) -> None:
+        if idx + 1 >= trainer.num_training_batches and _pulls_batches(pl_module):
+            # a training_step(dataloader_iter) fetched its batches in the step, and idx
+            # is the last it fetched (a ModelCheckpoint before us saved mid-epoch then)
+            _end_epoch_of(trainer.train_dataloader)
         if 0 <= trainer.max_steps <= trainer.global_step:  # the fit's last step
             # Saved here, mid-epoch like every other save: by on_train_end Lightning has
             # counted the epoch done, and a longer fit resumed from that state would start
@@ -354,6 +360,11 @@ class UnbrokenCallback(OnExceptionCheckpoint):
 
     def teardown(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+def _pulls_batches(pl_module: Any) -> bool:
+    """A ``training_step(self, dataloader_iter)``: Lightning hands it the iterator."""
+    return is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True)
 
 
 def _end_epoch_of(loaders: Any) -> None:
