@@ -84,13 +84,6 @@ def step_files(store: Store, *, include_temp: bool) -> dict[int, dict[str, int]]
     return by_step
 
 
-def steps_after(store: Store, step: int) -> list[int]:
-    """The steps above ``step`` whose manifest is there (committed, or so they claim),
-    from one listing: what an automatic restore would prefer to ``step``."""
-    listed = step_files(store, include_temp=False)
-    return sorted(s for s, files in listed.items() if s > step and MANIFEST_NAME in files)
-
-
 def newest_committed(store: Store) -> CheckpointInfo | None:
     """The committed checkpoint with the highest step, or None."""
     committed = [c for c in list_checkpoints(store) if c.committed]

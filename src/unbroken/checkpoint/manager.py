@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from unbroken._util.world import require_group
 from unbroken.checkpoint import json_values
-from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints, steps_after
+from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.config import (
     CheckpointConfig,
@@ -467,22 +467,11 @@ class CheckpointManager:
             return None
         self._cadence.restored(restored.step)
         self._pipeline.current_step = restored.step  # its local copy is the one to keep
-        newer = self._steps_after(restored.step) if step is not None else []
+        newer = list(restored.newer) if step is not None else []  # from the agreed listing
         if newer:
             self._left_newer = (restored.step, newer)
             log.warning("%s", OlderStepRestoredError(redact(self.store.url), restored.step, newer))
         return restored.step
-
-    def _steps_after(self, step: int) -> list[int]:
-        """The coordinator's steps above ``step`` on every rank (ranks that listed apart
-        could disagree: one would refuse a save the others wait in)."""
-        newer: list[int] = []
-        if self._group.is_coordinator:
-            try:
-                newer = steps_after(self.store, step)
-            except Exception as e:  # the restore went well: not failed for this
-                log.warning("could not list the steps after %d at %s: %s", step, self.store.url, e)
-        return self._group.broadcast(newer)
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint in the durable tier, committed or not, by step."""

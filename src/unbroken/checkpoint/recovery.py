@@ -85,6 +85,10 @@ class Restored:
     url: str
     seconds: float
     manifest: Manifest
+    newer: tuple[int, ...] = ()
+    """Steps above this one with a manifest in the listing every rank agreed on: those an
+    automatic restore would have tried first (none unless a ``step`` was asked for, or
+    newer ones failed their checks)."""
 
 
 @dataclass
@@ -177,7 +181,8 @@ def restore(
             tiers = [*node.tiers(), ("durable", durable)]
             sources = _sources(reader, tiers)
             where = _nearest(tiers, sources, durable).url_for(step_dir(s))
-            return Restored(s, sources, where, time.monotonic() - began, manifest)
+            newer = tuple(sorted(x for x in listed if x > s))
+            return Restored(s, sources, where, time.monotonic() - began, manifest, newer)
         if s != steps[-1]:
             warnings.warn(
                 f"checkpoint step {s} at {durable.url} could not be loaded; falling back to "

@@ -59,18 +59,18 @@ class LocalStore(Store):
         atomic_local_write(self.path_for(key), _fill_with(data), key, create_only=True)
 
     def _read_bytes(self, key: str, start: int | None, end: int | None) -> bytes:
-        return self._read_with_stat(key, start, end)[0]
+        return self._read_with_stat(key, start, end, recheck=False)[0]
 
     def _read_versioned(self, key: str) -> tuple[bytes, str | None]:
-        data, before = self._read_with_stat(key, None, None)
-        return data, _version(before)
+        data, st = self._read_with_stat(key, None, None, recheck=True)
+        return data, _version(st)
 
     def _read_with_stat(
-        self, key: str, start: int | None, end: int | None
+        self, key: str, start: int | None, end: int | None, *, recheck: bool
     ) -> tuple[bytes, os.stat_result]:
-        """The bytes and the file's stat from the same open file. A file rewritten in
-        place while it was read shows another mtime after the read: that stat is given
-        (the cache then sees another version than it listed)."""
+        """The bytes and the file's stat from the same open file. ``recheck``: stat it
+        again after the read; a file rewritten in place meanwhile shows another mtime,
+        and that stat is given (the cache then sees another version than it listed)."""
         fd = os.open(self.path_for(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
@@ -79,8 +79,7 @@ class LocalStore(Store):
             start = start or 0
             stop = st.st_size if end is None else min(end, st.st_size)
             data = pread_exactly(fd, max(0, stop - start), start)
-            after = os.fstat(fd)
-            return data, st if _version(after) == _version(st) else after
+            return data, os.fstat(fd) if recheck else st
         finally:
             os.close(fd)
 
