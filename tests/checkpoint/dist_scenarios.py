@@ -118,6 +118,14 @@ def scenario_ddp(a: argparse.Namespace) -> None:
         assert mgr.last_restore.tier == tier, mgr.last_restore.tier
     steps = [c.step for c in mgr.checkpoints() if c.committed]
     assert steps == [3, 6], steps
+    try:  # a user's script that passes step= on rank 0 only
+        mgr.restore(new_state, step=3 if dist.get_rank() == 0 else None)
+    except ub.CheckpointError as e:
+        assert "rank 0: 3, rank 1: newest" in str(e), e
+        log("different steps refused")
+    else:
+        raise AssertionError("ranks restored different steps")
+    assert_same(full_state(fresh, fresh_opt), expected, "state after the refused restore")
     mgr.close()
     log("ddp ok")
 

@@ -25,6 +25,7 @@ def test_ddp_round_trip_on_two_ranks_both_tiers_s3(tmp_path, s3_server):
         torchrun(2, "ddp", "--url", url, "--staging", str(tmp_path / "s"), "--options", options)
     )
     assert out.count("ddp ok") == 2
+    assert out.count("different steps refused") == 2
     assert out.count("a manager made before init_process_group refused") == 2
     store = ub.open_store(url, **s3_server.storage_options)
     names = {e.key.split("/", 1)[1] for e in store.list(step_dir(6))}

@@ -436,8 +436,9 @@ def test_s3_durable_tier(tmp_path, s3_server):
 def test_bad_inputs_are_named(tmp_path):
     with pytest.raises(ValueError, match="inside the durable"):
         ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "d" / "s")
-    with pytest.raises(ValueError, match="every_steps"):
-        ub.CheckpointManager(tmp_path / "d", every_steps=0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="every_steps"):
+            ub.CheckpointManager(tmp_path / "d", every_steps=bad)
     with manager(tmp_path) as mgr:
         with pytest.raises(TypeError, match="'gen'"):
             mgr.save(2, {"gen": object()})
@@ -449,6 +450,8 @@ def test_bad_inputs_are_named(tmp_path):
         for bad in ("4", 4.0, True, -2):
             with pytest.raises(ValueError, match="non-negative int"):
                 mgr.maybe_save(bad, {"x": 1})
+            with pytest.raises(ValueError, match="non-negative int"):
+                mgr.restore({"x": 1}, step=bad)
         assert mgr.checkpoints() == []
 
 
@@ -864,6 +867,22 @@ def test_a_run_whose_last_saves_failed_does_not_end_quietly(tmp_path):
             mgr._pipeline.wait()
     with pytest.raises(SaveFailedError, match=r"step 4 failed.*no save committed after it"):
         mgr.close()
+
+
+def test_close_warns_of_an_earlier_failure_a_later_commit_made_good(tmp_path):
+    """A failure recorded while the next save waited for it (so no call reported it yet)
+    is warned about at close, not raised: the run ends with its progress committed."""
+    mgr, switch = outage_manager(tmp_path)
+    state = make_state()
+    switch.write_text("down")
+    mgr.save(2, state)
+    mgr._pipeline.wait()  # step 2 failed; nothing has reported it
+    switch.unlink()
+    mgr._save(4, state, skip_if_busy=False)  # as save() does once it waited for step 2
+    with pytest.warns(RuntimeWarning, match="step 2 failed"):
+        mgr.close()
+    assert [c.step for c in mgr.checkpoints() if c.committed] == [4]
+    assert [e.step for e in mgr.failures] == [2]
 
 
 def test_a_failure_kept_in_failures_does_not_keep_the_staging_buffers(tmp_path):

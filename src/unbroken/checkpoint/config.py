@@ -102,7 +102,9 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         for name in ("every_steps", "keep_last", "keep_every_steps", "upload_streams"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
                 raise ValueError(f"CheckpointManager: {name} must be a positive int, got {value!r}")
         if self.every_seconds == "auto":
             if self.mtbf is not None:

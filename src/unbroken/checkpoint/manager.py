@@ -31,6 +31,7 @@ from unbroken.checkpoint.config import (
 )
 from unbroken.checkpoint.elastic_env import warn_if_restarts_may_hang
 from unbroken.checkpoint.errors import OlderStepRestoredError, OtherJobError, SaveFailedError
+from unbroken.checkpoint.format.manifest import check_step
 from unbroken.checkpoint.memory_tier import MemoryTier
 from unbroken.checkpoint.peers.network import PeerNetwork, replica_stores
 from unbroken.checkpoint.peers.replicator import Replicator
@@ -211,7 +212,7 @@ class CheckpointManager:
 
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
-        _check_step(step)
+        check_step(step)
         if self._left_newer is not None:  # at once, not at the first due step
             raise OlderStepRestoredError(redact(self.store.url), *self._left_newer)
         self._goodput.step(step)
@@ -248,7 +249,7 @@ class CheckpointManager:
         """Save now (waits for a save still in flight); False if ``step`` is already committed,
         or, with ``async_save=False``, if the save failed (its failure is warned about;
         OtherJobError, another job saving to this URL, is raised)."""
-        _check_step(step)
+        check_step(step)
         self._report_failures(raising=False)
         return self._save(step, state, skip_if_busy=False)
 
@@ -383,7 +384,8 @@ class CheckpointManager:
         self._report_failures(raising=True)
 
     def close(self) -> None:
-        """Wait for the save in flight, stop the worker; raises if a save failed. A clean
+        """Wait for the save in flight, stop the worker; raises if the last save failed (an
+        earlier failure not yet reported is warned about once a later save committed). A clean
         end: the memory tier's files go (a job that crashes or is preempted keeps them for
         its restart on this node)."""
         self._close(clean=True)
@@ -407,8 +409,9 @@ class CheckpointManager:
             if self._preemption is not None:
                 self._preemption.close()
             self._goodput.close(preempted=self.preempted)
-        # After the worker stopped: a failure recorded while close() waited is raised too.
-        self._report_failures(raising=True)
+        # After the worker stopped: a failure recorded while close() waited is reported
+        # too; raised unless a later save committed (the run ends with its progress kept).
+        self._report_failures(raising=self._last_error is not None)
         if clean and self.memory_tier is not None:
             self.memory_tier.remove_own()
         last = self._last_error
@@ -435,6 +438,8 @@ class CheckpointManager:
         """
         from unbroken.checkpoint.recovery import restore
 
+        if step is not None:
+            check_step(step)
         self._check_group()
         self._pipeline.drain()
         self._report_failures(raising=False)
@@ -482,8 +487,3 @@ class CheckpointManager:
             f"CheckpointManager({redact(self.store.url)!r}, staging_dir={self.staging_dir!r}, "
             f"every_steps={self.config.every_steps}, keep_last={self.config.keep_last})"
         )
-
-
-def _check_step(step: Any) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")

@@ -153,6 +153,7 @@ def restore(
     # Steps with a commit record, newest first, and the files present under each: one
     # listing of the durable tier (each manifest is read only when its step is tried).
     listed = _agreed_listing(durable, group)
+    _agree_on_step(step, group, durable)
     steps = sorted(listed, reverse=True)
     if step is not None:
         if step not in steps:
@@ -193,6 +194,22 @@ def restore(
     raise CheckpointCorruptError(
         f"no committed checkpoint at {durable.url} could be loaded: " + "; ".join(problems)
     )
+
+
+def _agree_on_step(step: int | None, group: Group, durable: Store) -> None:
+    """Every rank must ask for the same step: ranks that loaded different steps would train
+    on a state no checkpoint ever held (or wait on each other's collectives forever)."""
+    if group.world_size == 1:
+        return
+    asked = group.all_gather(step)
+    if len(set(asked)) > 1:
+        by_rank = ", ".join(
+            f"rank {r}: {'newest' if s is None else s}" for r, s in enumerate(asked)
+        )
+        raise CheckpointError(
+            f"ranks asked to restore different checkpoints of {durable.url} ({by_rank}); "
+            "pass the same step= (or none) on every rank"
+        )
 
 
 def _agreed_listing(durable: Store, group: Group) -> dict[int, dict[str, int]]:

@@ -237,10 +237,15 @@ def _check_file_name(name: str) -> None:
         raise ValueError(f"{MANIFEST_NAME} must not list itself")
 
 
-def step_dir(step: int) -> str:
-    """``step-000000001200``: zero-padded so that lexical order is step order."""
+def check_step(step: object) -> None:
+    """Refuse what ``step_dir`` cannot name (a bool, a float, a string, a negative)."""
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
+
+
+def step_dir(step: int) -> str:
+    """``step-000000001200``: zero-padded so that lexical order is step order."""
+    check_step(step)
     return f"step-{step:0{STEP_DIGITS}d}"
 
 
