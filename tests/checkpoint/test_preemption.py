@@ -258,6 +258,62 @@ def test_a_signal_a_manager_saved_for_does_not_end_the_process_through_another(t
     assert proc.returncode == 0 and "STILL ALIVE" in proc.stdout, proc.stdout + proc.stderr
 
 
+_BLOCKED_IN_THE_MANAGER = """
+import os, signal, sys, threading, time, torch, unbroken as ub
+import unbroken.checkpoint.preemption as preemption
+preemption.HANDLE_WITHIN_SECONDS = 1.0
+d, case = sys.argv[1], sys.argv[2]
+state = {"w": torch.zeros(2_000_000)}  # 8 MB: 2 s per upload at 4 MB/s
+m = ub.CheckpointManager(f"emulated::{d}/ck", staging_dir=f"{d}/st", every_steps=1,
+                         when_busy="wait", storage_options={"bandwidth": 4e6, "latency": 0})
+def signal_in(seconds):
+    time.sleep(seconds)
+    os.kill(os.getpid(), signal.SIGTERM)
+if case == "when_busy_wait":  # maybe_save(2) waits 2 s for save 1's upload
+    threading.Thread(target=signal_in, args=(0.5,), daemon=True).start()
+    for step in range(1, 6):
+        state["w"] = state["w"] + 1
+        m.maybe_save(step, state)
+elif case == "last_save_and_close":  # the README loop's end: save waits, close waits
+    m.maybe_save(1, state)
+    state["w"] = state["w"] + 1
+    threading.Thread(target=signal_in, args=(0.3,), daemon=True).start()
+    m.save(2, state)
+    m.close()
+print("STILL ALIVE")
+"""
+
+
+@pytest.mark.parametrize(
+    "case, returncode, committed",
+    [
+        ("when_busy_wait", EXIT_CODE, None),  # the next maybe_save's save, then the exit
+        ("last_save_and_close", -signal.SIGTERM, [1, 2]),  # both commits, then the signal
+    ],
+)
+def test_a_signal_while_the_loop_waits_inside_the_manager_loses_no_save(
+    tmp_path, case, returncode, committed
+):
+    """A hostile user's find: a save waiting for the upload in flight (when_busy="wait")
+    or the last save()/close() of the README loop took longer than the watchdog's grace,
+    which passed the signal on mid-wait: the saves in flight were lost."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_IN_THE_MANAGER, str(tmp_path), case],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == returncode, out
+    assert "STILL ALIVE" not in proc.stdout and "acted on it within" not in out, out
+    listed = list_checkpoints(ub.open_store(f"emulated::{tmp_path}/ck"))
+    assert all(c.committed for c in listed), listed  # no save cut short
+    steps = [c.step for c in listed]
+    if committed is None:  # preempted at the first maybe_save after the signal was seen
+        assert steps and steps[-1] in (3, 4, 5) and "preempted: step" in out, out
+    else:
+        assert steps == committed, out
+
+
 # -- as schedulers deliver it: the default ub.DataLoader (workers), signals to many processes
 
 

@@ -8,14 +8,15 @@ background pipeline. Everything else (local tier, durable tier, commit, retentio
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import fields
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch.distributed as dist
 
@@ -57,6 +58,23 @@ PEER_DRAIN_SECONDS = 5.0
 its peers are still sending (a preemption's last commit)."""
 
 __all__ = ["CheckpointConfig", "CheckpointInfo", "CheckpointManager", "SaveStats"]
+
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def _not_the_loops_time(method: _Call) -> _Call:
+    """A public call of the manager: a preemption signal that comes while it waits for a
+    commit is not left unhandled by the loop (see ``PreemptionWatch.inside_manager``)."""
+
+    @functools.wraps(method)
+    def call(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+        watch = getattr(self, "_preemption", None)
+        if watch is None:
+            return method(self, *args, **kwargs)
+        with watch.inside_manager():
+            return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 class CheckpointManager:
@@ -210,6 +228,7 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------
 
+    @_not_the_loops_time
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
         check_step(step)
@@ -245,6 +264,7 @@ class CheckpointManager:
             raise SystemExit(EXIT_CODE)
         return saved
 
+    @_not_the_loops_time
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save now (waits for a save still in flight); False if ``step`` is already committed,
         or, with ``async_save=False``, if the save failed (its failure is warned about;
@@ -363,6 +383,7 @@ class CheckpointManager:
 
     # -- waiting and closing -----------------------------------------------------------
 
+    @_not_the_loops_time
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save in flight is committed; raise SaveFailedError if one failed.
         On several nodes, then give its replica (``replicas``) up to REPLICA_WAIT_SECONDS
@@ -390,6 +411,7 @@ class CheckpointManager:
         its restart on this node)."""
         self._close(clean=True)
 
+    @_not_the_loops_time
     def _close(self, *, clean: bool, replica_seconds: float = REPLICA_CLOSE_SECONDS) -> None:
         """``clean``: the job ended (its memory tier and replicas go, nothing waits for
         them); else the last commit's replica gets ``replica_seconds`` to leave, and this
@@ -406,19 +428,21 @@ class CheckpointManager:
             if self._peers is not None:
                 self._peers.close(drain_seconds=0.0 if clean else PEER_DRAIN_SECONDS)
             self._stager.close()
-            if self._preemption is not None:
-                self._preemption.close()
             self._goodput.close(preempted=self.preempted)
-        # After the worker stopped: a failure recorded while close() waited is reported
-        # too; raised unless a later save committed (the run ends with its progress kept).
-        self._report_failures(raising=self._last_error is not None)
-        if clean and self.memory_tier is not None:
-            self.memory_tier.remove_own()
-        last = self._last_error
-        if clean and last is not None and last is self._warned:  # the run ends without it
-            raise SaveFailedError(
-                last.step, message=f"{last} (warned before; no save committed after it)"
-            ) from last
+        try:
+            # After the worker stopped: a failure recorded while close() waited is reported
+            # too; raised unless a later save committed (the run ends with its progress kept).
+            self._report_failures(raising=self._last_error is not None)
+            if clean and self.memory_tier is not None:
+                self.memory_tier.remove_own()
+            last = self._last_error
+            if clean and last is not None and last is self._warned:  # the run ends without it
+                raise SaveFailedError(
+                    last.step, message=f"{last} (warned before; no save committed after it)"
+                ) from last
+        finally:
+            if self._preemption is not None:  # last: a signal no save took up goes on here
+                self._preemption.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -428,6 +452,7 @@ class CheckpointManager:
 
     # -- restoring and listing -----------------------------------------------------------
 
+    @_not_the_loops_time
     def restore(
         self, state: MutableMapping[str, Any], *, step: int | None = None, strict: bool = True
     ) -> int | None:

@@ -10,22 +10,25 @@ save comes at most one step after the signal; where steps are short, every k-th 
 starts an asynchronous all_reduce and reads the one before (k up to 16, about a quarter
 second of steps), so the loop does not wait for it.
 
-A signal nothing acts on is not swallowed: after ``HANDLE_WITHIN_SECONDS`` without a
-``maybe_save`` (a loop that ended, a long evaluation, a manager never closed), a second
-signal, or once the manager is closed, it goes on to the handler before ours (by
-default: the process ends, as SIGTERM meant).
+A signal nothing acts on is not swallowed: after ``HANDLE_WITHIN_SECONDS`` of the loop's
+own time without a ``maybe_save`` (a loop that ended, a long evaluation, a manager never
+closed), a second signal, or once the manager is closed, it goes on to the handler before
+ours (by default: the process ends, as SIGTERM meant). Time spent inside the manager's
+own calls does not count: a save waiting for the one in flight (``when_busy="wait"``), the
+last ``save`` and ``close`` wait for commits the signal must not cut short.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -45,7 +48,8 @@ MAX_CALLS_BETWEEN = 16
 """The most maybe_save calls between two agreements, however short the steps."""
 
 HANDLE_WITHIN_SECONDS = 10.0
-"""A signal no maybe_save acted on after this long is passed on (see the module doc)."""
+"""A signal no maybe_save acted on after this long outside the manager's calls is passed
+on (see the module doc)."""
 
 REPEAT_SECONDS = 5.0
 """A repeat of the first signal within this long, before its save is done, is the same
@@ -54,9 +58,10 @@ forwards its own copy milliseconds later. A repeat after this long or after the 
 or another signal, goes on as usual."""
 
 EXIT_CODE = 128 + signal.SIGTERM
-"""What a preempted process exits with after its save committed (as if SIGTERM had
-ended it): torchrun restarts such workers where it still runs, a scheduler sees the
-usual code of a terminated job."""
+"""What a preempted process exits with after its save committed (the shell's code for a
+process SIGTERM ended): a scheduler that runs it directly sees a terminated job; under
+torchrun the agent counts it as a failed worker, restarts the workers while it has
+restarts left and still runs, and otherwise exits 1 itself."""
 
 
 class PreemptionWatch:
@@ -79,6 +84,7 @@ class PreemptionWatch:
         self.acting = False
         """A maybe_save took the signal up (its save may take a while: no watchdog then)."""
         self._closed = False
+        self._inside = 0  # the manager's calls under way (main thread; the watchdog reads it)
         self._forward = False
         self._noted_only = False
         self._previous: dict[int, Any] = {}
@@ -162,14 +168,28 @@ class PreemptionWatch:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
+    @contextlib.contextmanager
+    def inside_manager(self) -> Iterator[None]:
+        """Around the manager's own calls: the loop is not idle while one waits for a
+        commit, so that time does not count against ``HANDLE_WITHIN_SECONDS``."""
+        self._inside += 1
+        try:
+            yield
+        finally:
+            self._inside -= 1
+
     def _watchdog(self, signum: int) -> None:
-        deadline = time.monotonic() + HANDLE_WITHIN_SECONDS
-        while time.monotonic() < deadline:
+        left, last = HANDLE_WITHIN_SECONDS, time.monotonic()
+        while left > 0:
             if self.acting or self.handled or self._closed:
                 return
             time.sleep(0.1)
+            now = time.monotonic()
+            if not self._inside:
+                left -= now - last
+            last = now
         log.warning(
-            "%s: no maybe_save acted on it within %.0f s; passing it on",
+            "%s: no maybe_save acted on it within %.0f s of the loop's time; passing it on",
             signal.Signals(signum).name,
             HANDLE_WITHIN_SECONDS,
         )
@@ -198,7 +218,9 @@ class PreemptionWatch:
         assert self.received is not None
         log.warning(
             "%s: the ranks cannot agree on a save (%s): a peer is gone, so no save could "
-            "commit; ending now", signal.Signals(self.received).name, _first_line(error)
+            "commit; ending now",
+            signal.Signals(self.received).name,
+            _first_line(error),
         )
         if self.on_give_up is not None:
             self.on_give_up()
