@@ -67,6 +67,18 @@ def test_empty_and_missing_volumes_name_the_url(tmp_path, make_volume):
         vol.dataset(include=["*.png"])
 
 
+def test_a_file_no_store_can_read_back_is_refused_at_the_listing(tmp_path):
+    """A backslash in a file name: listed, then refused at its first read, mid-epoch."""
+    (tmp_path / "vol").mkdir()
+    (tmp_path / "vol" / "ok.bin").write_bytes(b"x")
+    (tmp_path / "vol" / "a\\b.bin").write_bytes(b"y")
+    refused = r"1 file\(s\) at .*vol have a backslash.*'a\\\\b.bin'"  # repr: two
+    with pytest.raises(ValueError, match=refused):
+        build_index(open_store(tmp_path / "vol"))
+    index = build_index(open_store(tmp_path / "vol"), exclude=["*\\*"])  # the way out named
+    assert [e.key for e in index.entries] == ["ok.bin"]
+
+
 @pytest.mark.s3
 def test_unreachable_volume_names_the_url(s3_server, tmp_path):
     url = "s3://no-such-bucket-here/data"

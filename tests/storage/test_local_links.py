@@ -1,8 +1,12 @@
-"""A LocalStore never follows a symbolic link: no key reaches outside its root."""
+"""A LocalStore never follows a symbolic link: no key reaches outside its root. Its
+listing skips nothing it could miss: what it cannot list raises, naming it."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -60,3 +64,77 @@ def test_a_root_that_is_itself_a_link_is_fine(tmp_path):
     store = ub.open_store(str(tmp_path / "alias"))
     store.write_bytes("a/b", b"ok")
     assert (real / "a" / "b").read_bytes() == b"ok"
+
+
+def test_a_listing_refuses_a_link_out_of_the_root_rather_than_skip_its_files(rooted):
+    """A hostile user's find: a linked folder was left out of the listing without a word
+    (a dataset without those files), a linked file listed and then refused mid-epoch."""
+    store, _ = rooted
+    with pytest.raises(
+        ub.StoreError, match=r"(dirlink|filelink) is a symbolic link to .*elsewhere"
+    ):
+        store.list()
+    os.unlink(store.path_for("") + "/dirlink")
+    with pytest.raises(ub.StoreError, match=r"filelink is a symbolic link"):
+        store.list()
+
+
+def test_a_listing_skips_links_inside_the_root_which_name_what_it_lists(tmp_path):
+    """A ``latest`` link beside the checkpoints, even once its step is gone, and an
+    alias of a file: their targets are listed under their own names."""
+    root = tmp_path / "root"
+    (root / "step-2").mkdir(parents=True)
+    (root / "step-2" / "shard").write_bytes(b"x")
+    os.symlink("step-2", root / "latest")
+    os.symlink(root / "step-1", root / "previous")  # retention removed it
+    os.symlink("../step-2/shard", root / "step-2" / "alias")
+    store = ub.open_store(str(root))
+    assert [e.key for e in store.list()] == ["step-2/shard"]
+
+
+def test_a_listing_refuses_a_pipe(tmp_path):
+    os.mkfifo(tmp_path / "pipe")  # a read of it would block for ever
+    with pytest.raises(ub.StoreError, match=r"pipe is not a regular file"):
+        ub.open_store(str(tmp_path)).list()
+
+
+_LIST_AS_A_USER = """
+import sys, unbroken as ub
+try:
+    print(sorted(e.key for e in ub.open_store(sys.argv[1]).list()))
+except ub.StoreError as e:
+    print("REFUSED", e)
+"""
+
+
+def _list_without_root_privileges(root) -> str:
+    """List ``root`` in a process that file modes bind (root's CAP_DAC_* dropped)."""
+    cmd = [sys.executable, "-c", _LIST_AS_A_USER, str(root)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: file modes do not bind")
+        drop = "-dac_override,-dac_read_search"
+        cmd = ["setpriv", f"--inh-caps={drop}", f"--bounding-set={drop}", *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_a_listing_names_a_folder_it_cannot_read(tmp_path):
+    """An unreadable folder was listed as empty: a dataset lost its files without a word,
+    and an unreadable checkpoint folder made restore() start from scratch."""
+    root = tmp_path / "root"
+    for folder in ("open", "closed", "lost+found"):
+        (root / folder).mkdir(parents=True)
+    (root / "open" / "a").write_bytes(b"a")
+    (root / "closed" / "b").write_bytes(b"b")
+    (root / "closed").chmod(0)
+    (root / "lost+found").chmod(0)  # fsck's, at a mount's root: never data
+    try:
+        out = _list_without_root_privileges(root)
+        assert out.startswith("REFUSED") and f"{root}/closed" in out, out
+        (root / "closed").chmod(0o755)
+        assert _list_without_root_privileges(root).strip() == "['closed/b', 'open/a']"
+    finally:
+        for folder in ("closed", "lost+found"):
+            (root / folder).chmod(0o755)

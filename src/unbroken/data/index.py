@@ -214,6 +214,13 @@ def build_index(
             f"VolumeDataset: cannot list the volume {url}: {exc}", op="list", url=url
         ) from exc
     entries = select(listed, _patterns(include), _patterns(exclude))
+    unreadable = [e.key for e in entries if "\\" in e.key]
+    if unreadable:  # listed, but no store reads such a key back: refused now, not mid-epoch
+        raise ValueError(
+            f"VolumeDataset: {len(unreadable)} file(s) at {url} have a backslash in their "
+            f"name, which no store key may hold: {', '.join(map(repr, unreadable[:5]))}; "
+            "rename them, or leave them out with exclude=['*\\\\*']"
+        )
     if not entries:
         raise EmptyVolumeError(
             f"VolumeDataset: no files at {url} ({len(listed)} listed; include={include!r}, "

@@ -124,20 +124,54 @@ class LocalStore(Store):
         return Entry(key, st.st_size, _version(st))
 
     def _list(self, prefix: str) -> list[Entry]:
+        """Every regular file under ``prefix``. Skipped quietly, nothing would be missed:
+        a link to something inside the root (an alias, such as a ``latest`` folder: the
+        target is listed under its own name), and an unreadable ``lost+found`` at the root
+        (fsck's). Anything else that cannot be listed raises, naming it: an unreadable
+        folder, a link out of the root, a pipe or socket. Skipped, it would leave a dataset
+        without its files or a restore without its checkpoints."""
         top = self.path_for(prefix)
         if os.path.isfile(top):
             return [self._info(prefix)]
         entries = []
-        for dirpath, _dirs, files in os.walk(top):
-            rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
-            for name in files:  # temp files too: Store.list hides them unless asked
-                key = name if rel_dir == "." else f"{rel_dir}/{name}"
-                try:
-                    st = os.stat(os.path.join(dirpath, name))
-                except FileNotFoundError:  # deleted while we walked
+        folders = [top]
+        while folders:
+            folder = folders.pop()
+            try:
+                listing = os.scandir(folder)
+            except FileNotFoundError:  # nothing there yet, or removed while we walked
+                continue
+            except NotADirectoryError:
+                if folder == top:  # a prefix that names no folder lists nothing
                     continue
-                entries.append(Entry(key, st.st_size, _version(st)))
+                raise
+            except PermissionError:
+                if folder == os.path.join(self.root, "lost+found"):
+                    continue
+                raise
+            with listing:
+                for item in listing:  # temp files too: Store.list hides them unless asked
+                    if item.is_dir(follow_symlinks=False):
+                        folders.append(item.path)
+                        continue
+                    try:
+                        st = item.stat(follow_symlinks=False)
+                    except FileNotFoundError:  # deleted while we walked
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        rel = os.path.relpath(item.path, self.root).replace(os.sep, "/")
+                        entries.append(Entry(rel, st.st_size, _version(st)))
+                    elif not self._is_alias(item.path, st):
+                        raise _cannot_list(item.path, st, self.root)
         return entries
+
+    def _is_alias(self, path: str, st: os.stat_result) -> bool:
+        """A symbolic link to a path inside the root (even one gone since: a ``latest``
+        link to a step that retention removed)."""
+        if not stat.S_ISLNK(st.st_mode):
+            return False
+        root = os.path.realpath(self.root)
+        return os.path.commonpath([os.path.realpath(path), root]) == root
 
     def _delete(self, key: str) -> None:
         path = self.path_for(key)
@@ -180,6 +214,19 @@ def _fill_with(data: bytes | bytearray | memoryview) -> Callable[[str, str], Non
 def copy_file(src: str, dst: str) -> None:
     """Stream ``src`` into ``dst`` (kernel copy where the OS offers one)."""
     shutil.copyfile(src, dst)
+
+
+def _cannot_list(path: str, st: os.stat_result, root: str) -> PermissionError:
+    if stat.S_ISLNK(st.st_mode):
+        what = (
+            f"{path} is a symbolic link to {os.readlink(path)}, outside {root}; "
+            "the store never follows links out of its root, so it cannot read what it "
+            "points at: point the URL at that folder, or put the files themselves in place "
+            "of the link"
+        )
+    else:
+        what = f"{path} is not a regular file (a pipe, socket or device): move it out of {root}"
+    return PermissionError(errno.EPERM, what)
 
 
 def _owner_pid(name: str) -> int | None:
