@@ -77,6 +77,22 @@ def test_a_whole_batch_of_bad_files_on_one_rank_of_several_is_raised_not_skipped
     assert sorted(second) == [1, 5, 7]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epoch_of_only_bad_files_is_raised_not_served_empty(make_volume, workers):
+    """A hostile user's find: with every file failing, the README loop (``while step <
+    total: for batch in loader``) asked for empty epochs for ever."""
+    vol = make_volume(6)
+
+    def nothing_decodes(data: bytes, path: str) -> int:
+        raise ValueError("not an image")
+
+    ld = vol.loader(batch_size=2, num_workers=workers, decode=nothing_decodes, on_error="skip")
+    with pytest.raises(SampleReadError, match=r"epoch 0 on rank 0 served no batch"):
+        for _ in ld:
+            pass
+    assert ld.metrics.skipped == 6
+
+
 def test_bad_arguments_are_refused(make_volume, tmp_path):
     vol = make_volume(4)
     with pytest.raises(ValueError, match="on_error must be 'raise' or 'skip'"):

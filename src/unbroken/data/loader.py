@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from unbroken._util.procs import start_method
 from unbroken._util.worker_sigterm import defer_sigterm_in_this_worker
-from unbroken.data.dataset import VolumeDataset
+from unbroken.data.dataset import SampleReadError, VolumeDataset
 from unbroken.data.delivery import Delivery
 from unbroken.data.fill_ahead import FillAhead, pays_off
 from unbroken.data.metrics import LoaderMetrics
@@ -177,19 +177,35 @@ class DataLoader(torch.utils.data.DataLoader):
             it = self._start(epoch, start)
             filler = self._filler
             try:
-                yield from self._batches(it, iter_id, epoch)
+                served = yield from self._batches(it, iter_id, epoch)
             finally:
                 if self._filler is filler:  # not a newer iterator's
                     self._stop_filling()
                 if not self._persistent_workers_on():
                     _shutdown(it)
             if not self._restart_requested:
+                if served == 0 and start == 0 and self._active is not None and len(self):
+                    raise SampleReadError(self._nothing_served(epoch))
                 self._finish(epoch)
                 return
             epoch, start = self._take_next_start()
 
-    def _batches(self, it: Iterator[Delivery], iter_id: int, epoch: int) -> Iterator[Any]:
-        """The batches of one plan, timing each wait and moving the position with each."""
+    def _nothing_served(self, epoch: int) -> str:
+        """A whole epoch of skipped files: a loop counting steps would ask for the next
+        epoch for ever, never training nor ending."""
+        return (
+            f"unbroken.DataLoader: epoch {epoch} on rank {self.volume.rank} served no batch: "
+            f"every one of its files failed to read or decode (warned about above), and "
+            f"on_error='skip' skipped them all. Is {self.volume.url} reachable and are its "
+            "files what decode expects?"
+        )
+
+    def _batches(
+        self, it: Iterator[Delivery], iter_id: int, epoch: int
+    ) -> Generator[Any, None, int]:
+        """The batches of one plan, timing each wait and moving the position with each;
+        returns how many it served."""
+        served = 0
         for expected in itertools.count():
             if self._iter_id != iter_id:
                 raise RuntimeError(
@@ -197,12 +213,12 @@ class DataLoader(torch.utils.data.DataLoader):
                     "`iter(loader)`; iterate one at a time"
                 )
             if self._restart_requested or self._active is None:  # load_state / end_epoch
-                return
+                return served
             t0 = time.perf_counter()
             d = next(it, None)
             wait = time.perf_counter() - t0
             if d is None:
-                return
+                return served
             self._accept(d, epoch, expected)
             self.metrics.add(d.stats)
             if self._filler is not None:
@@ -212,7 +228,9 @@ class DataLoader(torch.utils.data.DataLoader):
             note_data_wait(wait, self.metrics)
             self._consumed = d.position
             if d.batch is not None:
+                served += 1
                 yield d.batch
+        return served  # (never reached: the count has no end)
 
     def end_epoch(self) -> None:
         """Take no more batches from the epoch being served: its iterator stops, and the
