@@ -118,3 +118,13 @@ def test_backoff_is_exponential_capped_and_jittered():
         assert max(draws) > cap * 0.8 and min(draws) < cap * 0.2  # jitter spans the range
     with pytest.raises(ValueError):
         RetryPolicy(max_attempts=0)
+
+
+@pytest.mark.parametrize("url", ["s4://bucket/ckpt", "htps://host/volume"])
+def test_a_mistyped_url_scheme_is_named_as_such(url):
+    """fsspec alone says "Protocol not known: s4", naming neither the URL nor a way on."""
+    from unbroken import open_store
+
+    scheme = url.split("://")[0]
+    with pytest.raises(ValueError, match=rf"'{url}'.*unknown URL scheme '{scheme}'.*s3://"):
+        open_store(url)

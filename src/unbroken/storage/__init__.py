@@ -87,4 +87,19 @@ def open_store(
         from unbroken.storage.native_store import NativeStore
 
         return NativeStore(url, retry=retry, storage_options=options)
+    _check_scheme(url)
     return FsspecStore(url, retry=retry, storage_options=options)
+
+
+def _check_scheme(url: str) -> None:
+    """A typo in the scheme (``s4://``) named as such, not as fsspec's bare "Protocol not
+    known: s4"."""
+    import fsspec
+
+    scheme = url.split("::")[0].split("://")[0] if "://" in url else None
+    if scheme is not None and scheme not in fsspec.available_protocols():
+        raise ValueError(
+            f"open_store({redact(url)!r}): unknown URL scheme {scheme!r}. Use a local path, "
+            "file://, s3://, gs://, az:// or another scheme fsspec knows "
+            "(fsspec.available_protocols())"
+        )
