@@ -117,7 +117,7 @@ def test_verify_of_a_partial_or_absent_step_fails(capsys, checkpoints):
     code, out, _ = run(capsys, "verify", str(checkpoints), "--step", "6")
     assert code == 1 and "not committed" in out
     where = checkpoints / step_dir(6)
-    assert out.startswith(f"CORRUPT {where}: ") and f"{where}/" not in out, out
+    assert out.startswith(f"PARTIAL {where}: ") and f"{where}/" not in out, out  # not damage
     code, _, err = run(capsys, "verify", str(checkpoints), "--step", "7")
     assert code == 1 and "no checkpoint of step 7" in err
 
@@ -155,9 +155,9 @@ def test_verify_names_the_shard_not_the_manifest(capsys, checkpoints, tmp_path, 
     assert code == 1, out
     bad = [line for line in out.splitlines() if line.startswith("CORRUPT")]
     assert bad == [line for line in bad if line.startswith(f"CORRUPT {ck / step_dir(4)}/")]
-    assert len(bad) == 1 and bad[0].startswith(
-        f"CORRUPT {ck / step_dir(4) / '__0_0.distcp'}: "
-    ), out
+    assert len(bad) == 1 and bad[0].startswith(f"CORRUPT {ck / step_dir(4) / '__0_0.distcp'}: "), (
+        out
+    )
     assert why in bad[0] and "manifest.json" not in bad[0].split(": ", 1)[0], bad
     code, out, _ = run(capsys, "verify", str(ck), "--json")
     assert code == 1

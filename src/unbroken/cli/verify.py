@@ -69,7 +69,10 @@ def run(args: argparse.Namespace) -> int:
         for step, problems in report.items():
             where = store.url_for(step_dir(step))
             for p in problems:
-                print(f"CORRUPT {where}: {p}" if step in partial else f"CORRUPT {where}/{p}")
+                if step in partial:  # a save cut short or still running: never restored
+                    print(f"PARTIAL {where}: {p}; restore never uses such a step")
+                else:
+                    print(f"CORRUPT {where}/{p}")
             if not problems:
                 print(f"ok      {where}")
     if bad:
