@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from unbroken._util.priority import lower_thread_priority
+from unbroken._util.rest_at_exit import rest_at_exit
 from unbroken._util.thread_names import name_native_thread
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.commit import commit_step, conflict_fields, generator_digests
@@ -142,8 +143,10 @@ class SavePipeline:
         self.helpers = HelperSlot(self.durable, self.memory, self.config)
         """The process that uploads saves whose node copy is in the memory tier (none:
         the uploads run on threads here), started by the worker thread as it starts."""
+        self._exiting = False
         self._thread = threading.Thread(target=self._loop, name="unbroken-ckpt", daemon=True)
         self._thread.start()
+        rest_at_exit(self)
 
     # -- foreground side -------------------------------------------------------------
 
@@ -202,6 +205,14 @@ class SavePipeline:
         self.helpers.close()
         self._release_staging()
 
+    def rest_before_exit(self, deadline: float) -> None:
+        """The interpreter ends with this pipeline open (an exception out of the loop):
+        the job under way finishes or fails, no queued one starts (``rest_at_exit``)."""
+        if self._thread.is_alive():
+            self._exiting = True
+            self._queue.put(None)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+
     # -- worker side -----------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -211,7 +222,7 @@ class SavePipeline:
         self.helpers.get()  # starts while the job restores and trains its first steps
         while True:
             job = self._queue.get()
-            if job is None:
+            if job is None or self._exiting:
                 return
             try:
                 job.manifest = self._save(job)

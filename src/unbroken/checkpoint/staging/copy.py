@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from unbroken._util.priority import lower_thread_priority
+from unbroken._util.rest_at_exit import rest_at_exit
 from unbroken._util.thread_names import name_native_thread
 from unbroken.checkpoint.format.manifest import crc32c_bytes
 from unbroken.checkpoint.staging.verify import differing_on_device, same_bytes_cpu, source_bytes
@@ -343,19 +344,28 @@ class _Copier:
     """
 
     def __init__(self, nice: int) -> None:
-        self._jobs: queue.SimpleQueue[CopyJob] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self._nice = nice
-        threading.Thread(target=self._serve, name="unbroken-staging", daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, name="unbroken-staging", daemon=True)
+        self._thread.start()
+        rest_at_exit(self)
 
     def put(self, job: CopyJob) -> None:
         self._jobs.put(job)
+
+    def rest_before_exit(self, deadline: float) -> None:
+        """The interpreter ends: the copies queued run, then the thread ends
+        (``rest_at_exit``)."""
+        if self._thread.is_alive():  # (not in a forked child: the thread stayed behind)
+            self._jobs.put(None)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
 
     def _serve(self) -> None:
         name_native_thread()
         if self._nice:
             lower_thread_priority(nice=self._nice)
-        while True:
-            self._jobs.get()._run()
+        while (job := self._jobs.get()) is not None:
+            job._run()
 
 
 _COPIERS: dict[int, _Copier] = {}
