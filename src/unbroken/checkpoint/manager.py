@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 import warnings
@@ -63,15 +65,12 @@ _Call = TypeVar("_Call", bound=Callable[..., Any])
 
 
 def _not_the_loops_time(method: _Call) -> _Call:
-    """A public call of the manager: a preemption signal that comes while it waits for a
-    commit is not left unhandled by the loop (see ``PreemptionWatch.inside_manager``)."""
+    """A call of the manager that may wait for a commit: a preemption signal that comes
+    meanwhile is not left unhandled by the loop (see ``PreemptionWatch.inside_manager``)."""
 
     @functools.wraps(method)
     def call(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
-        watch = getattr(self, "_preemption", None)
-        if watch is None:
-            return method(self, *args, **kwargs)
-        with watch.inside_manager():
+        with PreemptionWatch.inside_manager():
             return method(self, *args, **kwargs)
 
     return call  # type: ignore[return-value]
@@ -442,6 +441,10 @@ class CheckpointManager:
                 ) from last
         finally:
             if self._preemption is not None:  # last: a signal no save took up goes on here
+                failure, signum = sys.exc_info()[1], self._preemption.unhandled
+                if failure is not None and signum is not None:  # it ends the process now
+                    log.error("ending by %s with close() failing: %s", signal.Signals(signum).name,
+                              failure)  # fmt: skip
                 self._preemption.close()
 
     def __enter__(self) -> CheckpointManager:
@@ -452,7 +455,6 @@ class CheckpointManager:
 
     # -- restoring and listing -----------------------------------------------------------
 
-    @_not_the_loops_time
     def restore(
         self, state: MutableMapping[str, Any], *, step: int | None = None, strict: bool = True
     ) -> int | None:

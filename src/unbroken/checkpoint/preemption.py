@@ -13,9 +13,10 @@ second of steps), so the loop does not wait for it.
 A signal nothing acts on is not swallowed: after ``HANDLE_WITHIN_SECONDS`` of the loop's
 own time without a ``maybe_save`` (a loop that ended, a long evaluation, a manager never
 closed), a second signal, or once the manager is closed, it goes on to the handler before
-ours (by default: the process ends, as SIGTERM meant). Time spent inside the manager's
-own calls does not count: a save waiting for the one in flight (``when_busy="wait"``), the
-last ``save`` and ``close`` wait for commits the signal must not cut short.
+ours (by default: the process ends, as SIGTERM meant). Time spent inside a manager's calls
+that wait for commits does not count: a save waiting for the one in flight
+(``when_busy="wait"``), the last ``save``, ``wait`` and ``close`` wait for commits the
+signal must not cut short. A restore has none: its time counts.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from unbroken.checkpoint.collectives import Group, keep_until_released
 
 log = logging.getLogger(__name__)
 _watches: weakref.WeakSet[PreemptionWatch] = weakref.WeakSet()
+_calls_under_way = 0  # the managers' calls under way, of every manager (the watchdog reads it)
+_calls_lock = threading.Lock()
 
 AGREE_EVERY_SECONDS = 0.25
 """Loop time between two agreements on the flag (at most ``MAX_CALLS_BETWEEN`` calls)."""
@@ -84,7 +87,6 @@ class PreemptionWatch:
         self.acting = False
         """A maybe_save took the signal up (its save may take a while: no watchdog then)."""
         self._closed = False
-        self._inside = 0  # the manager's calls under way (main thread; the watchdog reads it)
         self._forward = False
         self._noted_only = False
         self._previous: dict[int, Any] = {}
@@ -168,15 +170,20 @@ class PreemptionWatch:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
+    @staticmethod
     @contextlib.contextmanager
-    def inside_manager(self) -> Iterator[None]:
-        """Around the manager's own calls: the loop is not idle while one waits for a
-        commit, so that time does not count against ``HANDLE_WITHIN_SECONDS``."""
-        self._inside += 1
+    def inside_manager() -> Iterator[None]:
+        """Around a manager's calls that wait for commits (of any manager: a second one
+        for an EMA): the loop is not idle meanwhile, so that time does not count against
+        ``HANDLE_WITHIN_SECONDS``."""
+        global _calls_under_way
+        with _calls_lock:
+            _calls_under_way += 1
         try:
             yield
         finally:
-            self._inside -= 1
+            with _calls_lock:
+                _calls_under_way -= 1
 
     def _watchdog(self, signum: int) -> None:
         left, last = HANDLE_WITHIN_SECONDS, time.monotonic()
@@ -185,7 +192,7 @@ class PreemptionWatch:
                 return
             time.sleep(0.1)
             now = time.monotonic()
-            if not self._inside:
+            if not _calls_under_way:
                 left -= now - last
             last = now
         log.warning(
@@ -265,6 +272,11 @@ class PreemptionWatch:
         self._every = int(flags[1])
         return bool(flags[0])
 
+    @property
+    def unhandled(self) -> int | None:
+        """The signal received that no save took up (``close`` passes it on)."""
+        return self.received if not (self.handled or self._noted_only) else None
+
     def close(self) -> None:
         """Put the earlier handlers back; finish the agreement in flight (every rank has
         issued it, so it completes unless a peer is gone). A signal received and never
@@ -279,7 +291,7 @@ class PreemptionWatch:
         if self._deferring_workers:
             worker_sigterm.watch_stopped()
             self._deferring_workers = False
-        unhandled = self.received if not (self.handled or self._noted_only) else None
+        unhandled = self.unhandled
         if threading.current_thread() is threading.main_thread():
             self._put_back_handlers()
             if unhandled is not None:
