@@ -79,6 +79,25 @@ def test_a_file_no_store_can_read_back_is_refused_at_the_listing(tmp_path):
     assert [e.key for e in index.entries] == ["ok.bin"]
 
 
+def test_a_link_out_of_the_volume_is_refused_unless_the_filters_leave_it_out(tmp_path):
+    """A hostile user's find: a linked folder's files were left out without a word; a
+    linked file was listed, then refused at its first read. Now both stop the dataset at
+    its start, naming the link, unless include/exclude leave them out."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "x.bin").write_bytes(b"x")
+    vol = tmp_path / "vol"
+    (vol / "train").mkdir(parents=True)
+    (vol / "train" / "a.bin").write_bytes(b"a")
+    os.symlink(tmp_path / "elsewhere", vol / "train" / "more")
+    os.symlink("train/a.bin", vol / "alias.bin")  # inside: an alias, skipped
+    with pytest.raises(StoreError, match=r"'train/more': a symbolic link to .*elsewhere"):
+        build_index(open_store(vol))
+    with pytest.raises(StoreError, match=r"exclude=\['train/more'\]"):
+        build_index(open_store(vol), include=["train/*"])
+    for kw in ({"exclude": ["train/more"]}, {"include": ["*/a.bin"]}):
+        assert [e.key for e in build_index(open_store(vol), **kw).entries] == ["train/a.bin"]
+
+
 @pytest.mark.s3
 def test_unreachable_volume_names_the_url(s3_server, tmp_path):
     url = "s3://no-such-bucket-here/data"
@@ -127,3 +146,24 @@ def test_an_index_keeps_every_entry_etags_or_none_through_its_cached_copy(tmp_pa
     _write(path, index, "/v", [], [])
     again = _read(path, "/v")
     assert again == index and again.entries == entries
+
+
+@pytest.mark.parametrize(
+    "key, include, exclude, selectable",
+    [
+        (".private/", None, None, True),  # an unreadable folder may hold any file
+        (".private/", ["train/*"], None, False),  # nothing under it can be selected
+        (".private/", ["*.jpg"], None, True),  # a jpg could lie under it
+        (".private/", None, [".private/*"], False),  # left out by name
+        ("train/cats/", ["train/*"], None, True),
+        ("train/", ["train/cats/*"], None, True),
+        ("README.link", None, ["*.link"], False),
+        ("README.link", ["*.jpg"], None, False),
+    ],
+)
+def test_what_cannot_be_listed_is_refused_only_where_the_filters_would_select_it(
+    key, include, exclude, selectable
+):
+    from unbroken.data.index import _selectable
+
+    assert _selectable(key, include, exclude) is selectable

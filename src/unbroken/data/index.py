@@ -166,6 +166,19 @@ def select(
     return sorted(entries, key=_key)  # keys are unique: the order of Entry itself, faster
 
 
+def _selectable(key: str, include: Sequence[str] | None, exclude: Sequence[str] | None) -> bool:
+    """Whether ``key`` (a folder's ends with '/') names, or may hold, a file that
+    ``include`` and ``exclude`` select. A folder is out when an exclude glob matches it
+    (``".private/*"`` matches ``".private/"``) or no include glob's fixed start can lie
+    under it."""
+    if not key.endswith("/"):
+        return bool(select([Entry(key, 0)], include, exclude))
+    if any(fnmatch.fnmatchcase(key, p) for p in _patterns(exclude)):
+        return False
+    starts = [re.split(r"[*?\[]", p, maxsplit=1)[0] for p in _patterns(include)]
+    return not starts or any(s.startswith(key) or key.startswith(s) for s in starts)
+
+
 def _key(entry: Entry) -> str:
     return entry.key
 
@@ -207,12 +220,25 @@ def build_index(
     """List the volume now. Raises naming the URL if it is unreachable or empty."""
     url = redact(store.url)
     try:
+        unlisted: list[tuple[str, str]] = []
         with listing_progress(url) as progress:
-            listed = store.list(progress=progress)
+            listed = store.list(progress=progress, unlisted=unlisted)
     except StoreError as exc:
         raise StoreError(
             f"VolumeDataset: cannot list the volume {url}: {exc}", op="list", url=url
         ) from exc
+    missed = [(k, why) for k, why in unlisted if _selectable(k, include, exclude)]
+    if missed:  # files the user asked for, left out without a word: refused
+        named = "; ".join(f"{k!r}: {why}" for k, why in missed[:5])
+        first = missed[0][0] + ("*" if missed[0][0].endswith("/") else "")
+        raise StoreError(
+            f"VolumeDataset: {len(missed)} path(s) at {url} cannot be listed, and files "
+            f"under them would be missing from the dataset: {named}. Make them readable, "
+            f"put the files themselves in place of links, or leave them out with "
+            f"exclude=[{first!r}]",
+            op="list",
+            url=url,
+        )
     entries = select(listed, _patterns(include), _patterns(exclude))
     unreadable = [e.key for e in entries if "\\" in e.key]
     if unreadable:  # listed, but no store reads such a key back: refused now, not mid-epoch

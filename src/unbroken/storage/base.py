@@ -242,16 +242,24 @@ class Store(ABC):
         *,
         include_temp: bool = False,
         progress: Callable[[int], None] | None = None,
+        unlisted: list[tuple[str, str]] | None = None,
     ) -> list[Entry]:
         """Every object under ``prefix``, recursively, sorted by key; temp files hidden
         unless ``include_temp`` (housekeeping: a crashed writer's are its only trace).
         ``progress(n)`` hears of each page of ``n`` entries as it arrives (a listing of
-        millions of objects takes minutes), where the backend lists in pages."""
+        millions of objects takes minutes), where the backend lists in pages.
+
+        On a local path, a store holds the regular files its root reaches without
+        following links: a link or a pipe is no object of it, and a folder it may not read
+        raises. ``unlisted``: given, such a folder and a link out of the root are noted
+        there, as (key, why), and the listing goes on; a dataset decides what they mean."""
         prefix = check_key(prefix, allow_empty=True)
 
         def collect() -> list[Entry]:
             entries: list[Entry] = []
-            for page in self._list_pages(prefix):
+            if unlisted is not None:
+                unlisted.clear()  # (a retry lists again)
+            for page in self._list_pages(prefix, unlisted):
                 entries.extend(page)
                 if progress is not None:
                     progress(len(page))
@@ -332,8 +340,11 @@ class Store(ABC):
     @abstractmethod
     def _list(self, prefix: str) -> list[Entry]: ...
 
-    def _list_pages(self, prefix: str) -> Iterator[list[Entry]]:
-        """The listing in pages as they arrive; one page where the backend has no pages."""
+    def _list_pages(
+        self, prefix: str, unlisted: list[tuple[str, str]] | None = None
+    ) -> Iterator[list[Entry]]:
+        """The listing in pages as they arrive; one page where the backend has no pages.
+        ``unlisted``: see :meth:`list` (only a backend of local paths has any)."""
         yield self._list(prefix)
 
     @abstractmethod

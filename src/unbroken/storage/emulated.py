@@ -12,7 +12,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -223,6 +223,12 @@ class EmulatedStore(Store):
     def _list(self, prefix: str) -> list[Entry]:
         sleep_until(self._request("list", prefix))
         return self.inner._list(prefix)
+
+    def _list_pages(
+        self, prefix: str, unlisted: list[tuple[str, str]] | None = None
+    ) -> Iterator[list[Entry]]:
+        sleep_until(self._request("list", prefix))
+        yield from self.inner._list_pages(prefix, unlisted)
 
     def _delete(self, key: str) -> None:
         sleep_until(self._request("delete", key))

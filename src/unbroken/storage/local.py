@@ -7,7 +7,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from unbroken._util.direct_io import copy_file_uncached, write_parts
 from unbroken._util.fileio import pread_exactly
@@ -124,12 +124,18 @@ class LocalStore(Store):
         return Entry(key, st.st_size, _version(st))
 
     def _list(self, prefix: str) -> list[Entry]:
-        """Every regular file under ``prefix``. Skipped quietly, nothing would be missed:
-        a link to something inside the root (an alias, such as a ``latest`` folder: the
-        target is listed under its own name), and an unreadable ``lost+found`` at the root
-        (fsck's). Anything else that cannot be listed raises, naming it: an unreadable
-        folder, a link out of the root, a pipe or socket. Skipped, it would leave a dataset
-        without its files or a restore without its checkpoints."""
+        return self._walk(prefix, None)
+
+    def _list_pages(
+        self, prefix: str, unlisted: list[tuple[str, str]] | None = None
+    ) -> Iterator[list[Entry]]:
+        yield self._walk(prefix, unlisted)
+
+    def _walk(self, prefix: str, unlisted: list[tuple[str, str]] | None) -> list[Entry]:
+        """The regular files under ``prefix``, reached without following links; see
+        ``Store.list`` for ``unlisted``. A folder that cannot be read raises otherwise:
+        skipped, it would leave a restore without its checkpoints. ``lost+found`` at the
+        root is fsck's, never the store's."""
         top = self.path_for(prefix)
         if os.path.isfile(top):
             return [self._info(prefix)]
@@ -145,33 +151,43 @@ class LocalStore(Store):
                 if folder == top:  # a prefix that names no folder lists nothing
                     continue
                 raise
-            except PermissionError:
-                if folder == os.path.join(self.root, "lost+found"):
-                    continue
-                raise
+            except PermissionError as exc:
+                if unlisted is None:
+                    raise
+                unlisted.append((self._key_of(folder) + "/", f"cannot be read ({exc.strerror})"))
+                continue
             with listing:
                 for item in listing:  # temp files too: Store.list hides them unless asked
                     if item.is_dir(follow_symlinks=False):
-                        folders.append(item.path)
+                        if item.path != self._lost_found:
+                            folders.append(item.path)
                         continue
                     try:
                         st = item.stat(follow_symlinks=False)
                     except FileNotFoundError:  # deleted while we walked
                         continue
                     if stat.S_ISREG(st.st_mode):
-                        rel = os.path.relpath(item.path, self.root).replace(os.sep, "/")
-                        entries.append(Entry(rel, st.st_size, _version(st)))
-                    elif not self._is_alias(item.path, st):
-                        raise _cannot_list(item.path, st, self.root)
+                        entries.append(Entry(self._key_of(item.path), st.st_size, _version(st)))
+                    elif unlisted is not None and (out := self._link_out(item.path, st)):
+                        unlisted.append((self._key_of(item.path), out))
         return entries
 
-    def _is_alias(self, path: str, st: os.stat_result) -> bool:
-        """A symbolic link to a path inside the root (even one gone since: a ``latest``
-        link to a step that retention removed)."""
+    @property
+    def _lost_found(self) -> str:
+        return os.path.join(self.root, "lost+found")
+
+    def _key_of(self, path: str) -> str:
+        return os.path.relpath(path, self.root).replace(os.sep, "/")
+
+    def _link_out(self, path: str, st: os.stat_result) -> str | None:
+        """Why ``path`` is left out, if it is a symbolic link out of the root (one inside
+        it, even a dangling ``latest``, is an alias of what is listed by its own name)."""
         if not stat.S_ISLNK(st.st_mode):
-            return False
+            return None
         root = os.path.realpath(self.root)
-        return os.path.commonpath([os.path.realpath(path), root]) == root
+        if os.path.commonpath([os.path.realpath(path), root]) == root:
+            return None
+        return f"a symbolic link to {os.readlink(path)}, outside {self.root} (never followed)"
 
     def _delete(self, key: str) -> None:
         path = self.path_for(key)
@@ -214,19 +230,6 @@ def _fill_with(data: bytes | bytearray | memoryview) -> Callable[[str, str], Non
 def copy_file(src: str, dst: str) -> None:
     """Stream ``src`` into ``dst`` (kernel copy where the OS offers one)."""
     shutil.copyfile(src, dst)
-
-
-def _cannot_list(path: str, st: os.stat_result, root: str) -> PermissionError:
-    if stat.S_ISLNK(st.st_mode):
-        what = (
-            f"{path} is a symbolic link to {os.readlink(path)}, outside {root}; "
-            "the store never follows links out of its root, so it cannot read what it "
-            "points at: point the URL at that folder, or put the files themselves in place "
-            "of the link"
-        )
-    else:
-        what = f"{path} is not a regular file (a pipe, socket or device): move it out of {root}"
-    return PermissionError(errno.EPERM, what)
 
 
 def _owner_pid(name: str) -> int | None:

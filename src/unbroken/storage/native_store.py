@@ -213,7 +213,9 @@ class NativeStore(Store):
                     pass
         return entries
 
-    def _list_pages(self, prefix: str) -> Iterator[list[Entry]]:
+    def _list_pages(
+        self, prefix: str, unlisted: list[tuple[str, str]] | None = None
+    ) -> Iterator[list[Entry]]:
         forked = self._in_fork()
         if forked is not None:
             yield forked._list(prefix)
