@@ -120,11 +120,42 @@ def test_backoff_is_exponential_capped_and_jittered():
         RetryPolicy(max_attempts=0)
 
 
-@pytest.mark.parametrize("url", ["s4://bucket/ckpt", "htps://host/volume"])
-def test_a_mistyped_url_scheme_is_named_as_such(url):
+@pytest.mark.parametrize(
+    "url, scheme",
+    [("s4://bucket/ckpt", "s4"), ("htps://host/volume", "htps"), ("simplecache::s4://b/x", "s4")],
+)
+def test_a_mistyped_url_scheme_is_named_as_such(url, scheme):
     """fsspec alone says "Protocol not known: s4", naming neither the URL nor a way on."""
     from unbroken import open_store
 
-    scheme = url.split("://")[0]
     with pytest.raises(ValueError, match=rf"'{url}'.*unknown URL scheme '{scheme}'.*s3://"):
         open_store(url)
+
+
+def test_a_url_short_of_a_slash_is_refused_not_taken_for_a_local_folder(tmp_path, monkeypatch):
+    """``s3:/bucket/run`` was a local folder named ``s3:``: checkpoints on the node's disk,
+    lost with it."""
+    from unbroken import open_store
+    from unbroken.storage import LocalStore
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"one slash.*did you mean 's3://bucket/run'"):
+        open_store("s3:/bucket/run")
+    assert not (tmp_path / "s3:").exists()
+    assert isinstance(open_store("./s3:/bucket/run"), LocalStore)  # the way named for a folder
+    assert open_store(f"file:{tmp_path}").root == str(tmp_path)  # RFC 8089's file:/path
+
+
+def test_a_protocol_registered_with_fsspec_as_a_class_is_accepted():
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from unbroken import open_store
+
+    class TeamFS(MemoryFileSystem):
+        protocol = "teamfs-unbroken-test"
+
+    fsspec.register_implementation("teamfs-unbroken-test", TeamFS)
+    store = open_store("teamfs-unbroken-test://vol")
+    store.write_bytes("a", b"x")
+    assert store.read_bytes("a") == b"x"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from unbroken.storage.base import Entry, Store
@@ -70,7 +71,15 @@ def open_store(
         return EmulatedStore(inner, profile, retry=retry)
     if url.startswith("file://"):
         url = url[len("file://") :]
+    elif url.startswith("file:/"):  # RFC 8089's short form
+        url = url[len("file:") :]
     if "://" not in url and "::" not in url:
+        if _ONE_SLASH.match(url):
+            raise ValueError(
+                f"open_store({url!r}): this looks like a URL with one slash after its scheme "
+                f"(did you mean {url.replace(':/', '://', 1)!r}?); a local folder so named "
+                f"is written ./{url}"
+            )
         if storage_options:
             raise TypeError(
                 f"open_store({url!r}): a local path takes no storage options, "
@@ -92,14 +101,20 @@ def open_store(
 
 
 def _check_scheme(url: str) -> None:
-    """A typo in the scheme (``s4://``) named as such, not as fsspec's bare "Protocol not
-    known: s4"."""
+    """A typo in a scheme (``s4://``, also inside a chain) named as such, not as fsspec's
+    bare "Protocol not known: s4"."""
     import fsspec
 
-    scheme = url.split("::")[0].split("://")[0] if "://" in url else None
-    if scheme is not None and scheme not in fsspec.available_protocols():
-        raise ValueError(
-            f"open_store({redact(url)!r}): unknown URL scheme {scheme!r}. Use a local path, "
-            "file://, s3://, gs://, az:// or another scheme fsspec knows "
-            "(fsspec.available_protocols())"
-        )
+    known = set(fsspec.available_protocols()) | set(fsspec.registry)  # registered classes too
+    for link in url.split("::"):
+        scheme = link.split("://", 1)[0] if "://" in link else link
+        if scheme and scheme not in known:
+            raise ValueError(
+                f"open_store({redact(url)!r}): unknown URL scheme {scheme!r}. Use a local "
+                "path, file://, s3://, gs://, az:// or another scheme fsspec knows "
+                "(fsspec.available_protocols())"
+            )
+
+
+_ONE_SLASH = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/(?!/)")
+"""``s3:/bucket``: a URL short of a slash, which would otherwise be a local folder."""
