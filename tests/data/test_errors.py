@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.data.helpers import flatten, serve
 from unbroken.data import VolumeDataset
@@ -87,10 +88,16 @@ def test_an_epoch_of_only_bad_files_is_raised_not_served_empty(make_volume, work
         raise ValueError("not an image")
 
     ld = vol.loader(batch_size=2, num_workers=workers, decode=nothing_decodes, on_error="skip")
-    with pytest.raises(SampleReadError, match=r"epoch 0 on rank 0 served no batch"):
+    with pytest.raises(SampleReadError, match=r"epoch 0 on rank 0 served nothing"):
         for _ in ld:
             pass
     assert ld.metrics.skipped == 6
+    if workers == 0:  # a plain torch DataLoader: only one process sees the whole epoch
+        plain = torch.utils.data.DataLoader(
+            vol.dataset(decode=nothing_decodes, on_error="skip"), batch_size=2
+        )
+        with pytest.raises(SampleReadError, match=r"epoch 0 on rank 0 served nothing"):
+            list(plain)
 
 
 def test_bad_arguments_are_refused(make_volume, tmp_path):

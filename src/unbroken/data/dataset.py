@@ -177,9 +177,13 @@ class VolumeDataset(IterableDataset):
             self.epoch, 0, batch_size=1, drop_last=True, collate_fn=list,
             worker=worker, num_workers=workers, in_step=False,
         )  # fmt: skip
+        served = 0
         for d in deliveries:
             if d.batch:
+                served += 1
                 yield d.batch[0]
+        if not served and info is None and len(self.index) >= self.world_size:  # the epoch
+            raise SampleReadError(self.nothing_served(self.epoch))
 
     def iter_batches(
         self,
@@ -303,6 +307,16 @@ class VolumeDataset(IterableDataset):
         counters.add("skipped")
         log.warning("%s (skipped: on_error='skip')", message)
         return _SKIP
+
+    def nothing_served(self, epoch: int) -> str:
+        """Why a whole epoch of skipped files is an error: a loop counting steps would
+        ask for the next epoch for ever, never training nor ending."""
+        return (
+            f"VolumeDataset: epoch {epoch} on rank {self.rank} served nothing: every one of "
+            f"its files failed to read or decode (warned about above), and on_error='skip' "
+            f"skipped them all. Is {self.url} reachable, and are its files what decode "
+            "expects?"
+        )
 
     def _whole_batch_skipped(self, epoch: int, batch: int) -> str:
         """No batch at all on one rank would put it a step behind the others: their next

@@ -185,20 +185,10 @@ class DataLoader(torch.utils.data.DataLoader):
                     _shutdown(it)
             if not self._restart_requested:
                 if served == 0 and start == 0 and self._active is not None and len(self):
-                    raise SampleReadError(self._nothing_served(epoch))
+                    raise SampleReadError(self.volume.nothing_served(epoch))
                 self._finish(epoch)
                 return
             epoch, start = self._take_next_start()
-
-    def _nothing_served(self, epoch: int) -> str:
-        """A whole epoch of skipped files: a loop counting steps would ask for the next
-        epoch for ever, never training nor ending."""
-        return (
-            f"unbroken.DataLoader: epoch {epoch} on rank {self.volume.rank} served no batch: "
-            f"every one of its files failed to read or decode (warned about above), and "
-            f"on_error='skip' skipped them all. Is {self.volume.url} reachable and are its "
-            "files what decode expects?"
-        )
 
     def _batches(
         self, it: Iterator[Delivery], iter_id: int, epoch: int
