@@ -41,8 +41,10 @@ from unbroken.checkpoint.collectives import Group, keep_until_released
 
 log = logging.getLogger(__name__)
 _watches: weakref.WeakSet[PreemptionWatch] = weakref.WeakSet()
-_calls_under_way = 0  # the managers' calls under way, of every manager (the watchdog reads it)
-_calls_lock = threading.Lock()
+_clock_lock = threading.Lock()
+_depth = 0  # the main thread's manager calls under way (of any manager)
+_since = 0.0  # when the outermost of them began
+_total = 0.0  # seconds inside the main thread's finished outermost calls
 
 AGREE_EVERY_SECONDS = 0.25
 """Loop time between two agreements on the flag (at most ``MAX_CALLS_BETWEEN`` calls)."""
@@ -175,26 +177,33 @@ class PreemptionWatch:
     def inside_manager() -> Iterator[None]:
         """Around a manager's calls that wait for commits (of any manager: a second one
         for an EMA): the loop is not idle meanwhile, so that time does not count against
-        ``HANDLE_WITHIN_SECONDS``."""
-        global _calls_under_way
-        with _calls_lock:
-            _calls_under_way += 1
+        ``HANDLE_WITHIN_SECONDS``. Only the main thread's: the loop's, where the signal is
+        handled (a thread of the user's waiting in ``wait()`` must not hold it)."""
+        global _depth, _since, _total
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        with _clock_lock:
+            if _depth == 0:
+                _since = time.monotonic()
+            _depth += 1
         try:
             yield
         finally:
-            with _calls_lock:
-                _calls_under_way -= 1
+            with _clock_lock:
+                _depth -= 1
+                if _depth == 0:
+                    _total += time.monotonic() - _since
 
     def _watchdog(self, signum: int) -> None:
-        left, last = HANDLE_WITHIN_SECONDS, time.monotonic()
-        while left > 0:
+        start, inside = time.monotonic(), _seconds_inside_managers()
+        while True:
             if self.acting or self.handled or self._closed:
                 return
+            loops = time.monotonic() - start - (_seconds_inside_managers() - inside)
+            if loops >= HANDLE_WITHIN_SECONDS:
+                break
             time.sleep(0.1)
-            now = time.monotonic()
-            if not _calls_under_way:
-                left -= now - last
-            last = now
         log.warning(
             "%s: no maybe_save acted on it within %.0f s of the loop's time; passing it on",
             signal.Signals(signum).name,
@@ -327,6 +336,13 @@ def _end_by_the_signal_at_exit() -> None:
         watch._forward = True
         watch._pass_on(watch.received, None, chained=True)
         return
+
+
+def _seconds_inside_managers() -> float:
+    """The main thread's time inside managers' waiting calls so far, the one under way
+    included."""
+    with _clock_lock:
+        return _total + (time.monotonic() - _since if _depth else 0.0)
 
 
 def _first_line(error: BaseException) -> str:
