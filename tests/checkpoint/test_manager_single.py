@@ -952,3 +952,42 @@ def test_a_users_links_pipes_and_sockets_beside_the_checkpoints_are_left_alone(t
         assert (tmp_path / "config.yaml").read_text() == "lr: 0.1\n"
     finally:
         sock.close()
+
+
+_RESTORE_AS_A_USER = """
+import sys, torch, unbroken as ub
+mgr = ub.CheckpointManager(sys.argv[1], staging_dir=sys.argv[2], memory_tier=False)
+try:
+    print("RESTORED", mgr.restore({"w": torch.zeros(4)}))
+except ub.StoreError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_an_unreadable_step_folder_fails_restore_naming_it_and_a_users_folder_does_not(
+    tmp_path,
+):
+    """An unreadable step folder made restore() start from scratch (a hostile user's
+    find); one of the user's own folders beside the steps must not stop restores."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    mgr = ub.CheckpointManager(ck, staging_dir=tmp_path / "st", memory_tier=False)
+    mgr.save(1, {"w": torch.zeros(4)})
+    mgr.save(2, {"w": torch.ones(4)})
+    mgr.close()
+    cmd = [sys.executable, "-c", _RESTORE_AS_A_USER, str(ck), str(tmp_path / "st2")]
+    if os.geteuid() == 0:  # root ignores file modes: drop what lets it
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: file modes do not bind")
+        drop = "-dac_override,-dac_read_search"
+        cmd = ["setpriv", f"--inh-caps={drop}", f"--bounding-set={drop}", *cmd]
+    (ck / "tb").mkdir()
+    for folder, expected in (("tb", "RESTORED 2"), (step_dir(2), "REFUSED")):
+        (ck / folder).chmod(0)
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        finally:
+            (ck / folder).chmod(0o755)
+        assert expected in run.stdout, run.stdout + run.stderr
+    assert f"checkpoint folder {ck / step_dir(2)} cannot be read" in run.stdout, run.stdout

@@ -90,11 +90,13 @@ def test_a_link_out_of_the_volume_is_refused_unless_the_filters_leave_it_out(tmp
     (vol / "train" / "a.bin").write_bytes(b"a")
     os.symlink(tmp_path / "elsewhere", vol / "train" / "more")
     os.symlink("train/a.bin", vol / "alias.bin")  # inside: an alias, skipped
-    with pytest.raises(StoreError, match=r"'train/more': a symbolic link to .*elsewhere"):
+    with pytest.raises(StoreError, match=r"'train/more/': a symbolic link to .*elsewhere"):
         build_index(open_store(vol))
-    with pytest.raises(StoreError, match=r"exclude=\['train/more'\]"):
+    with pytest.raises(StoreError, match=r"exclude=\['train/more/\*'\]"):
         build_index(open_store(vol), include=["train/*"])
-    for kw in ({"exclude": ["train/more"]}, {"include": ["*/a.bin"]}):
+    with pytest.raises(StoreError, match=r"'train/more/': a symbolic link"):  # may hold .bin
+        build_index(open_store(vol), include=["*.bin"])
+    for kw in ({"exclude": ["train/more/*"]}, {"include": ["train/a.*"]}):
         assert [e.key for e in build_index(open_store(vol), **kw).entries] == ["train/a.bin"]
 
 
@@ -159,6 +161,8 @@ def test_an_index_keeps_every_entry_etags_or_none_through_its_cached_copy(tmp_pa
         ("train/", ["train/cats/*"], None, True),
         ("README.link", None, ["*.link"], False),
         ("README.link", ["*.jpg"], None, False),
+        ("log/", None, ["log?"], True),  # '?' matches the folder's '/', not a file in it
+        ("sub/", None, ["sub/?*"], False),
     ],
 )
 def test_what_cannot_be_listed_is_refused_only_where_the_filters_would_select_it(

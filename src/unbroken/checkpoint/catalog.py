@@ -23,6 +23,8 @@ from unbroken.checkpoint.format.manifest import (
     step_dir,
 )
 from unbroken.storage import Store
+from unbroken.storage.errors import StorePermissionError
+from unbroken.storage.local import UNREADABLE
 
 VERIFY_CHUNK = 64 << 20
 """Bytes per ranged read while re-checksumming a file."""
@@ -67,7 +69,15 @@ def step_files(store: Store, *, include_temp: bool) -> dict[int, dict[str, int]]
     is left out, with a warning: nothing reads, counts or deletes it."""
     by_step: dict[int, dict[str, int]] = {}
     odd: set[str] = set()
-    for entry in store.list("", include_temp=include_temp):
+    unlisted: list[tuple[str, str]] = []
+    listed = store.list("", include_temp=include_temp, unlisted=unlisted)
+    for key, why in unlisted:  # a folder of the user's beside the steps is not ours
+        if parse_step_dir(key.partition("/")[0]) is not None and why.startswith(UNREADABLE):
+            raise StorePermissionError(
+                f"checkpoint folder {store.url_for(key)} {why}: its step cannot be read "
+                "or counted", op="list", url=store.url_for(key),
+            )  # fmt: skip
+    for entry in listed:
         top, _, rest = entry.key.partition("/")
         step = parse_step_dir(top)
         if step is not None and rest:

@@ -168,12 +168,12 @@ def select(
 
 def _selectable(key: str, include: Sequence[str] | None, exclude: Sequence[str] | None) -> bool:
     """Whether ``key`` (a folder's ends with '/') names, or may hold, a file that
-    ``include`` and ``exclude`` select. A folder is out when an exclude glob matches it
-    (``".private/*"`` matches ``".private/"``) or no include glob's fixed start can lie
+    ``include`` and ``exclude`` select. A folder is out when an exclude glob matches a
+    file in it (``".private/*"``, not ``"log?"``) or no include glob's fixed start can lie
     under it."""
     if not key.endswith("/"):
         return bool(select([Entry(key, 0)], include, exclude))
-    if any(fnmatch.fnmatchcase(key, p) for p in _patterns(exclude)):
+    if any(fnmatch.fnmatchcase(key + "\0", p) for p in _patterns(exclude)):  # any file in it
         return False
     starts = [re.split(r"[*?\[]", p, maxsplit=1)[0] for p in _patterns(include)]
     return not starts or any(s.startswith(key) or key.startswith(s) for s in starts)

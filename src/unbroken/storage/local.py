@@ -23,6 +23,9 @@ from unbroken.storage.base import (
 from unbroken.storage.in_memory import FileInMemory
 from unbroken.storage.retry import RetryPolicy
 
+UNREADABLE = "cannot be read"
+"""How ``Store.list(unlisted=)`` begins the reason of a folder it may not read."""
+
 
 class LocalStore(Store):
     """Objects are files under ``root``; a key's '/' parts are directories."""
@@ -152,9 +155,9 @@ class LocalStore(Store):
                     continue
                 raise
             except PermissionError as exc:
-                if unlisted is None:
+                if unlisted is None or folder == top:  # nothing at all could be listed
                     raise
-                unlisted.append((self._key_of(folder) + "/", f"cannot be read ({exc.strerror})"))
+                unlisted.append((self._key_of(folder) + "/", f"{UNREADABLE} ({exc.strerror})"))
                 continue
             with listing:
                 for item in listing:  # temp files too: Store.list hides them unless asked
@@ -169,7 +172,8 @@ class LocalStore(Store):
                     if stat.S_ISREG(st.st_mode):
                         entries.append(Entry(self._key_of(item.path), st.st_size, _version(st)))
                     elif unlisted is not None and (out := self._link_out(item.path, st)):
-                        unlisted.append((self._key_of(item.path), out))
+                        slash = "/" if os.path.isdir(item.path) else ""  # a folder: files in it
+                        unlisted.append((self._key_of(item.path) + slash, out))
         return entries
 
     @property
