@@ -146,6 +146,13 @@ def test_a_url_short_of_a_slash_is_refused_not_taken_for_a_local_folder(tmp_path
     assert open_store(f"file:{tmp_path}").root == str(tmp_path)  # RFC 8089's file:/path
 
 
+def test_a_cache_chain_over_a_local_path_is_no_unknown_scheme(tmp_path):
+    from unbroken import open_store
+
+    (tmp_path / "a").write_bytes(b"x")
+    assert open_store(f"simplecache::{tmp_path}").read_bytes("a") == b"x"
+
+
 def test_a_protocol_registered_with_fsspec_as_a_class_is_accepted():
     import fsspec
     from fsspec.implementations.memory import MemoryFileSystem

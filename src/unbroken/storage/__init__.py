@@ -106,9 +106,10 @@ def _check_scheme(url: str) -> None:
     import fsspec
 
     known = set(fsspec.available_protocols()) | set(fsspec.registry)  # registered classes too
-    for link in url.split("::"):
-        scheme = link.split("://", 1)[0] if "://" in link else link
-        if scheme and scheme not in known:
+    *wrappers, target = url.split("::")  # simplecache::s3://b/x; the target may be a path
+    for link in [*wrappers, *([target] if "://" in target else [])]:
+        scheme = link.split("://", 1)[0]
+        if scheme not in known:
             raise ValueError(
                 f"open_store({redact(url)!r}): unknown URL scheme {scheme!r}. Use a local "
                 "path, file://, s3://, gs://, az:// or another scheme fsspec knows "
