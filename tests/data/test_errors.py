@@ -100,6 +100,15 @@ def test_an_epoch_of_only_bad_files_is_raised_not_served_empty(make_volume, work
             list(plain)
 
 
+def test_a_plain_dataloader_over_fewer_files_than_ranks_is_refused_not_served_empty(
+    make_volume,
+):
+    """As ub.DataLoader refuses it: served empty, a step-counting loop spins for ever."""
+    vol = make_volume(1)
+    with pytest.raises(ValueError, match=r"1 files at .* for 2 ranks: rank 1 gets none"):
+        list(torch.utils.data.DataLoader(vol.dataset(rank=1, world_size=2), batch_size=None))
+
+
 def test_bad_arguments_are_refused(make_volume, tmp_path):
     vol = make_volume(4)
     with pytest.raises(ValueError, match="on_error must be 'raise' or 'skip'"):

@@ -173,6 +173,11 @@ class VolumeDataset(IterableDataset):
         """This rank's samples of ``self.epoch``, split over torch workers if any."""
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        if len(self.index) < self.world_size:  # as ub.DataLoader refuses it
+            raise ValueError(
+                f"VolumeDataset: {len(self.index)} files at {self.url} for {self.world_size} "
+                f"ranks: rank {self.rank} gets none, and every epoch would be empty"
+            )
         deliveries = self.iter_batches(
             self.epoch, 0, batch_size=1, drop_last=True, collate_fn=list,
             worker=worker, num_workers=workers, in_step=False,
@@ -182,7 +187,7 @@ class VolumeDataset(IterableDataset):
             if d.batch:
                 served += 1
                 yield d.batch[0]
-        if not served and info is None and len(self.index) >= self.world_size:  # the epoch
+        if not served and info is None:  # this process saw the whole epoch
             raise SampleReadError(self.nothing_served(self.epoch))
 
     def iter_batches(
