@@ -5,8 +5,10 @@ During finalization CPython ends a daemon thread that asks for the GIL with
 let go of the GIL) that unwind reaches ``std::terminate``: the process aborts (SIGABRT,
 "terminate called without an active exception", a core file) in place of exiting with
 its own code, and torchrun reports a crash where a rank raised an exception. Owners of
-such threads register here; at exit each is asked to finish what it runs and start
-nothing new, all within ``EXIT_GRACE_SECONDS``.
+such threads register here; at exit each is asked to end the work under way and start
+nothing new, all within ``EXIT_GRACE_SECONDS``. The work rarely completes (no thread pool
+takes new work once the interpreter's end began): the point is an exit with the
+process's own code.
 """
 
 from __future__ import annotations

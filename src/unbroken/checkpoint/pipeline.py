@@ -207,7 +207,8 @@ class SavePipeline:
 
     def rest_before_exit(self, deadline: float) -> None:
         """The interpreter ends with this pipeline open (an exception out of the loop):
-        the job under way finishes or fails, no queued one starts (``rest_at_exit``)."""
+        the job under way ends (abandoned, as a rule), no queued one starts
+        (``rest_at_exit``)."""
         if self._thread.is_alive():
             self._exiting = True
             self._queue.put(None)
@@ -228,6 +229,11 @@ class SavePipeline:
                 job.manifest = self._save(job)
             except _PhaseFailed as e:
                 message = f"checkpoint save of step {job.step} failed: {e.args[0]}"
+                if self._exiting:  # its cause is the interpreter's end, not the store
+                    message = (
+                        f"checkpoint save of step {job.step} abandoned: the process ended "
+                        "while it was under way, before its commit"
+                    )
                 if e.conflict is not None:  # never heals: the manager raises it
                     job.error = OtherJobError(**{**e.conflict, "message": message})
                 else:
