@@ -53,8 +53,8 @@ MAX_CALLS_BETWEEN = 16
 """The most maybe_save calls between two agreements, however short the steps."""
 
 HANDLE_WITHIN_SECONDS = 10.0
-"""A signal no maybe_save acted on after this long outside the manager's calls is passed
-on (see the module doc)."""
+"""A signal no maybe_save acted on after this long of the loop's own time (outside the
+managers' waiting calls) is passed on (see the module doc)."""
 
 REPEAT_SECONDS = 5.0
 """A repeat of the first signal within this long, before its save is done, is the same
@@ -200,8 +200,8 @@ class PreemptionWatch:
         while True:
             if self.acting or self.handled or self._closed:
                 return
-            loops = time.monotonic() - start - (_seconds_inside_managers() - inside)
-            if loops >= HANDLE_WITHIN_SECONDS:
+            loop_seconds = time.monotonic() - start - (_seconds_inside_managers() - inside)
+            if loop_seconds >= HANDLE_WITHIN_SECONDS:
                 break
             time.sleep(0.1)
         log.warning(
@@ -234,9 +234,7 @@ class PreemptionWatch:
         assert self.received is not None
         log.warning(
             "%s: the ranks cannot agree on a save (%s): a peer is gone, so no save could "
-            "commit; ending now",
-            signal.Signals(self.received).name,
-            _first_line(error),
+            "commit; ending now", signal.Signals(self.received).name, _first_line(error)
         )
         if self.on_give_up is not None:
             self.on_give_up()
