@@ -320,9 +320,12 @@ class EventLog:
         return ok
 
     def keep_history(self) -> None:
+        """From now on keep every event; those flushed before (the START, written at
+        ``start`` before a sink can ask) are taken from what this log wrote since its
+        last compaction, which a sink asking at the start covers whole."""
         with self._io:
             if self.history is None:
-                self.history = []
+                self.history = [*(e for _, evs in self._written for e in evs), *self._unsent]
 
     def events_so_far(self) -> list[Event]:
         """What was flushed so far (``keep_history`` first), plus what is queued."""
