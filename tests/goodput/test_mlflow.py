@@ -73,6 +73,25 @@ def test_switched_off_logs_nothing(tmp_path, monkeypatch):
     assert not ub.open_store(str(tmp_path / "ck")).exists(RUN_KEY)
 
 
+def test_a_server_that_never_answers_does_not_hold_the_jobs_end(tmp_path, monkeypatch, caplog):
+    """A hostile user's find: with the tracking server hung, close() waited 60 s with no
+    word (past a preemption's 30 s grace), and the metrics were silently missing."""
+    import unbroken.goodput.mlflow_sink as sink
+
+    monkeypatch.setattr(sink, "CLOSE_SECONDS", 1.0, raising=False)
+    with socket.socket() as hung:  # listens, never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{hung.getsockname()[1]}")
+        with (
+            caplog.at_level("WARNING", logger="unbroken.goodput.mlflow_sink"),
+            ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st") as mgr,
+        ):
+            mgr.save(1, {"w": torch.zeros(2)})
+    assert "did not answer within 1 s" in caplog.text, caplog.text
+    assert ub.open_store(str(tmp_path / "ck")).exists("step-000000000001/manifest.json")
+
+
 @pytest.fixture
 def mlflow_server(tmp_path):
     with socket.socket() as s:

@@ -38,6 +38,8 @@ from unbroken.storage import ObjectNotFoundError, Store
 log = logging.getLogger(__name__)
 
 RUN_KEY = f"{ev.PREFIX}/mlflow-run.json"
+CLOSE_SECONDS = 10.0
+"""How long the job's end waits for the last batch to reach MLflow."""
 """Where the run id is kept, in the durable tier."""
 METRICS = (
     "fetch_seconds",
@@ -105,6 +107,7 @@ class MlflowSink:
         self._goodput_at = float("-inf")
         self._goodput: float | None = None
         self._stop = threading.Event()
+        self._clean = False
         self._failed = False
         recorder.log.keep_history()
         self._thread = threading.Thread(target=self._run, name="unbroken-mlflow", daemon=True)
@@ -125,6 +128,7 @@ class MlflowSink:
         while not self._stop.wait(0.5):
             if self.recorder.steps_seen - self._logged_steps >= self.every:
                 self._log_safely()
+        self._finish()
 
     def _open_run(self) -> None:
         from mlflow.tracking import MlflowClient
@@ -228,14 +232,26 @@ class MlflowSink:
         return self._goodput
 
     def close(self, *, clean: bool) -> None:
-        """A last batch; at a clean end the run is marked finished (unless it is the user's)."""
+        """A last batch; at a clean end the run is marked finished (unless it is the user's).
+        Both on the sink's thread, waited for ``CLOSE_SECONDS`` at most: a server down or
+        hung must not hold the job's end (a preemption's grace is often 30 s)."""
+        self._clean = clean
         self._stop.set()
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=CLOSE_SECONDS)
+        if self._thread.is_alive():
+            log.warning(
+                "goodput: MLflow at %s did not answer within %.0f s; the job ends without "
+                "its last metrics%s", self.tracking_uri, CLOSE_SECONDS,
+                " and its run is not marked finished" if clean else "",
+            )  # fmt: skip
+
+    def _finish(self) -> None:
+        """The sink's thread, at close: the last batch, and a clean end's FINISHED."""
         if self._client is None or self.run_id is None:
             return
         self._goodput_at = float("-inf")
         self._log_safely()
-        if clean and self.active_run is None:  # ours, not the user's run
+        if self._clean and self.active_run is None:  # ours, not the user's run
             try:
                 self._client.set_terminated(self.run_id, "FINISHED")
             except Exception as exc:
