@@ -113,6 +113,29 @@ def test_verify_names_a_damaged_manifest(capsys, checkpoints, tmp_path, damage):
     assert "ok " in out  # step 2 is sound
 
 
+def test_verify_of_a_live_job_is_not_fooled_by_its_retention(capsys, checkpoints, tmp_path):
+    """A hostile user's find: a cron `verify` of a running job exited 1 ("corruption")
+    whenever retention removed a step between the listing and its check."""
+    import unbroken.cli.verify as verify
+
+    ck = copy_tree(checkpoints, tmp_path / "ck")
+    listed = verify.list_checkpoints
+
+    def list_then_prune(store):  # the job's retention runs right after our listing
+        infos = listed(store)
+        store.delete(step_dir(2))
+        return infos
+
+    verify.list_checkpoints = list_then_prune
+    try:
+        code, out, _ = run(capsys, "verify", str(ck))
+    finally:
+        verify.list_checkpoints = listed
+    assert code == 0, out
+    assert f"gone    {ck / step_dir(2)}: removed while verifying" in out
+    assert f"ok      {ck / step_dir(4)}" in out
+
+
 def test_verify_of_a_partial_or_absent_step_fails(capsys, checkpoints):
     code, out, _ = run(capsys, "verify", str(checkpoints), "--step", "6")
     assert code == 1 and "not committed" in out

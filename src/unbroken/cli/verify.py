@@ -15,6 +15,7 @@ from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints, verify
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME, step_dir
 from unbroken.cli.errors import CliError
 from unbroken.cli.stores import add_storage_arguments, open_existing, storage_options
+from unbroken.storage.errors import ObjectNotFoundError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     bar = _progress(total, disable=args.no_progress or args.json)
     report: dict[int, list[str]] = {}
     partial: set[int] = set()  # no commit record: a problem of the step, not of a file
+    gone: set[int] = set()  # removed while this ran (a running job's retention)
     try:
         for info in chosen:
             bar.set_description(f"step {info.step}")
@@ -59,9 +61,17 @@ def run(args: argparse.Namespace) -> int:
                 report[info.step] = [info.problem or "not committed"]
                 continue
             # "FILE: why" each, naming the file at fault (a shard cut short, not its record)
-            report[info.step] = verify_checkpoint(store, info.step, deep=True, on_bytes=bar.update)
+            try:
+                problems = verify_checkpoint(store, info.step, deep=True, on_bytes=bar.update)
+            except ObjectNotFoundError as exc:
+                problems = [f"missing: {exc}"]
+            if problems and _removed_meanwhile(store, info.step):
+                gone.add(info.step)  # a running job's retention: not damage
+            report[info.step] = problems
     finally:
         bar.close()
+    for step in gone:
+        del report[step]
     bad = {s: p for s, p in report.items() if p}
     if args.json:
         print(json.dumps({str(s): p for s, p in report.items()}, indent=1))
@@ -75,10 +85,18 @@ def run(args: argparse.Namespace) -> int:
                     print(f"CORRUPT {where}/{p}")
             if not problems:
                 print(f"ok      {where}")
+        for step in sorted(gone):
+            print(f"gone    {store.url_for(step_dir(step))}: removed while verifying "
+                  "(a running job's retention), not checked")  # fmt: skip
     if bad:
         n = sum(len(p) for p in bad.values())
         raise CliError(f"{n} problem(s) in {len(bad)} checkpoint(s) under {store.url}")
     return 0
+
+
+def _removed_meanwhile(store, step: int) -> bool:
+    """The step's commit record is gone since the listing: retention removed the step."""
+    return not store.exists(f"{step_dir(step)}/{MANIFEST_NAME}")
 
 
 def _damaged_record(store, info: CheckpointInfo) -> bool:
