@@ -59,3 +59,18 @@ def test_an_attempt_rank_0_left_no_event_in_is_proven_by_another_rank():
     assert b.restarts == 1 and [a.stand_in_rank for a in b.attempts] == [1, None]
     assert b.wall_seconds == 15 and b.seconds["down"] == 9
     assert job_breakdown(log, 3).attempts == []  # a rank that never ran
+
+
+def test_an_attempt_whose_rank_0_log_lost_its_start_is_told_by_another_rank(caplog):
+    """A hostile user's find: rank 0's first object of an attempt emptied, its later
+    events were used as they were: that attempt lost its start, 5.7 s counted down and its
+    redone steps productive (59.7% became 49.2%), without a word."""
+    whole = attempt(0, 1)[0]
+    second = attempt(10, 5, clean=True)[0]
+    intact = {"a1": {0: whole, 1: whole}, "a2": {0: second, 1: second}}
+    headless = [e for e in second if e.kind != ev.START]
+    damaged = {"a1": {0: whole, 1: whole}, "a2": {0: headless, 1: second}}
+    b = job_breakdown(damaged, 0)
+    assert [a.stand_in_rank for a in b.attempts] == [None, 1]
+    assert b.seconds == job_breakdown(intact, 0).seconds
+    assert "attempt a2: rank 0's log has lost its start; rank 1's stands in" in caplog.text

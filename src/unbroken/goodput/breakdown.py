@@ -25,12 +25,15 @@ are never counted twice. ``goodput = productive / wall``.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.goodput import events as ev
+
+_log = logging.getLogger(__name__)
 
 CATEGORIES = (
     "productive",
@@ -153,20 +156,30 @@ def job_breakdown(log: Mapping[str, Mapping[int, Sequence[ev.Event]]], rank: int
     """The breakdown of ``rank``'s timeline (``log`` as ``events.read_log`` returns it).
 
     An attempt in which ``rank`` left no event (it died before its first write, on a node
-    never used again) still happened: the lowest rank with events stands in for it (in
-    data-parallel training every rank runs the same steps)."""
+    never used again), or lost its START (its first object emptied or deleted), still
+    happened: the lowest rank with a START stands in for it (in data-parallel training
+    every rank runs the same steps)."""
     if not any(rank in ranks for ranks in log.values()):
         return breakdown({}, rank=rank)
     chosen: dict[str, Sequence[ev.Event]] = {}
     stand_in: dict[str, int] = {}
     for attempt, ranks in log.items():
-        if ranks.get(rank):
+        if _has_start(ranks.get(rank)):
             chosen[attempt] = ranks[rank]
             continue
-        other = min((r for r, events in ranks.items() if events), default=None)
+        other = min((r for r, events in ranks.items() if _has_start(events)), default=None)
+        if other is None:
+            other = min((r for r, events in ranks.items() if events), default=None)
         if other is not None:
+            if ranks.get(rank):  # events, but not their beginning: worth a word
+                _log.warning("goodput: attempt %s: rank %d's log has lost its start; rank %d's "
+                             "stands in", attempt, rank, other)  # fmt: skip
             chosen[attempt], stand_in[attempt] = ranks[other], other
     return breakdown(chosen, rank=rank, stand_in=stand_in)
+
+
+def _has_start(events: Sequence[ev.Event] | None) -> bool:
+    return bool(events) and any(e.kind == ev.START for e in events)  # type: ignore[union-attr]
 
 
 def per_rank(log: Mapping[str, Mapping[int, Sequence[ev.Event]]]) -> dict[int, Breakdown]:
