@@ -248,10 +248,19 @@ def _durable_seconds(rank: int) -> float:
     (close or exit), their crashed tails by the next attempt on the node: a thousand
     ranks must not fill the durable tier's listings.
     ``UNBROKEN_GOODPUT_FLUSH`` (seconds) sets it for every rank."""
+    default = 60.0 if rank == 0 else float("inf")
     value = os.environ.get("UNBROKEN_GOODPUT_FLUSH")
-    if value:
-        return float(value)
-    return 60.0 if rank == 0 else float("inf")
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:  # a typo must not stop a training job over its accounting
+        log.warning("goodput: UNBROKEN_GOODPUT_FLUSH=%r is not a number of seconds > 0; "
+                    "using %s", value, default)  # fmt: skip
+        return default
+    return seconds
 
 
 @atexit.register
