@@ -136,6 +136,13 @@ def test_verify_of_a_live_job_is_not_fooled_by_its_retention(capsys, checkpoints
     assert f"ok      {ck / step_dir(4)}" in out
 
 
+@pytest.mark.parametrize("url", ["", "s4://bucket/ck", "s3:/bucket/ck"])
+def test_a_malformed_url_is_a_bad_argument(capsys, url):
+    """Exit 2, as the docs say of bad arguments (an empty URL exited 1, as corruption)."""
+    code, _, err = run(capsys, "ls", url)
+    assert code == 2 and "cannot open" in err, err
+
+
 def test_verify_of_a_partial_or_absent_step_fails(capsys, checkpoints):
     code, out, _ = run(capsys, "verify", str(checkpoints), "--step", "6")
     assert code == 1 and "not committed" in out

@@ -93,12 +93,12 @@ def test_a_missing_bucket_is_named_by_ls(capsys, s3_server, no_aws_env):
 
 def test_an_unknown_option_is_a_clear_error(capsys, s3_checkpoints):
     code, _out, err = run(capsys, "ls", s3_checkpoints, "--storage-option", "endpont_url=x")
-    assert code == 1 and "unknown storage option 'endpont_url'" in err
+    assert code == 2 and "unknown storage option 'endpont_url'" in err  # a bad argument
 
 
 def test_a_local_path_takes_no_options(capsys, tmp_path):
     code, _out, err = run(capsys, "ls", str(tmp_path), "--storage-option", "key=x")
-    assert code == 1 and "takes no storage options" in err
+    assert code == 2 and "takes no storage options" in err  # a bad argument
 
 
 def test_option_values_parse_as_json_where_they_are_json(tmp_path):

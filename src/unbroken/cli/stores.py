@@ -87,7 +87,9 @@ def open_existing(url: str, options: dict[str, Any] | None = None) -> Store:
     directory."""
     try:
         store = open_store(url, **(options or {}))
-    except (ValueError, TypeError, ImportError) as exc:
+    except (ValueError, TypeError) as exc:  # the URL or its options: a bad argument
+        raise CliError(f"cannot open {url!r}: {exc}", code=2) from exc
+    except ImportError as exc:  # a package this scheme needs is not installed
         raise CliError(f"cannot open {url!r}: {exc}") from exc
     if isinstance(store, LocalStore) and not os.path.isdir(store.root):
         what = "is a file, not a directory" if os.path.exists(store.root) else "does not exist"
