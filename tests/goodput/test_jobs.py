@@ -74,3 +74,13 @@ def test_an_attempt_whose_rank_0_log_lost_its_start_is_told_by_another_rank(capl
     assert [a.stand_in_rank for a in b.attempts] == [None, 1]
     assert b.seconds == job_breakdown(intact, 0).seconds
     assert "attempt a2: rank 0's log has lost its start; rank 1's stands in" in caplog.text
+
+
+def test_a_clock_step_between_two_attempts_of_one_job_is_told(tmp_path):
+    """A hostile user's find: a wall clock 5 s behind on the restarted attempt's host
+    counted 5 s of 'down' that never happened, with no word; the report now warns."""
+    log = {"a1": attempt(0, 10, "J"), "a2": attempt(6, 5, "J"), "a3": attempt(12, 5, "J")}
+    (job,) = jobs.split(log)
+    assert jobs.clock_overlaps(log, job) == [("a1", "a2", 4.0)]
+    log = {"a1": attempt(0, 10, "J"), "a2": attempt(10.5, 5, "J")}  # within SKEW: none
+    assert jobs.clock_overlaps(log, jobs.split(log)[0]) == []

@@ -53,6 +53,13 @@ def run(args: argparse.Namespace) -> int:
             "recording off (goodput=False, UNBROKEN_GOODPUT=0) or by an older unbroken?"
         )
     job = pick_job(found, args.job, store.url)
+    for earlier, later, seconds in jobs.clock_overlaps(log, job):
+        print(
+            f"warning: attempt {later} starts {seconds:.1f} s before attempt {earlier} "
+            "ended: the hosts' clocks disagree (a clock stepped, or nodes out of NTP sync), "
+            "and the wall, down and goodput figures below are off by about that much",
+            file=sys.stderr,
+        )
     log = jobs.select(log, job)
     b = job_breakdown(log, args.rank)
     if not b.attempts:

@@ -11,6 +11,7 @@ attempt ended most recently before it started, or starts one of its own.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -83,6 +84,19 @@ def split(log: Log) -> list[Job]:
         for name, atts, is_named in groups
     ]
     return sorted(jobs, key=lambda j: (j.start, j.name))
+
+
+def clock_overlaps(log: Log, job: Job) -> list[tuple[str, str, float]]:
+    """(earlier, later, seconds) where one of ``job``'s attempts starts more than ``SKEW``
+    before the one before it ended: one job's attempts follow one another, so the hosts'
+    clocks disagree (a clock stepped, nodes out of sync) and its figures are off by about
+    that much."""
+    spans = [(a, span(log[a])) for a in job.attempts if any(log[a].values())]
+    return [
+        (a, b, end - start)
+        for (a, (_, end)), (b, (start, _)) in itertools.pairwise(spans)
+        if start < end - SKEW
+    ]
 
 
 def select(log: Log, job: Job) -> dict[str, Mapping[int, Sequence[ev.Event]]]:
