@@ -73,6 +73,24 @@ def test_switched_off_logs_nothing(tmp_path, monkeypatch):
     assert not ub.open_store(str(tmp_path / "ck")).exists(RUN_KEY)
 
 
+def test_a_run_opened_then_a_failure_is_still_logged_to_and_finished(tmp_path, monkeypatch):
+    """A later reviewer's find: a failure after the run was made (here its tag; also the
+    durable tier refusing mlflow-run.json once) left the run RUNNING with no metric."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowClient(tracking_uri=uri).search_experiments()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("UNBROKEN_MLFLOW_EVERY_STEPS", "2")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("tagging refused")
+
+    monkeypatch.setattr(MlflowClient, "set_tag", refuse)
+    url = str(tmp_path / "ck")
+    train(tmp_path, url, every_steps=3)
+    run = MlflowClient(tracking_uri=uri).get_run(saved_run(url))
+    assert run.info.status == "FINISHED" and "goodput" in run.data.metrics
+
+
 def test_a_server_that_never_answers_does_not_hold_the_jobs_end(tmp_path, monkeypatch, caplog):
     """A hostile user's find: with the tracking server hung, close() waited 60 s with no
     word (past a preemption's 30 s grace), and the metrics were silently missing."""

@@ -38,9 +38,13 @@ from unbroken.storage import ObjectNotFoundError, Store
 log = logging.getLogger(__name__)
 
 RUN_KEY = f"{ev.PREFIX}/mlflow-run.json"
-CLOSE_SECONDS = 10.0
-"""How long the job's end waits for the last batch to reach MLflow."""
 """Where the run id is kept, in the durable tier."""
+CLOSE_SECONDS = 60.0
+"""How long a job's clean end waits for its last batch and FINISHED to reach MLflow (a
+slow server answers; a hung one is warned about)."""
+ABANDON_SECONDS = 10.0
+"""The same wait where the job ends otherwise (preempted, crashed): a preemption's grace
+is often 30 s, and the checkpoint comes first."""
 METRICS = (
     "fetch_seconds",
     "checkpoint_blocked_seconds",
@@ -122,9 +126,14 @@ class MlflowSink:
         try:
             self._open_run()
         except Exception as exc:
-            log.warning("goodput: MLflow at %s unusable, not logging: %s", self.tracking_uri, exc)
-            self._failed = True
-            return
+            if self.run_id is None:
+                log.warning(
+                    "goodput: MLflow at %s unusable, not logging: %s", self.tracking_uri, exc
+                )
+                self._failed = True
+                return
+            log.warning("goodput: MLflow run %s opened, then %s; logging to it all the same",
+                        self.run_id, exc)  # fmt: skip
         while not self._stop.wait(0.5):
             if self.recorder.steps_seen - self._logged_steps >= self.every:
                 self._log_safely()
@@ -231,17 +240,18 @@ class MlflowSink:
         self._goodput = b.goodput
         return self._goodput
 
-    def close(self, *, clean: bool) -> None:
+    def close(self, *, clean: bool, preempted: bool = False) -> None:
         """A last batch; at a clean end the run is marked finished (unless it is the user's).
-        Both on the sink's thread, waited for ``CLOSE_SECONDS`` at most: a server down or
-        hung must not hold the job's end (a preemption's grace is often 30 s)."""
+        Both on the sink's thread, waited for ``CLOSE_SECONDS`` (``ABANDON_SECONDS`` after a
+        preemption or a crash) at most: a server down or hung must not hold the job's end."""
         self._clean = clean
         self._stop.set()
-        self._thread.join(timeout=CLOSE_SECONDS)
+        seconds = CLOSE_SECONDS if clean and not preempted else ABANDON_SECONDS
+        self._thread.join(timeout=seconds)
         if self._thread.is_alive():
             log.warning(
                 "goodput: MLflow at %s did not answer within %.0f s; the job ends without "
-                "its last metrics%s", self.tracking_uri, CLOSE_SECONDS,
+                "its last metrics%s", self.tracking_uri, seconds,
                 " and its run is not marked finished" if clean else "",
             )  # fmt: skip
 

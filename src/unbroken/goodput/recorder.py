@@ -165,14 +165,14 @@ class Recorder(NullRecorder):
         if self._closed:
             return
         self._add(ev.END, info={"preempted": True} if preempted else {})
-        self._finish(clean=True)
+        self._finish(clean=True, preempted=preempted)
 
     def abandon(self) -> None:
         """The owner went away without close() (or the interpreter exits): flush, no END."""
         if not self._closed:
             self._finish(clean=False)
 
-    def _finish(self, *, clean: bool) -> None:
+    def _finish(self, *, clean: bool, preempted: bool = False) -> None:
         global _current
         self._closed = True
         _open.discard(self)
@@ -180,7 +180,7 @@ class Recorder(NullRecorder):
             _current = None
         self.log.close(beat=self.now(), remove_local=True)
         if self.sink is not None:
-            self.sink.close(clean=clean)
+            self.sink.close(clean=clean, preempted=preempted)
 
 
 def start(
@@ -249,18 +249,19 @@ def _durable_seconds(rank: int) -> float:
     ranks must not fill the durable tier's listings.
     ``UNBROKEN_GOODPUT_FLUSH`` (seconds) sets it for every rank."""
     default = 60.0 if rank == 0 else float("inf")
-    value = os.environ.get("UNBROKEN_GOODPUT_FLUSH")
+    value = os.environ.get("UNBROKEN_GOODPUT_FLUSH", "").strip()
     if not value:
         return default
     try:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
-    if not seconds > 0:  # a typo must not stop a training job over its accounting
-        log.warning("goodput: UNBROKEN_GOODPUT_FLUSH=%r is not a number of seconds > 0; "
-                    "using %s", value, default)  # fmt: skip
+    if not seconds >= 0:  # a typo must not stop a training job over its accounting
+        if rank == 0:  # once per job, not once per rank
+            log.warning("goodput: UNBROKEN_GOODPUT_FLUSH=%r is not a number of seconds; "
+                        "using the default", value)  # fmt: skip
         return default
-    return seconds
+    return seconds  # 0: at every tick of the log's thread
 
 
 @atexit.register
