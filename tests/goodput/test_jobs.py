@@ -84,3 +84,11 @@ def test_a_clock_step_between_two_attempts_of_one_job_is_told(tmp_path):
     assert jobs.clock_overlaps(log, job) == [("a1", "a2", 4.0)]
     log = {"a1": attempt(0, 10, "J"), "a2": attempt(10.5, 5, "J")}  # within SKEW: none
     assert jobs.clock_overlaps(log, jobs.split(log)[0]) == []
+
+
+def test_an_attempt_no_rank_of_which_kept_its_start_is_told_by_its_own_events(caplog):
+    whole = attempt(0, 1)[0]
+    headless = [e for e in attempt(10, 5, clean=True)[0] if e.kind != ev.START]
+    b = job_breakdown({"a1": {0: whole}, "a2": {0: headless}}, 0)
+    assert [a.stand_in_rank for a in b.attempts] == [None, None]
+    assert "attempt a2: no rank's log has its start" in caplog.text

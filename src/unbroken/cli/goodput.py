@@ -56,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
     for earlier, later, seconds in jobs.clock_overlaps(log, job):
         print(
             f"warning: attempt {later} starts {seconds:.1f} s before attempt {earlier} "
-            "ended: the hosts' clocks disagree (a clock stepped, or nodes out of NTP sync), "
-            "and the wall, down and goodput figures below are off by about that much",
+            "ended: two processes of the job ran at once (a replacement started before the "
+            "old one ended) or the hosts' clocks disagree (a clock stepped, nodes out of NTP "
+            "sync); the wall, down and goodput figures below are off by about that much",
             file=sys.stderr,
         )
     log = jobs.select(log, job)

@@ -168,6 +168,10 @@ def job_breakdown(log: Mapping[str, Mapping[int, Sequence[ev.Event]]], rank: int
             chosen[attempt] = ranks[rank]
             continue
         other = min((r for r, events in ranks.items() if _has_start(events)), default=None)
+        if other is None and ranks.get(rank):  # no rank has its start: its own, as it is
+            _log.warning("goodput: attempt %s: no rank's log has its start", attempt)
+            chosen[attempt] = ranks[rank]
+            continue
         if other is None:
             other = min((r for r, events in ranks.items() if events), default=None)
         if other is not None:

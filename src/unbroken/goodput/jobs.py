@@ -88,9 +88,9 @@ def split(log: Log) -> list[Job]:
 
 def clock_overlaps(log: Log, job: Job) -> list[tuple[str, str, float]]:
     """(earlier, later, seconds) where one of ``job``'s attempts starts more than ``SKEW``
-    before the one before it ended: one job's attempts follow one another, so the hosts'
-    clocks disagree (a clock stepped, nodes out of sync) and its figures are off by about
-    that much."""
+    before the one before it ended: one job's attempts follow one another, so either two
+    ran at once (a replacement started during the old one's grace) or the hosts' clocks
+    disagree, and its figures are off by about that much."""
     spans = [(a, span(log[a])) for a in job.attempts if any(log[a].values())]
     return [
         (a, b, end - start)
