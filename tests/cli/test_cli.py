@@ -136,6 +136,27 @@ def test_verify_of_a_live_job_is_not_fooled_by_its_retention(capsys, checkpoints
     assert f"ok      {ck / step_dir(4)}" in out
 
 
+def test_verify_calls_a_commit_record_deleted_by_hand_meanwhile_damage(
+    capsys, checkpoints, tmp_path, monkeypatch
+):
+    """Retention leaves nothing of a step; a record deleted with the files left is not
+    'gone' (a later reviewer's find)."""
+    import unbroken.cli.verify as verify
+
+    ck = copy_tree(checkpoints, tmp_path / "ck")
+    listed = verify.list_checkpoints
+
+    def list_then_break(store):
+        infos = listed(store)
+        store.delete(f"{step_dir(2)}/manifest.json")
+        return infos
+
+    monkeypatch.setattr(verify, "list_checkpoints", list_then_break)
+    monkeypatch.setattr(verify, "GONE_WAIT_SECONDS", 0.5)
+    code, out, _ = run(capsys, "verify", str(ck))
+    assert code == 1 and f"CORRUPT {ck / step_dir(2)}" in out and "gone" not in out, out
+
+
 @pytest.mark.parametrize("url", ["", "s4://bucket/ck", "s3:/bucket/ck"])
 def test_a_malformed_url_is_a_bad_argument(capsys, url):
     """Exit 2, as the docs say of bad arguments (an empty URL exited 1, as corruption)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME, step_dir
@@ -94,9 +95,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+GONE_WAIT_SECONDS = 5.0
+"""How long a step whose commit record vanished may take to be removed whole."""
+
+
 def _removed_meanwhile(store, step: int) -> bool:
-    """The step's commit record is gone since the listing: retention removed the step."""
-    return not store.exists(f"{step_dir(step)}/{MANIFEST_NAME}")
+    """Retention removed the step since the listing: its commit record went first, then
+    every file goes within moments. A record gone with the files left is damage."""
+    if store.exists(f"{step_dir(step)}/{MANIFEST_NAME}"):
+        return False
+    deadline = time.monotonic() + GONE_WAIT_SECONDS
+    while store.list(step_dir(step)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def _damaged_record(store, info: CheckpointInfo) -> bool:
