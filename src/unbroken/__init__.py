@@ -43,7 +43,7 @@ _LAZY = {
     "TornSnapshotError": "unbroken.checkpoint.staging.errors",
     "StagingBudgetError": "unbroken.checkpoint.staging.errors",
     "StagingDirInUseError": "unbroken.checkpoint.staging.owner",
-    "LoaderStateError": "unbroken.data.loader",
+    "LoaderStateError": "unbroken.data.loader_state",
     "SampleReadError": "unbroken.data.dataset",
     "EmptyVolumeError": "unbroken.data.index",
     "CacheDirError": "unbroken.data.cache.cache",

@@ -11,7 +11,7 @@ import torch
 
 from tests.data.conftest import decode_augmented
 from tests.data.helpers import check_save_load, flatten, same_state, serve
-from unbroken.data.loader import LoaderStateError
+from unbroken.data.loader_state import LoaderStateError
 
 
 def test_each_sample_once_per_epoch_across_ranks_and_workers(make_volume, backend):

@@ -19,7 +19,7 @@ from unbroken.data.cache.cache import SourceChangedError
 from unbroken.data.dataset import SampleReadError
 from unbroken.data.index import EmptyVolumeError, load_or_build_index
 from unbroken.data.index import _write as write_index
-from unbroken.data.loader import LoaderStateError
+from unbroken.data.loader_state import LoaderStateError
 
 
 def served(ds: ub.VolumeDataset) -> list[int]:

@@ -68,6 +68,18 @@ class Group:
             return cls(None)
         return cls(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)))
 
+    def refuse_if_alone(self, what: str) -> None:
+        """Refuse to act alone on one rank of several (each would write rank 0's files):
+        ``what`` was made before ``init_process_group``."""
+        alone = self.pg is None and dist.is_available() and dist.is_initialized()
+        if alone and dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"{what} was created before torch.distributed.init_process_group(), so it "
+                f"works as a single process, but this is rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}: create the {what} after init_process_group, on "
+                "every rank"
+            )
+
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0

@@ -8,7 +8,6 @@ background pipeline. Everything else (local tier, durable tier, commit, retentio
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import signal
@@ -16,11 +15,9 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import fields
-from typing import Any, Literal, TypeVar
-
-import torch.distributed as dist
+from typing import Any, Literal
 
 from unbroken._util.world import require_group
 from unbroken.checkpoint import json_values
@@ -39,7 +36,7 @@ from unbroken.checkpoint.memory_tier import MemoryTier
 from unbroken.checkpoint.peers.network import PeerNetwork, replica_stores
 from unbroken.checkpoint.peers.replicator import Replicator
 from unbroken.checkpoint.pipeline import REPLICA_CLOSE_SECONDS, PipelineConfig, SavePipeline
-from unbroken.checkpoint.preemption import EXIT_CODE, PreemptionWatch
+from unbroken.checkpoint.preemption import EXIT_CODE, PreemptionWatch, not_the_loops_time
 from unbroken.checkpoint.save_cadence import SaveCadence
 from unbroken.checkpoint.save_job import SaveJob
 from unbroken.checkpoint.staging.stager import StateStager
@@ -60,21 +57,6 @@ PEER_DRAIN_SECONDS = 5.0
 its peers are still sending (a preemption's last commit)."""
 
 __all__ = ["CheckpointConfig", "CheckpointInfo", "CheckpointManager", "SaveStats"]
-
-_Call = TypeVar("_Call", bound=Callable[..., Any])
-
-
-def _not_the_loops_time(method: _Call) -> _Call:
-    """A call of the manager that may wait for a commit: a preemption signal that comes
-    meanwhile is not left unhandled by the loop (see ``PreemptionWatch.inside_manager``)."""
-
-    @functools.wraps(method)
-    def call(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
-        with PreemptionWatch.inside_manager():
-            return method(self, *args, **kwargs)
-
-    return call  # type: ignore[return-value]
-
 
 class CheckpointManager:
     """Asynchronous, tiered, atomically committed checkpoints with automatic recovery.
@@ -227,7 +209,7 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------
 
-    @_not_the_loops_time
+    @not_the_loops_time
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
         check_step(step)
@@ -263,7 +245,7 @@ class CheckpointManager:
             raise SystemExit(EXIT_CODE)
         return saved
 
-    @_not_the_loops_time
+    @not_the_loops_time
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save now (waits for a save still in flight); False if ``step`` is already committed,
         or, with ``async_save=False``, if the save failed (its failure is warned about;
@@ -277,7 +259,7 @@ class CheckpointManager:
             raise RuntimeError("CheckpointManager is closed")
         if self._left_newer is not None:
             raise OlderStepRestoredError(redact(self.store.url), *self._left_newer)
-        self._check_group()
+        self._group.refuse_if_alone("CheckpointManager")
         t0 = time.monotonic()
         self.stats.requested += 1
         if self._cadence.has(step):
@@ -317,17 +299,6 @@ class CheckpointManager:
         self._cadence.blocked(time.monotonic() - t0)
         self._goodput.save_end(step)
         return self.config.async_save or job.error is None
-
-    def _check_group(self) -> None:
-        """Refuse to act alone on one rank of several (each would write rank 0's files)."""
-        alone = self._group.pg is None and dist.is_available() and dist.is_initialized()
-        if alone and dist.get_world_size() > 1:
-            raise RuntimeError(
-                "CheckpointManager was created before torch.distributed.init_process_group"
-                f"(), so it works as a single process, but this is rank {dist.get_rank()} "
-                f"of {dist.get_world_size()}: create the manager after "
-                "init_process_group, on every rank"
-            )
 
     def _on_done(self, job: SaveJob) -> None:
         """Worker thread: account for a finished job."""
@@ -382,7 +353,7 @@ class CheckpointManager:
 
     # -- waiting and closing -----------------------------------------------------------
 
-    @_not_the_loops_time
+    @not_the_loops_time
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save in flight is committed; raise SaveFailedError if one failed.
         On several nodes, then give its replica (``replicas``) up to REPLICA_WAIT_SECONDS
@@ -410,7 +381,7 @@ class CheckpointManager:
         its restart on this node)."""
         self._close(clean=True)
 
-    @_not_the_loops_time
+    @not_the_loops_time
     def _close(self, *, clean: bool, replica_seconds: float = REPLICA_CLOSE_SECONDS) -> None:
         """``clean``: the job ended (its memory tier and replicas go, nothing waits for
         them); else the last commit's replica gets ``replica_seconds`` to leave, and this
@@ -467,7 +438,7 @@ class CheckpointManager:
 
         if step is not None:
             check_step(step)
-        self._check_group()
+        self._group.refuse_if_alone("CheckpointManager")
         self._pipeline.drain()
         self._report_failures(raising=False)
         self._left_newer = None  # a restore of the newest step lifts it

@@ -22,16 +22,16 @@ signal must not cut short. A restore has none: its time counts.
 from __future__ import annotations
 
 import atexit
-import contextlib
+import functools
 import logging
 import os
 import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -172,29 +172,6 @@ class PreemptionWatch:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
-    @staticmethod
-    @contextlib.contextmanager
-    def inside_manager() -> Iterator[None]:
-        """Around a manager's calls that wait for commits (of any manager: a second one
-        for an EMA): the loop is not idle meanwhile, so that time does not count against
-        ``HANDLE_WITHIN_SECONDS``. Only the main thread's: the loop's, where the signal is
-        handled (a thread of the user's waiting in ``wait()`` must not hold it)."""
-        global _depth, _since, _total
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        with _clock_lock:
-            if _depth == 0:
-                _since = time.monotonic()
-            _depth += 1
-        try:
-            yield
-        finally:
-            with _clock_lock:
-                _depth -= 1
-                if _depth == 0:
-                    _total += time.monotonic() - _since
-
     def _watchdog(self, signum: int) -> None:
         start, inside = time.monotonic(), _seconds_inside_managers()
         while True:
@@ -334,6 +311,35 @@ def _end_by_the_signal_at_exit() -> None:
         watch._forward = True
         watch._pass_on(watch.received, None, chained=True)
         return
+
+
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def not_the_loops_time(method: _Call) -> _Call:
+    """For a manager's calls that wait for commits (of any manager: a second one for an
+    EMA): the loop is not idle meanwhile, so their time does not count against
+    ``HANDLE_WITHIN_SECONDS``. Only the main thread's: the loop's, where the signal is
+    handled (a thread of the user's waiting in ``wait()`` must not hold it)."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        global _depth, _since, _total
+        if threading.current_thread() is not threading.main_thread():
+            return method(*args, **kwargs)
+        with _clock_lock:
+            if _depth == 0:
+                _since = time.monotonic()
+            _depth += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            with _clock_lock:
+                _depth -= 1
+                if _depth == 0:
+                    _total += time.monotonic() - _since
+
+    return call  # type: ignore[return-value]
 
 
 def _seconds_inside_managers() -> float:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from unbroken.checkpoint.catalog import missing_or_short, step_files
+from unbroken.checkpoint.catalog import missing_or_short
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.errors import (
     CheckpointCorruptError,
@@ -51,6 +51,7 @@ from unbroken.checkpoint.format.manifest import (
 from unbroken.checkpoint.format.planners import SafeLoadPlanner
 from unbroken.checkpoint.format.reader import TierReader
 from unbroken.checkpoint.peers.peer_store import PeerStore
+from unbroken.checkpoint.restore_agreement import agree_on_step, agreed_listing
 from unbroken.checkpoint.restore_checks import (
     check_compatible,
     check_generators,
@@ -152,8 +153,8 @@ def restore(
     flat = collect(state)
     # Steps with a commit record, newest first, and the files present under each: one
     # listing of the durable tier (each manifest is read only when its step is tried).
-    listed = _agreed_listing(durable, group)
-    _agree_on_step(step, group, durable)
+    listed = agreed_listing(durable, group)
+    agree_on_step(step, group, durable)
     steps = sorted(listed, reverse=True)
     if step is not None:
         if step not in steps:
@@ -194,45 +195,6 @@ def restore(
     raise CheckpointCorruptError(
         f"no committed checkpoint at {durable.url} could be loaded: " + "; ".join(problems)
     )
-
-
-def _agree_on_step(step: int | None, group: Group, durable: Store) -> None:
-    """Every rank must ask for the same step: ranks that loaded different steps would train
-    on a state no checkpoint ever held (or wait on each other's collectives forever)."""
-    if group.world_size == 1:
-        return
-    asked = group.all_gather(step)
-    if len(set(asked)) > 1:
-        by_rank = ", ".join(
-            f"rank {r}: {'newest' if s is None else s}" for r, s in enumerate(asked)
-        )
-        raise CheckpointError(
-            f"ranks asked to restore different checkpoints of {durable.url} ({by_rank}); "
-            "pass the same step= (or none) on every rank"
-        )
-
-
-def _agreed_listing(durable: Store, group: Group) -> dict[int, dict[str, int]]:
-    """The coordinator's listing on every rank; its failure raises on every rank."""
-    error: BaseException | None = None
-    payload: tuple[str, Any] | None = None
-    if group.is_coordinator:
-        try:
-            payload = ("ok", _listed_commits(durable))
-        except Exception as e:
-            error, payload = e, ("error", describe(e))
-    payload = group.broadcast(payload)
-    if error is not None:
-        raise error
-    if payload[0] != "ok":
-        raise CheckpointError(f"listing checkpoints at {durable.url} failed: {payload[1]}")
-    return payload[1]
-
-
-def _listed_commits(store: Store) -> dict[int, dict[str, int]]:
-    """{step: {file: size}} for every step directory that holds a manifest."""
-    by_step = step_files(store, include_temp=False)
-    return {s: files for s, files in by_step.items() if MANIFEST_NAME in files}
 
 
 def _try(

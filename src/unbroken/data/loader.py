@@ -28,6 +28,7 @@ from unbroken._util.worker_sigterm import defer_sigterm_in_this_worker
 from unbroken.data.dataset import SampleReadError, VolumeDataset
 from unbroken.data.delivery import Delivery
 from unbroken.data.fill_ahead import FillAhead, pays_off
+from unbroken.data.loader_state import STATE_FORMAT, check_state
 from unbroken.data.metrics import LoaderMetrics
 from unbroken.data.order import mix_seed
 from unbroken.data.partition import Partition
@@ -36,16 +37,8 @@ from unbroken.goodput.recorder import note_data_wait
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = 1
-MAX_EPOCH = 2**62
-"""The largest epoch (or count) a state may hold: far past any run, within the int64 plan."""
 MAX_REFORKS = 3
 """Times the workers are forked again after one was found stuck in ``fork()``."""
-_STATE_KEYS = ("format", "epoch", "position", "seed", "shuffle", "num_samples", "fingerprint")
-
-
-class LoaderStateError(ValueError):
-    """A saved loader state does not fit this loader (another volume, seed, ...)."""
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -389,51 +382,12 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; mid-iteration, the workers restart at that position."""
-        self._check_state(state)
+        check_state(state, self.volume)
         self._next_start = (int(state["epoch"]), int(state["position"]))
         if self._active is not None:
             self._restart_requested = True
         else:
             self.epoch = self._next_start[0]
-
-    def _check_state(self, state: Any) -> None:
-        if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS):
-            missing = [k for k in _STATE_KEYS if not isinstance(state, dict) or k not in state]
-            raise LoaderStateError(f"unbroken.DataLoader: loader state lacks {missing}")
-        if not _is_int(state["format"]) or state["format"] != STATE_FORMAT:
-            raise LoaderStateError(f"unbroken.DataLoader: unknown state format {state['format']!r}")
-        for key in ("epoch", "position", "num_samples"):
-            if not _is_int(state[key]) or not 0 <= state[key] <= MAX_EPOCH:
-                raise LoaderStateError(f"unbroken.DataLoader: bad {key} {state[key]!r} in state")
-        ds = self.volume
-        if state["fingerprint"] != ds.fingerprint:
-            raise LoaderStateError(
-                f"unbroken.DataLoader: the saved position belongs to another file set: "
-                f"saved index fingerprint {state['fingerprint']} ({state['num_samples']} "
-                f"files), the volume {ds.url} now has {ds.fingerprint} ({len(ds)} files). "
-                "Files were added, deleted or rewritten since, or the include/exclude "
-                "patterns differ. Restore the files to resume here, or start the data "
-                "position afresh (do not load this state)"
-            )
-        if state["num_samples"] != len(ds):  # the same files: the state contradicts itself
-            raise LoaderStateError(
-                f"unbroken.DataLoader: bad num_samples {state['num_samples']} in state: its "
-                f"fingerprint is that of {ds.url}, which has {len(ds)} files"
-            )
-        for key, mine in (("seed", ds.seed), ("shuffle", ds.shuffle)):
-            if type(state[key]) is not type(mine) or state[key] != mine:
-                raise LoaderStateError(
-                    f"unbroken.DataLoader: saved {key}={state[key]!r} but this dataset has "
-                    f"{key}={mine!r}; the saved position only means something in the saved order"
-                )
-        if state["position"] > len(ds):
-            raise LoaderStateError(
-                f"unbroken.DataLoader: position {state['position']} is past the {len(ds)} files"
-            )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class _PlannedStream(IterableDataset):
