@@ -142,10 +142,11 @@ class LocalStore(Store):
         top = self.path_for(prefix)
         if os.path.isfile(top):
             return [self._info(prefix)]
+        lost_found = os.path.join(self.root, "lost+found")
         entries = []
-        folders = [top]
+        folders = [(top, f"{prefix}/" if prefix else "")]  # (path, the keys' start in it)
         while folders:
-            folder = folders.pop()
+            folder, within = folders.pop()
             try:
                 listing = os.scandir(folder)
             except FileNotFoundError:  # nothing there yet, or removed while we walked
@@ -157,31 +158,25 @@ class LocalStore(Store):
             except PermissionError as exc:
                 if unlisted is None or folder == top:  # nothing at all could be listed
                     raise
-                unlisted.append((self._key_of(folder) + "/", f"{UNREADABLE} ({exc.strerror})"))
+                unlisted.append((within, f"{UNREADABLE} ({exc.strerror})"))
                 continue
             with listing:
                 for item in listing:  # temp files too: Store.list hides them unless asked
+                    key = within + item.name
                     if item.is_dir(follow_symlinks=False):
-                        if item.path != self._lost_found:
-                            folders.append(item.path)
+                        if item.path != lost_found:
+                            folders.append((item.path, key + "/"))
                         continue
                     try:
                         st = item.stat(follow_symlinks=False)
                     except FileNotFoundError:  # deleted while we walked
                         continue
                     if stat.S_ISREG(st.st_mode):
-                        entries.append(Entry(self._key_of(item.path), st.st_size, _version(st)))
+                        entries.append(Entry(key, st.st_size, _version(st)))
                     elif unlisted is not None and (out := self._link_out(item.path, st)):
                         slash = "/" if os.path.isdir(item.path) else ""  # a folder: files in it
-                        unlisted.append((self._key_of(item.path) + slash, out))
+                        unlisted.append((key + slash, out))
         return entries
-
-    @property
-    def _lost_found(self) -> str:
-        return os.path.join(self.root, "lost+found")
-
-    def _key_of(self, path: str) -> str:
-        return os.path.relpath(path, self.root).replace(os.sep, "/")
 
     def _link_out(self, path: str, st: os.stat_result) -> str | None:
         """Why ``path`` is left out, if it is a symbolic link out of the root (one inside
