@@ -41,10 +41,10 @@ from unbroken.checkpoint.collectives import Group, keep_until_released
 
 log = logging.getLogger(__name__)
 _watches: weakref.WeakSet[PreemptionWatch] = weakref.WeakSet()
-_clock_lock = threading.Lock()
-_depth = 0  # the main thread's manager calls under way (of any manager)
-_since = 0.0  # when the outermost of them began
-_total = 0.0  # seconds inside the main thread's finished outermost calls
+_clock: tuple[int, float, float] = (0, 0.0, 0.0)
+"""The main thread's manager calls under way (of any manager), when the outermost began,
+and the seconds inside finished outermost calls: one tuple, replaced whole by the main
+thread, so the watchdog reads a consistent one without a lock."""
 
 AGREE_EVERY_SECONDS = 0.25
 """Loop time between two agreements on the flag (at most ``MAX_CALLS_BETWEEN`` calls)."""
@@ -324,20 +324,16 @@ def not_the_loops_time(method: _Call) -> _Call:
 
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
-        global _depth, _since, _total
+        global _clock
         if threading.current_thread() is not threading.main_thread():
             return method(*args, **kwargs)
-        with _clock_lock:
-            if _depth == 0:
-                _since = time.monotonic()
-            _depth += 1
+        depth, since, total = _clock
+        _clock = (depth + 1, time.monotonic() if depth == 0 else since, total)
         try:
             return method(*args, **kwargs)
         finally:
-            with _clock_lock:
-                _depth -= 1
-                if _depth == 0:
-                    _total += time.monotonic() - _since
+            depth, since, total = _clock
+            _clock = (depth - 1, since, total + time.monotonic() - since if depth == 1 else total)
 
     return call  # type: ignore[return-value]
 
@@ -345,8 +341,8 @@ def not_the_loops_time(method: _Call) -> _Call:
 def _seconds_inside_managers() -> float:
     """The main thread's time inside managers' waiting calls so far, the one under way
     included."""
-    with _clock_lock:
-        return _total + (time.monotonic() - _since if _depth else 0.0)
+    depth, since, total = _clock
+    return total + (time.monotonic() - since if depth else 0.0)
 
 
 def _first_line(error: BaseException) -> str:
