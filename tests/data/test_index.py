@@ -65,6 +65,9 @@ def test_empty_and_missing_volumes_name_the_url(tmp_path, make_volume):
     vol = make_volume(3)
     with pytest.raises(EmptyVolumeError, match=r"3 listed; include=\['\*.png'\]"):
         vol.dataset(include=["*.png"])
+    (tmp_path / "one.bin").write_bytes(b"x")  # a file in place of the volume's folder
+    with pytest.raises(EmptyVolumeError, match=r"one\.bin is a file, not a folder"):
+        build_index(open_store(tmp_path / "one.bin"))
 
 
 def test_a_file_no_store_can_read_back_is_refused_at_the_listing(tmp_path):

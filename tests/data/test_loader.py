@@ -330,3 +330,38 @@ def test_dataset_alone_works_with_a_stock_torch_dataloader(make_volume):
         shards.append(list(stock))
     assert sorted(shards[0] + shards[1]) == list(range(14))
     assert len(shards[0]) == len(shards[1]) == 7
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_stock_dataloaders_persistent_workers_see_each_epoch_the_loop_sets(make_volume, context):
+    # persistent workers keep the copy of the dataset they started with: the epoch must
+    # reach them anyway, or every epoch repeats the first one's order and augmentations
+    vol = make_volume(12)
+    ds, fresh = vol.dataset(seed=3), vol.dataset(seed=3)
+
+    def loader(dataset, persistent):
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=None, num_workers=2, persistent_workers=persistent,
+            multiprocessing_context=context,
+        )  # fmt: skip
+
+    stock = loader(ds, persistent=True)
+    served = []
+    for epoch in (0, 1, 2, 1):
+        if epoch == 1:
+            ds.set_epoch(epoch)  # the name samplers use
+        else:
+            ds.epoch = epoch
+        fresh.epoch = epoch  # workers started anew each epoch: what it must serve
+        served.append(list(stock))
+        assert served[-1] == list(loader(fresh, persistent=False)), epoch
+    assert len({tuple(s) for s in served}) == 3  # three epochs, three orders
+
+
+def test_a_bad_epoch_is_refused_by_name(make_volume):
+    ds = make_volume(4).dataset()
+    for bad in (-1, 1.5, "1", True, None):
+        with pytest.raises(ValueError, match="epoch must be an int >= 0"):
+            ds.epoch = bad
+    ds.epoch = np.int64(2)
+    assert ds.epoch == 2

@@ -112,8 +112,9 @@ class VolumeDataset(IterableDataset):
         self.on_error = on_error
         self.prefetch_depth = prefetch_depth
         self.prefetch_threads = prefetch_threads
-        self.epoch = 0
-        """Epoch served when the dataset is iterated directly (the DataLoader sets its own)."""
+        # One int in shared memory: the DataLoader's workers see what the loop sets,
+        # persistent ones too (each keeps the copy of this dataset it started with).
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         index_max_age = check_max_age(index_max_age)
         self._store = open_store(url, retry=retry, **(storage_options or {}))
         self._owner_pid = os.getpid()
@@ -139,6 +140,24 @@ class VolumeDataset(IterableDataset):
     def store(self) -> Store:
         """The store the volume is read from (the one this dataset was made with)."""
         return self._store
+
+    @property
+    def epoch(self) -> int:
+        """Epoch served when the dataset is iterated directly or by a stock torch
+        DataLoader (:class:`unbroken.DataLoader` counts its own): set it before each
+        epoch. Workers already running, persistent ones included, see the new value."""
+        return int(self._epoch)
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"VolumeDataset: epoch must be an int >= 0, got {value!r}")
+        self._epoch.fill_(int(value))
+
+    def set_epoch(self, epoch: int) -> None:
+        """``self.epoch = epoch``, by the name samplers use (Hugging Face's accelerate
+        calls it on a DataLoader's dataset at each epoch)."""
+        self.epoch = epoch
 
     @property
     def url(self) -> str:

@@ -227,6 +227,11 @@ def build_index(
         raise StoreError(
             f"VolumeDataset: cannot list the volume {url}: {exc}", op="list", url=url
         ) from exc
+    if any(e.key == "" for e in listed):  # the URL names one file, not a folder of them
+        raise EmptyVolumeError(
+            f"VolumeDataset: {url} is a file, not a folder of files: pass the folder that "
+            "holds it (include=['NAME'] serves that one file alone)"
+        )
     missed = [(k, why) for k, why in unlisted if _selectable(k, include, exclude)]
     if missed:  # files the user asked for, left out without a word: refused
         named = "; ".join(f"{k!r}: {why}" for k, why in missed[:5])
