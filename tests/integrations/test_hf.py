@@ -52,20 +52,30 @@ class _StopAt(transformers.TrainerCallback):
 
 
 def _train(
-    out: Path, volume: Path, steps: int, stop_at: int | None = None, **overrides
+    out: Path,
+    volume: Path,
+    steps: int,
+    stop_at: int | None = None,
+    resume_from_checkpoint: bool | None = None,
+    options: dict | None = None,
+    **overrides,
 ) -> tuple[str, dict, Recording]:
     """One train() in this process, resumed from ``out/ckpt`` if anything is committed."""
     model, seen = gpt2(), {}
-    callback = UnbrokenCallback(out / "ckpt", staging_dir=out / "stage", when_busy="wait")
+    options = {"staging_dir": out / "stage", "when_busy": "wait", **(options or {})}
     trainer = Recording(
         model=model,
         args=training_args(str(out), steps, ddp_backend=None, **overrides),  # one process
         train_dataset=ub.VolumeDataset(volume, decode=decode, seed=0),
-        callbacks=[_StopAt(stop_at), callback],
+        callbacks=[_StopAt(stop_at), UnbrokenCallback(out / "ckpt", **options)],
     )
     trainer.seen = lambda step, ids: seen.__setitem__(step, ids)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return digest(model, trainer.optimizer.optimizer), seen, trainer
+
+
+def _committed(out: Path) -> list[int]:
+    return [c.step for c in ub.CheckpointManager(out / "ckpt").checkpoints() if c.committed]
 
 
 def test_a_run_stopped_mid_epoch_and_resumed_equals_an_uninterrupted_one(tmp_path):
@@ -81,6 +91,87 @@ def test_a_run_stopped_mid_epoch_and_resumed_equals_an_uninterrupted_one(tmp_pat
     assert more == {} and again == reference and trainer.state.global_step == 12
     for run in ("reference", "job"):  # save_steps=4 would have written checkpoint-4, ...
         assert list((tmp_path / run / "hf-output").iterdir()) == []
+
+
+def test_the_trainers_save_strategy_sets_the_cadence_when_no_every_steps_is_given(tmp_path):
+    volume = toy_volume(tmp_path, files=FILES)  # one rank: 32 steps an epoch
+    keep = {"keep_last": None}
+    _train(tmp_path / "epoch", volume, 36, save_strategy="epoch", options=keep)
+    assert _committed(tmp_path / "epoch") == [32, 36]  # the epoch's end, the last step
+    _train(tmp_path / "ratio", volume, 12, save_steps=0.25, options=keep)  # 12 x 0.25
+    assert _committed(tmp_path / "ratio") == [3, 6, 9, 12]
+    _train(tmp_path / "no", volume, 6, save_strategy="no", options=keep)
+    assert _committed(tmp_path / "no") == [6]
+    _train(tmp_path / "own", volume, 6, save_strategy="epoch", options={**keep, "every_steps": 5})
+    assert _committed(tmp_path / "own") == [5, 6]
+
+
+def test_a_resume_from_checkpoint_is_left_to_the_callback(tmp_path):
+    volume = toy_volume(tmp_path, files=FILES)
+    reference, _, _ = _train(tmp_path / "reference", volume, 8)
+    _train(tmp_path / "job", volume, 8, stop_at=5)
+    with pytest.warns(UserWarning, match="resume_from_checkpoint=True ignored"):
+        resumed, rest, _ = _train(tmp_path / "job", volume, 8, resume_from_checkpoint=True)
+    assert min(rest) == 6 and resumed == reference
+    # transformers' own Trainer, its checkpoints kept: it would load checkpoint-4 and
+    # skip 4 batches on top of the callback's restore of step 5
+    out = tmp_path / "theirs"
+    for resume in (None, True):
+        trainer = RecordingTheirs(
+            model=gpt2(),
+            args=training_args(str(out), 8, ddp_backend=None),
+            train_dataset=_Tokens(),
+            callbacks=[
+                _StopAt(5 if resume is None else None),
+                UnbrokenCallback(
+                    out / "ckpt", staging_dir=out / "st", keep_trainer_checkpoints=True
+                ),
+            ],
+        )
+        if resume is None:
+            trainer.train()
+            continue
+        with pytest.raises(RuntimeError, match=r"resumed its own checkpoint \(step 4\)"):
+            trainer.train(resume_from_checkpoint=True)
+
+
+def test_arguments_the_callback_would_defeat_are_refused_when_the_trainer_is_made(tmp_path):
+    volume = toy_volume(tmp_path, files=FILES)
+    best = {"eval_strategy": "steps", "eval_steps": 4, "load_best_model_at_end": True}
+    with pytest.raises(ValueError, match="keep_trainer_checkpoints=True"):
+        Recording(
+            model=gpt2(),
+            args=training_args(str(tmp_path), 8, ddp_backend=None, **best),
+            train_dataset=ub.VolumeDataset(volume, decode=decode, seed=0),
+            eval_dataset=_Tokens(),
+            callbacks=[UnbrokenCallback(tmp_path / "ckpt")],
+        )
+    best = {"save_strategy": "best", "metric_for_best_model": "loss", **best}
+    best["load_best_model_at_end"] = False
+    with pytest.raises(ValueError, match="save_strategy='best'"):
+        Recording(
+            model=gpt2(),
+            args=training_args(str(tmp_path), 8, ddp_backend=None, **best),
+            train_dataset=ub.VolumeDataset(volume, decode=decode, seed=0),
+            eval_dataset=_Tokens(),
+            callbacks=[UnbrokenCallback(tmp_path / "ckpt")],
+        )
+    with pytest.raises(TypeError, match=r"UnbrokenCallback got unknown options \['every_step'\]"):
+        UnbrokenCallback(tmp_path / "ckpt", every_step=4)
+    with pytest.raises(TypeError, match=r"UnbrokenCallback: target must be .* int 123"):
+        UnbrokenCallback(123)
+
+
+def test_a_volume_served_by_transformers_own_loader_is_warned_about(tmp_path):
+    volume = toy_volume(tmp_path, files=FILES)
+    trainer = transformers.Trainer(
+        model=gpt2(),
+        args=training_args(str(tmp_path), 2, ddp_backend=None),
+        train_dataset=ub.VolumeDataset(volume, decode=decode, seed=0),
+        callbacks=[UnbrokenCallback(tmp_path / "ckpt", staging_dir=tmp_path / "st")],
+    )
+    with pytest.warns(UserWarning, match="own DataLoader, whose position is not saved"):
+        trainer.train()
 
 
 class _Tokens(torch.utils.data.Dataset):

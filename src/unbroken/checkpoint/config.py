@@ -10,7 +10,8 @@ import hashlib
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from unbroken.storage import RetryPolicy
@@ -207,6 +208,17 @@ class SaveStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def check_option_names(names: Iterable[str], who: str = "CheckpointManager") -> None:
+    """Refuse a name that is no option of the manager: a typo (``every_step=``) raises
+    where it is written, not as the default it silently leaves in place."""
+    known = [f.name for f in fields(CheckpointConfig) if f.name != "url"]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise TypeError(
+            f"{who} got unknown options {unknown}; CheckpointManager takes: {', '.join(known)}"
+        )
 
 
 def default_staging_dir(url: str) -> str:

@@ -16,7 +16,6 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping, MutableMapping
-from dataclasses import fields
 from typing import Any, Literal
 
 from unbroken._util.world import require_group
@@ -26,6 +25,7 @@ from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.config import (
     CheckpointConfig,
     SaveStats,
+    check_option_names,
     check_seconds,
     default_staging_dir,
 )
@@ -58,6 +58,7 @@ its peers are still sending (a preemption's last commit)."""
 
 __all__ = ["CheckpointConfig", "CheckpointInfo", "CheckpointManager", "SaveStats"]
 
+
 class CheckpointManager:
     """Asynchronous, tiered, atomically committed checkpoints with automatic recovery.
 
@@ -79,10 +80,7 @@ class CheckpointManager:
     ) -> None:
         if every_seconds == "auto" and every_steps == 500:
             every_steps = None  # "auto" sets the cadence, unless given steps on purpose
-        unknown = sorted(set(options) - {f.name for f in fields(CheckpointConfig)})
-        if unknown:
-            known = ", ".join(f.name for f in fields(CheckpointConfig) if f.name != "url")
-            raise TypeError(f"CheckpointManager got unknown options {unknown}; it takes: {known}")
+        check_option_names(options)
         config = CheckpointConfig(
             url=os.fspath(url),
             staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,

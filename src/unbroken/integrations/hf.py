@@ -11,12 +11,14 @@
 
 The Trainer's own checkpoints (``output_dir/checkpoint-*``: pickles written while the loop
 waits) are switched off while the callback saves; ``keep_trainer_checkpoints=True`` keeps
-them, for a hub export say.
+them, for a hub export say, or for ``load_best_model_at_end``, which loads the best of them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,10 +32,13 @@ except ImportError as e:  # pragma: no cover - the extra is missing
 
 import torch
 
+from unbroken.checkpoint.config import check_option_names
 from unbroken.checkpoint.manager import CheckpointManager
 from unbroken.data.dataset import VolumeDataset
 from unbroken.data.loader import DataLoader
 from unbroken.integrations.live_state import LiveState
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TRAINER_STATE_FIELDS", "Trainer", "UnbrokenCallback"]
 
@@ -56,8 +61,10 @@ class UnbrokenCallback(TrainerCallback):
 
     ``target`` is the manager's URL (the manager is made at ``on_train_begin``, on every
     rank, once the Trainer has joined the process group) or a manager of one's own.
-    ``manager_options`` go to ``CheckpointManager``; without ``every_steps`` the
-    Trainer's ``save_steps`` is the interval (when ``save_strategy="steps"``).
+    ``manager_options`` go to ``CheckpointManager``. Without ``every_steps`` or
+    ``every_seconds`` the Trainer's ``save_strategy`` sets the cadence: ``"steps"`` every
+    ``save_steps`` (a ratio too), ``"epoch"`` at each epoch's end, ``"no"`` only on
+    preemption and at the end of training.
     """
 
     def __init__(
@@ -67,11 +74,19 @@ class UnbrokenCallback(TrainerCallback):
         keep_trainer_checkpoints: bool = False,
         **manager_options: Any,
     ) -> None:
-        if isinstance(target, CheckpointManager) and manager_options:
+        if isinstance(target, CheckpointManager):
+            if manager_options:
+                raise TypeError(
+                    "UnbrokenCallback: manager options "
+                    f"{sorted(manager_options)} apply only when it makes the manager (give a URL)"
+                )
+        elif not isinstance(target, (str, os.PathLike)):
             raise TypeError(
-                "UnbrokenCallback: manager options "
-                f"{sorted(manager_options)} apply only when it makes the manager (give a URL)"
+                "UnbrokenCallback: target must be a checkpoint URL or path, or a "
+                f"CheckpointManager; got {type(target).__name__} {target!r}"
             )
+        else:  # a misspelt option is refused here, not once train() has begun
+            check_option_names(manager_options, "UnbrokenCallback")
         self.manager: CheckpointManager | None = (
             target if isinstance(target, CheckpointManager) else None
         )
@@ -85,8 +100,19 @@ class UnbrokenCallback(TrainerCallback):
         """The step ``on_train_begin`` restored, or None (a fresh start)."""
         self._entries: dict[str, Any] = {}
         self._loader: DataLoader | None = None
+        self._save_at_epoch_end = False
 
     # -- the Trainer's events --------------------------------------------------------
+
+    def on_init_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Refuse, as the Trainer is made, arguments this callback would silently defeat."""
+        self._check_arguments(args)
 
     def on_train_begin(
         self,
@@ -96,15 +122,28 @@ class UnbrokenCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         """Restore the newest committed checkpoint into the Trainer's objects."""
+        self._check_arguments(args)
+        if state.global_step > 0:  # the Trainer loaded a checkpoint-N of its own
+            raise RuntimeError(
+                f"transformers.Trainer resumed its own checkpoint (step {state.global_step}) "
+                "before UnbrokenCallback could restore: drop train(resume_from_checkpoint=...)."
+                " UnbrokenCallback restores the newest committed step itself, and the "
+                "Trainer would skip batches for its own step on top of it"
+            )
         if self.manager is None:
-            options = dict(self._options)
-            strategy = getattr(args.save_strategy, "value", args.save_strategy)
-            if "every_steps" not in options and strategy == "steps":
-                options["every_steps"] = int(args.save_steps)
+            options = self._manager_options(args, state)
             self.manager = CheckpointManager(self._url, **options)  # type: ignore[arg-type]
         self._entries = _entries(kwargs)
         loader = kwargs.get("train_dataloader")
         self._loader = loader if isinstance(loader, DataLoader) else None
+        if self._loader is None and _volume_of(loader) is not None:
+            warnings.warn(
+                "UnbrokenCallback: transformers.Trainer serves the VolumeDataset through its "
+                "own DataLoader, whose position is not saved: a resumed run replays its "
+                "epoch from the start. unbroken.integrations.hf.Trainer serves it through "
+                "ub.DataLoader and resumes at the exact sample",
+                stacklevel=2,
+            )
         saved = {**self._entries, "trainer_state": _trainer_state(state)}
         self.restored_step = self.manager.restore(saved)
         if self.restored_step is None:
@@ -139,6 +178,10 @@ class UnbrokenCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
+        """``save_strategy="epoch"``: the save the Trainer asks for, through the manager."""
+        if self._save_at_epoch_end and control.should_save:
+            assert self.manager is not None, "on_train_begin did not run"
+            self.manager.save(state.global_step, self._live(state))
         if not self.keep_trainer_checkpoints:
             control.should_save = False
 
@@ -160,12 +203,58 @@ class UnbrokenCallback(TrainerCallback):
 
     # -- helpers -----------------------------------------------------------------------
 
+    def _check_arguments(self, args: TrainingArguments) -> None:
+        if args.load_best_model_at_end and not self.keep_trainer_checkpoints:
+            raise ValueError(
+                "UnbrokenCallback: load_best_model_at_end=True loads the best of the "
+                "Trainer's own checkpoints (output_dir/checkpoint-N), which this callback "
+                "switches off: pass UnbrokenCallback(..., keep_trainer_checkpoints=True)"
+            )
+        own_cadence = {"every_steps", "every_seconds"} & set(self._options)
+        if _strategy(args) == "best" and self.manager is None and not own_cadence:
+            raise ValueError(
+                "UnbrokenCallback: save_strategy='best' saves after an evaluation, where the "
+                "Trainer writes its own checkpoint; give UnbrokenCallback(..., every_steps=N)"
+                " for unbroken's saves (the Trainer still writes its best checkpoints)"
+            )
+
+    def _manager_options(self, args: TrainingArguments, state: TrainerState) -> dict[str, Any]:
+        """The manager's options; the cadence from ``save_strategy`` where none is given."""
+        options = dict(self._options)
+        if {"every_steps", "every_seconds"} & set(options):
+            return options
+        strategy = _strategy(args)
+        if strategy == "steps":  # the Trainer's own figure: a ratio of max_steps resolved
+            options["every_steps"] = int(state.save_steps)
+            return options
+        options["every_steps"] = None  # saves at epoch ends, or only the last one
+        self._save_at_epoch_end = strategy == "epoch"
+        if strategy == "no":
+            log.warning(
+                "UnbrokenCallback: save_strategy='no' and no every_steps: unbroken saves only "
+                "on preemption (SIGTERM) and at the end of training"
+            )
+        return options
+
     def _live(self, state: TrainerState) -> LiveState:
         return LiveState(self._entries, {"trainer_state": lambda: _trainer_state(state)})
 
     def _maybe_save(self, state: TrainerState) -> None:
         assert self.manager is not None, "on_train_begin did not run"
         self.manager.maybe_save(state.global_step, self._live(state))
+
+
+def _strategy(args: TrainingArguments) -> str:
+    return str(getattr(args.save_strategy, "value", args.save_strategy))
+
+
+def _volume_of(loader: Any) -> VolumeDataset | None:
+    """The VolumeDataset a DataLoader (accelerate's wrappers included) serves, if any."""
+    for _ in range(4):
+        if isinstance(loader, VolumeDataset) or loader is None:
+            return loader
+        loader = getattr(loader, "dataset", None)
+    return None
 
 
 class Trainer(transformers.Trainer):
@@ -180,6 +269,22 @@ class Trainer(transformers.Trainer):
     """
 
     _unbroken_loader: DataLoader | None = None
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        """``resume_from_checkpoint`` is ignored, with a warning, when an
+        :class:`UnbrokenCallback` restores: it restores the newest committed step by
+        itself, and the Trainer's own resume would skip batches on top of it."""
+        if resume_from_checkpoint and any(
+            isinstance(c, UnbrokenCallback) for c in self.callback_handler.callbacks
+        ):
+            warnings.warn(
+                f"unbroken.integrations.hf.Trainer: resume_from_checkpoint="
+                f"{resume_from_checkpoint!r} ignored: UnbrokenCallback restores the newest "
+                "committed step itself",
+                stacklevel=2,
+            )
+            resume_from_checkpoint = None
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def get_train_dataloader(self) -> Any:
         for callback in self.callback_handler.callbacks:
