@@ -137,25 +137,20 @@ def test_a_resume_from_checkpoint_is_left_to_the_callback(tmp_path):
 
 def test_arguments_the_callback_would_defeat_are_refused_when_the_trainer_is_made(tmp_path):
     volume = toy_volume(tmp_path, files=FILES)
-    best = {"eval_strategy": "steps", "eval_steps": 4, "load_best_model_at_end": True}
-    with pytest.raises(ValueError, match="keep_trainer_checkpoints=True"):
-        Recording(
-            model=gpt2(),
-            args=training_args(str(tmp_path), 8, ddp_backend=None, **best),
-            train_dataset=ub.VolumeDataset(volume, decode=decode, seed=0),
-            eval_dataset=_Tokens(),
-            callbacks=[UnbrokenCallback(tmp_path / "ckpt")],
-        )
-    best = {"save_strategy": "best", "metric_for_best_model": "loss", **best}
-    best["load_best_model_at_end"] = False
-    with pytest.raises(ValueError, match="save_strategy='best'"):
-        Recording(
-            model=gpt2(),
-            args=training_args(str(tmp_path), 8, ddp_backend=None, **best),
-            train_dataset=ub.VolumeDataset(volume, decode=decode, seed=0),
-            eval_dataset=_Tokens(),
-            callbacks=[UnbrokenCallback(tmp_path / "ckpt")],
-        )
+    evaluated = {"eval_strategy": "steps", "eval_steps": 4, "metric_for_best_model": "loss"}
+    refused = [
+        ({"load_best_model_at_end": True}, "keep_trainer_checkpoints=True"),
+        ({"save_strategy": "best"}, "save_strategy='best'"),
+    ]
+    for overrides, message in refused:
+        with pytest.raises(ValueError, match=message):
+            Recording(
+                model=gpt2(),
+                args=training_args(str(tmp_path), 8, ddp_backend=None, **evaluated, **overrides),
+                train_dataset=ub.VolumeDataset(volume, decode=decode, seed=0),
+                eval_dataset=_Tokens(),
+                callbacks=[UnbrokenCallback(tmp_path / "ckpt")],
+            )
     with pytest.raises(TypeError, match=r"UnbrokenCallback got unknown options \['every_step'\]"):
         UnbrokenCallback(tmp_path / "ckpt", every_step=4)
     with pytest.raises(TypeError, match=r"UnbrokenCallback: target must be .* int 123"):
