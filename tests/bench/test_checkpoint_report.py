@@ -263,8 +263,10 @@ def test_memory_sampler_counts_the_rank_share_of_memory_tier_files():
     import os
 
     from bench.checkpoint.measure import MemorySampler
+    from unbroken.checkpoint.memory_tier import default_root
 
-    root = os.environ["UNBROKEN_MEMORY_DIR"]  # this test's own (tests/conftest.py)
+    root = default_root()  # in this test's own UNBROKEN_MEMORY_DIR (tests/conftest.py)
+    os.makedirs(root, exist_ok=True)
     dead = Path(root) / "a-dead-jobs-tier"
     dead.mkdir()
     (dead / "shard").write_bytes(b"x" * (8 << 20))

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -24,7 +25,14 @@ from tests.checkpoint.manager_util import make_state, rng_draws, snapshot, train
 from tests.link_names import private_link
 from unbroken.checkpoint.format.manifest import parse_step_dir, step_dir
 from unbroken.checkpoint.format.shard_layout import lay_out
-from unbroken.checkpoint.memory_tier import MEMORY_DIR_ENV, MemoryTierError, space, tier_key
+from unbroken.checkpoint.memory_tier import (
+    MEMORY_DIR_ENV,
+    SWEEP_GRACE_SECONDS,
+    MemoryTierError,
+    default_root,
+    space,
+    tier_key,
+)
 from unbroken.checkpoint.staging.arena import RankArenas
 from unbroken.goodput.events import read_log
 
@@ -116,7 +124,7 @@ def test_a_corrupt_memory_copy_falls_back_to_the_durable_tier(tmp_path):
     assert code == -signal.SIGKILL, out
     from tests.checkpoint.manager_util import flip_payload_byte
 
-    memory = Path(os.environ[MEMORY_DIR_ENV]) / tier_key(str(tmp_path / "staging"))
+    memory = Path(default_root()) / tier_key(str(tmp_path / "staging"))
     flip_payload_byte(memory / step_dir(4), "optim.state.0.weight.exp_avg")
     with pytest.warns(RuntimeWarning, match=r"crc32c mismatch"):
         mgr, state = restored(tmp_path)
@@ -130,7 +138,7 @@ def test_a_corrupt_memory_copy_falls_back_to_the_durable_tier(tmp_path):
 def test_a_file_missing_from_memory_is_read_from_the_durable_tier(tmp_path):
     code, out = run_job(tmp_path, "kill")
     assert code == -signal.SIGKILL, out
-    memory = Path(os.environ[MEMORY_DIR_ENV]) / tier_key(str(tmp_path / "staging"))
+    memory = Path(default_root()) / tier_key(str(tmp_path / "staging"))
     (memory / step_dir(4) / "rng" / "rank-00000.json").unlink()
     mgr, state = restored(tmp_path)
     try:
@@ -162,17 +170,73 @@ def test_two_jobs_on_one_node_keep_their_memory_copies_apart(tmp_path):
         b.close()
 
 
+def _age(tree: Path, seconds: float) -> None:
+    """Make every folder of ``tree`` look ``seconds`` old (as time passing would)."""
+    when = time.time() - seconds
+    for folder, _, _ in os.walk(tree):
+        os.utime(folder, (when, when))
+
+
 def test_a_job_whose_every_process_was_killed_is_swept_by_the_next(tmp_path):
     code, out = run_job(tmp_path, "kill", via_shell=True)  # the job and its launcher gone
     assert code == 0, out
-    left = Path(os.environ[MEMORY_DIR_ENV]) / tier_key(str(tmp_path / "staging"))
+    left = Path(default_root()) / tier_key(str(tmp_path / "staging"))
     assert steps_in(left) == [4]
+    # just killed: it may be starting again (a container restarted in place), so kept
+    ub.CheckpointManager(tmp_path / "other", staging_dir=tmp_path / "other-staging").close()
+    assert steps_in(left) == [4]
+    _age(left, SWEEP_GRACE_SECONDS + 5)  # nothing of it changed for the grace: swept
     other = ub.CheckpointManager(tmp_path / "other", staging_dir=tmp_path / "other-staging")
     try:
         assert not left.exists()
         assert os.path.exists(other.memory_tier.path)
     finally:
         other.close()
+
+
+def test_a_dead_nodes_tier_of_this_very_job_is_never_swept(tmp_path, monkeypatch):
+    # two nodes of one job on one machine, every process killed: the node that starts
+    # first must not take the other's memory copy (it restores from it in a moment)
+    monkeypatch.setenv("UNBROKEN_JOB_ID", "job-a")
+    code, out = run_job(tmp_path, "kill", via_shell=True)
+    assert code == 0, out
+    left = Path(default_root()) / tier_key(str(tmp_path / "staging"))
+    _age(left, SWEEP_GRACE_SECONDS + 5)
+    ub.CheckpointManager(tmp_path / "durable", staging_dir=tmp_path / "node-1").close()
+    assert steps_in(left) == [4]
+    monkeypatch.setenv("UNBROKEN_JOB_ID", "job-b")  # another job: swept
+    ub.CheckpointManager(tmp_path / "other", staging_dir=tmp_path / "other-staging").close()
+    assert not left.exists()
+
+
+def test_a_memory_dir_that_others_use_too_is_left_as_it_is(tmp_path, monkeypatch):
+    # UNBROKEN_MEMORY_DIR pointed at a tmpfs mount point other programs use: the tier
+    # keeps a folder of its own there and touches nothing else, however old
+    shared = tmp_path / "shared-tmpfs"
+    (shared / "other_app").mkdir(parents=True)
+    (shared / "other_app" / "data.bin").write_bytes(b"theirs")
+    (shared / "0123456789abcdef").mkdir()  # even a name that looks like a tier's
+    shared.chmod(0o1777)
+    _age(shared, SWEEP_GRACE_SECONDS + 5)
+    monkeypatch.setenv(MEMORY_DIR_ENV, str(shared))
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        mgr.save(1, make_state(0))
+        assert Path(mgr.memory_tier.path).parent == shared / f"unbroken-{os.getuid()}"
+    assert (shared / "other_app" / "data.bin").read_bytes() == b"theirs"
+    assert (shared / "0123456789abcdef").is_dir()
+    assert shared.stat().st_mode & 0o7777 == 0o1777
+
+
+def test_a_link_in_place_of_the_tiers_root_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv(MEMORY_DIR_ENV, str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "shm" / f"unbroken-{os.getuid()}").symlink_to(tmp_path / "elsewhere")
+    with pytest.warns(RuntimeWarning, match="the memory tier is off: .* not a directory"):
+        ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s").close()
+    with pytest.raises(MemoryTierError, match="not a directory"):
+        ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", memory_tier=True)
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 def test_a_live_jobs_copy_is_never_swept(tmp_path):

@@ -13,7 +13,6 @@ other node that goes.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from tests.checkpoint.distributed import free_port
 from tests.e2e.harness import Agent, committed_steps, read_result, save_phase
 from tests.e2e.test_crash_harness import EXAMPLES, faulty_remote, launch
 from unbroken.checkpoint.format.manifest import step_dir
-from unbroken.checkpoint.memory_tier import MEMORY_DIR_ENV, tier_key
+from unbroken.checkpoint.memory_tier import default_root, tier_key
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,7 +46,7 @@ def start_node(rank: int, endpoint: str, volume, run, staging: str, remote: dict
 
 def replica_held(run, step: int) -> bool:
     """Node 0's memory tier holds node 1's (rank 1's) replica of ``step``, sealed."""
-    tier = Path(os.environ[MEMORY_DIR_ENV]) / tier_key(str(run / "staging-0"))
+    tier = Path(default_root()) / tier_key(str(run / "staging-0"))
     return (tier / "replicas" / "rank-00001" / step_dir(step) / "manifest.json").exists()
 
 

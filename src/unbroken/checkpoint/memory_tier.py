@@ -7,16 +7,19 @@ written with O_DIRECT, so no page cache holds them) and the durable tier a downl
 
 Layout: the same step directories as the disk staging tier (shards, metadata, RNG files,
 the manifest copy written last, which makes the copy count), under
-``<root>/<key of the staging directory>/``. The root is ``$UNBROKEN_MEMORY_DIR`` or
-``/dev/shm/unbroken-<uid>``, mode 0700, files 0600. The tier belongs to the staging
-directory: two staging directories on one machine are two nodes.
+``<root>/<key of the staging directory>/``. The root is ``unbroken-<uid>`` in
+``$UNBROKEN_MEMORY_DIR`` or ``/dev/shm``: a directory of the user's own, mode 0700 (only
+its owner reaches the files), never the directory named, which other programs may use
+too. The tier belongs to the staging directory: two staging directories on one machine
+are two nodes.
 
 Bytes are accounted for: the tier holds the committed copy the run is at plus the one
 being written (``staging_tier.tidy``), each save first checks that the tmpfs keeps
 ``reserve_bytes`` free after it (DataLoader workers and NCCL need /dev/shm too), and a
 clean end removes the job's files. A job that died leaves its files for its own restart;
-the next job on the node sweeps them once no process of the dead job (a rank or the
-launcher that restarts it) is left.
+another job on the node sweeps them once no process of the dead job (a rank or the
+launcher that restarts it) is left and nothing in them changed for a while (a container
+restarted in place, or the job's other nodes, may be starting again).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 import warnings
 from dataclasses import dataclass
@@ -39,14 +43,17 @@ from unbroken.checkpoint.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 MEMORY_DIR_ENV = "UNBROKEN_MEMORY_DIR"
-"""Where the memory tier's directories live (default ``/dev/shm/unbroken-<uid>``)."""
+"""A directory on a tmpfs (default ``/dev/shm``) where the memory tier keeps a folder of
+its own, ``unbroken-<uid>``."""
 
 OWNERS = ".owners"
 """A tier directory's folder of owner records, one per rank of this node."""
 
-UNOWNED_GRACE_SECONDS = 300.0
-"""A tier directory without an owner record is swept only once it is this old: another
-rank of a job starting now may have made it a moment before it writes its record."""
+SWEEP_GRACE_SECONDS = 300.0
+"""A tier directory no live process owns is swept only once nothing in it has changed
+for this long: its job may be starting again (all its processes were killed: a container
+restarted in place), and a rank of a job starting now may have made one a moment before
+it writes its owner record."""
 
 RESERVE_FRACTION = 0.1
 RESERVE_MIN_BYTES = 256 << 20
@@ -58,11 +65,25 @@ class MemoryTierError(CheckpointError):
 
 
 def default_root() -> str:
-    env = os.environ.get(MEMORY_DIR_ENV, "").strip()
-    if env:
-        return env
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    return os.path.join("/dev/shm", f"unbroken-{uid}")
+    """``unbroken-<uid>`` in ``$UNBROKEN_MEMORY_DIR`` or ``/dev/shm``: the tier sweeps
+    what it finds in its root, so the root is a folder of its own, never a directory
+    (a tmpfs mount point, /dev/shm itself) that others use too."""
+    base = os.environ.get(MEMORY_DIR_ENV, "").strip() or "/dev/shm"
+    return os.path.join(base, f"unbroken-{_uid()}")
+
+
+def _uid() -> int:
+    return os.getuid() if hasattr(os, "getuid") else 0
+
+
+def _check_own_root(root: str) -> None:
+    """The root must be a real directory of this user: not a link, nor another user's
+    (planted where ours would be made), since the tier writes and sweeps inside it."""
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{root} is not a directory (a link or a file)")
+    if st.st_uid != _uid():
+        raise PermissionError(f"{root} belongs to uid {st.st_uid}, not this user ({_uid()})")
 
 
 def tier_key(staging_dir: str) -> str:
@@ -128,12 +149,13 @@ class MemoryTier:
         root = root or default_root()
         try:
             os.makedirs(root, mode=0o700, exist_ok=True)
+            _check_own_root(root)
             os.chmod(root, 0o700)
             path = os.path.join(root, tier_key(staging_dir))
             os.makedirs(path, mode=0o700, exist_ok=True)
             tier = cls(path, rank)
             tier._record_owner(staging_dir)  # before the sweep: another rank sweeps too
-            sweep_dead(root, keep=path)
+            sweep_dead(root, keep=path, job=job_id())
         except OSError as e:
             return _unavailable(f"{root} is not usable ({type(e).__name__}: {e})", required)
         return tier
@@ -229,11 +251,18 @@ def _unavailable(why: str, required: bool) -> None:
     return None
 
 
-def _older_than(path: str, seconds: float) -> bool:
-    try:
-        return time.time() - os.stat(path).st_mtime > seconds
-    except OSError:
-        return False
+def _unchanged_for(path: str, seconds: float) -> bool:
+    """Nothing was added to or removed from any folder of ``path`` for ``seconds`` (a
+    save makes a step folder and its files, a start an owner record)."""
+    newest = 0.0
+    for folder, _, _ in os.walk(path):
+        with contextlib.suppress(OSError):
+            newest = max(newest, os.stat(folder).st_mtime)
+    return newest > 0 and time.time() - newest > seconds
+
+
+def _is_tier_key(name: str) -> bool:
+    return len(name) == 16 and all(c in "0123456789abcdef" for c in name)
 
 
 def _owner_records(path: str) -> list[dict]:
@@ -266,11 +295,12 @@ def _owner_alive(doc: dict, *, launcher: bool = True) -> bool:
     return False
 
 
-def sweep_dead(root: str, *, keep: str) -> list[str]:
+def sweep_dead(root: str, *, keep: str, job: str | None = None) -> list[str]:
     """Remove the tier directories of jobs none of whose processes is left (every owner
-    record names a rank and a launcher that are gone); returns what was removed.
-    A directory with no owner record is a half-made one or a clean end's leftover: gone
-    once it is ``UNOWNED_GRACE_SECONDS`` old. ``keep`` (ours) stays."""
+    record names a rank and a launcher that are gone, or there is none: a half-made
+    directory, a clean end's leftover) once nothing in them changed for
+    ``SWEEP_GRACE_SECONDS``; returns what was removed. ``keep`` (ours) stays, and so do
+    the other nodes' directories of ``job`` (this job), which restart with it."""
     removed = []
     try:
         entries = os.listdir(root)
@@ -278,12 +308,16 @@ def sweep_dead(root: str, *, keep: str) -> list[str]:
         return removed
     for name in entries:
         path = os.path.join(root, name)
-        if os.path.realpath(path) == os.path.realpath(keep) or not os.path.isdir(path):
+        if not _is_tier_key(name) or os.path.realpath(path) == os.path.realpath(keep):
+            continue
+        if not os.path.isdir(path) or os.path.islink(path):
             continue
         records = _owner_records(path)
-        if not records and not _older_than(path, UNOWNED_GRACE_SECONDS):
+        if any(_owner_alive(doc) for doc in records):
             continue
-        if not any(_owner_alive(doc) for doc in records):
+        if job is not None and any(doc.get("job") == job for doc in records):
+            continue
+        if _unchanged_for(path, SWEEP_GRACE_SECONDS):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
             log.info("memory tier: removed %s, left by a job that is gone", path)

@@ -24,12 +24,12 @@ from tests.checkpoint.manager_util import make_state, snapshot, train
 from tests.link_names import private_link
 from unbroken.checkpoint.format.manifest import step_dir
 from unbroken.checkpoint.format.shard_layout import lay_out
-from unbroken.checkpoint.memory_tier import MEMORY_DIR_ENV, tier_key, tree_bytes
+from unbroken.checkpoint.memory_tier import default_root, tier_key, tree_bytes
 from unbroken.checkpoint.staging.arena import ARENAS_DIR, RankArenas
 
 
 def tier(tmp_path: Path) -> Path:
-    return Path(os.environ[MEMORY_DIR_ENV]) / tier_key(str(tmp_path / "staging"))
+    return Path(default_root()) / tier_key(str(tmp_path / "staging"))
 
 
 def manager(tmp_path: Path, **kw) -> ub.CheckpointManager:
