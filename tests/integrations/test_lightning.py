@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import pickle
+import signal
 from pathlib import Path
 
 import pytest
@@ -26,8 +28,11 @@ from tests.integrations.runs import (
 L = pytest.importorskip("lightning")
 
 from tests.integrations.lightning_parts import Regressor, Volume  # noqa: E402
+from unbroken.checkpoint.errors import NoCheckpointError  # noqa: E402
+from unbroken.integrations import checkpoint_paths  # noqa: E402
 from unbroken.integrations.checkpoint_dict import CheckpointDictError  # noqa: E402
 from unbroken.integrations.lightning import UnbrokenCheckpointIO  # noqa: E402
+from unbroken.storage import LocalStore  # noqa: E402
 
 JOB = Path(__file__).with_name("_lightning_job.py")
 STEPS, FILES, STEPS_PER_EPOCH = 32, 64, 16  # 64 files, 2 ranks x 2 per batch
@@ -47,18 +52,21 @@ def _fit(
     limit: int | None = None,
     their_every: int | None = None,
     module: type = Regressor,
+    accumulate: int = 1,
+    more: tuple = (),
     **module_args,
 ) -> tuple[str, dict, int]:
     """One fit in this process, resumed from ``tmp_path/ckpt`` if anything is committed;
-    the digest of the weights and optimizer state, the samples of each step, and the
-    epoch Lightning counts at the end."""
+    the digest of the weights and optimizer state, the samples of each step (its last
+    micro-batch's), and the epoch Lightning counts at the end. ``more``: callbacks after
+    ours."""
     L.seed_everything(0, verbose=False)
     model, seen = module(**module_args), {}
     model.seen = lambda step, ids: seen.__setitem__(step, ids)
     io = UnbrokenCheckpointIO(
         tmp_path / "ckpt", staging_dir=tmp_path / "stage", every_steps=every, when_busy="wait"
     )
-    callbacks = [io.callback]
+    callbacks = [io.callback, *more]
     if their_every:  # a ModelCheckpoint of the user's, listed first, saving through io
         theirs_cb = L.pytorch.callbacks.ModelCheckpoint(
             dirpath=tmp_path / "theirs", every_n_train_steps=their_every, save_last=True
@@ -67,7 +75,7 @@ def _fit(
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, plugins=[io], callbacks=callbacks,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=tmp_path, limit_train_batches=limit,
+        default_root_dir=tmp_path, limit_train_batches=limit, accumulate_grad_batches=accumulate,
     )  # fmt: skip
     if theirs:  # a torch DataLoader, shuffled, over the same samples
         loader = torch.utils.data.DataLoader(_Samples(), batch_size=4, shuffle=True)
@@ -157,6 +165,102 @@ def test_what_only_pickle_could_store_is_refused_naming_it(tmp_path):
     with pytest.raises(CheckpointDictError, match=r"\['hyper_parameters'\]\['extra'\] is a "
                        r"argparse.Namespace, which only pickle could store"):  # fmt: skip
         _fit(tmp_path, volume, 6, every=2, extra=argparse.Namespace(depth=3))
+
+
+class _TermMidAccumulation(L.Callback):
+    """SIGTERM to this process after the first micro-batch past optimizer step ``at``,
+    before our callback's hook (Lightning runs checkpoint callbacks last)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.ends_at_step = at, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, idx):
+        if trainer.global_step == self.at:
+            self.ends_at_step += 1
+            if self.ends_at_step == 2:  # the first was the micro-batch that stepped
+                os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_mid_accumulation_saves_at_the_next_optimizer_step_and_resumes_bitwise(
+    tmp_path,
+):
+    """accumulate_grad_batches=2: a save between the two micro-batches of a step would
+    resume without the first (Lightning does not save the accumulated gradients)."""
+    volume = toy_volume(tmp_path, files=FILES)
+    fit = functools.partial(_fit, volume=volume, every=1000, accumulate=2)
+    reference, seen, epoch = fit(tmp_path / "reference", steps=10)
+    with pytest.raises(SystemExit):  # the manager's preemption: saved, then the exit
+        fit(tmp_path / "job", steps=10, more=(_TermMidAccumulation(at=5),))
+    last = UnbrokenCheckpointIO(tmp_path / "job" / "ckpt").last_checkpoint()
+    assert last is not None and "step-000000000006" in last  # not 5 and a half
+    resumed, rest, resumed_epoch = fit(tmp_path / "job", steps=10)
+    assert min(rest) == 7 and {s: seen[s] for s in rest} == rest
+    assert resumed == reference and resumed_epoch == epoch
+
+
+def _load_step(url: Path, path: str) -> int:
+    """The global_step of the checkpoint ``path`` names, read by a new plugin."""
+    io = UnbrokenCheckpointIO(url)
+    try:
+        return io.load_checkpoint(path)["global_step"]
+    finally:
+        io.teardown()
+
+
+@pytest.mark.parametrize(
+    ("theirs", "steps"),
+    [({"every_n_train_steps": 4, "save_top_k": -1}, (4, 8)), ({"every_n_train_steps": 2}, ())],
+    ids=["same-steps", "last-only"],
+)
+def test_a_model_checkpoint_path_at_a_step_already_saved_loads_that_step(tmp_path, theirs, steps):
+    """A ModelCheckpoint (after our callback) saving at steps ours saved already: each of
+    its paths, last.ckpt too, loads the step it was saved at, not an older one (last-only:
+    last.ckpt is saved under its own name at steps 2 and 6, and named for 4 and 8)."""
+    mc = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "theirs", save_last=True, **{"save_top_k": 0, **theirs}
+    )
+    _fit(tmp_path, toy_volume(tmp_path, files=FILES), 8, every=4, more=(mc,))
+    paths = {str(tmp_path / "theirs" / f"epoch=0-step={n}.ckpt"): n for n in steps}
+    assert mc.best_model_path == (max(paths) if paths else "")
+    for path, step in {**paths, mc.last_model_path: 8}.items():
+        assert _load_step(tmp_path / "ckpt", path) == step, path
+    assert not (tmp_path / "theirs").exists()
+
+
+def test_a_path_model_checkpoint_removes_no_longer_loads_and_no_checkpoint_is_deleted(tmp_path):
+    """save_top_k=1: Lightning removes step 4's and 8's files as it saves the next; their
+    aliases go, the checkpoints stay (retention's). An alias naming a step that is not
+    committed names nothing."""
+    mc = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "theirs", every_n_train_steps=4)
+    _fit(tmp_path, toy_volume(tmp_path, files=FILES), 12, every=4, more=(mc,))
+    newest, removed = (str(tmp_path / "theirs" / f"epoch=0-step={n}.ckpt") for n in (12, 8))
+    assert mc.best_model_path == newest and _load_step(tmp_path / "ckpt", newest) == 12
+    with pytest.raises(NoCheckpointError, match=r"committed steps: \[4, 8, 12\]"):
+        _load_step(tmp_path / "ckpt", removed)
+    assert len(list((tmp_path / "ckpt" / checkpoint_paths.FOLDER).iterdir())) == 1  # 12's
+    checkpoint_paths.record_alias(LocalStore(str(tmp_path / "ckpt")), removed, 5)
+    with pytest.raises(NoCheckpointError):
+        _load_step(tmp_path / "ckpt", removed)
+
+
+def test_enable_checkpointing_stays_true_and_adds_no_model_checkpoint_of_lightnings(tmp_path):
+    """What the docs say about enable_checkpointing: False is refused by Lightning (the
+    callback is a Checkpoint); True, the default, adds none of Lightning's beside it."""
+    io = UnbrokenCheckpointIO(tmp_path / "ckpt")
+    trainer = L.Trainer(accelerator="cpu", plugins=[io], callbacks=[io.callback], logger=False)
+    assert trainer.checkpoint_callbacks == [io.callback]
+    with pytest.raises(L.fabric.utilities.exceptions.MisconfigurationException,
+                       match="enable_checkpointing=False"):  # fmt: skip
+        L.Trainer(enable_checkpointing=False, plugins=[io], callbacks=[io.callback])
+
+
+def test_a_misspelt_manager_option_or_a_url_of_another_type_is_refused_at_construction():
+    with pytest.raises(
+        TypeError, match=r"UnbrokenCheckpointIO got unknown options \['every_step'\]"
+    ):
+        UnbrokenCheckpointIO("ckpt", every_step=4)
+    with pytest.raises(TypeError, match=r"UnbrokenCheckpointIO: url must be a str or os.PathLike"):
+        UnbrokenCheckpointIO(None)  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
@@ -249,3 +353,21 @@ def test_attach_refuses_a_fabric_made_without_the_plugin_and_a_strategy_that_byp
     own = L.Fabric(strategy=OwnFiles(torch.device("cpu")), plugins=[io])
     with pytest.raises(RuntimeError, match=r"OwnFiles writes its checkpoints its own way"):
         io.attach(own)
+
+
+def test_fabric_save_at_a_step_maybe_save_saved_loads_by_its_path(tmp_path):
+    """The docs' Fabric loop: maybe_save saved the last step, then fabric.save names it."""
+    io = UnbrokenCheckpointIO(tmp_path / "ckpt", staging_dir=tmp_path / "stage", every_steps=2)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+    io.attach(fabric)
+    model = fabric.setup(torch.nn.Linear(4, 2))
+    state = {"model": model, "step": 2}
+    assert io.maybe_save(2, lambda: state)
+    fabric.save(tmp_path / "final.ckpt", state)  # step 2: in flight, not saved again
+    io.teardown()
+    again = UnbrokenCheckpointIO(tmp_path / "ckpt")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[again])
+    again.attach(fabric)
+    fabric.load(tmp_path / "final.ckpt", {"model": fabric.setup(torch.nn.Linear(4, 2))})
+    assert again.restored_step == 2
+    again.teardown()

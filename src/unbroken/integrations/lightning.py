@@ -1,9 +1,13 @@
 """PyTorch Lightning through unbroken: a ``CheckpointIO`` plugin and the callback it needs.
 
 ```python
+class Data(L.LightningDataModule):
+    def train_dataloader(self):  # made in fit, once DDP is up: each rank its own samples
+        return ub.DataLoader(ub.VolumeDataset(...), batch_size=4)
+
 ckpt = UnbrokenCheckpointIO("s3://bucket/run", every_steps=50)
 trainer = L.Trainer(..., plugins=[ckpt], callbacks=[ckpt.callback])
-trainer.fit(model, train_dataloaders=ub.DataLoader(...), ckpt_path="last")
+trainer.fit(model, datamodule=Data(), ckpt_path="last")
 ```
 
 The plugin writes Lightning's checkpoint dict through a :class:`CheckpointManager`
@@ -16,12 +20,13 @@ Why a callback too: Lightning calls a plugin only to save and load, and under DD
 rank 0 alone, while a save through the manager is collective and the manager's cadence
 and preemption act in ``maybe_save``. :class:`UnbrokenCallback` (made by the plugin)
 creates the manager on every rank once the process group is up, has the strategy hand
-every rank's checkpoint to the plugin, calls ``maybe_save`` after each training batch
-(the checkpoint dict is built only on a due step), hands SIGTERM to the manager instead
-of Lightning's own handler (which stops the loop without a save), re-applies the
-restored RNG at the first batch (Lightning runs code between its load and that batch),
-and makes ``ckpt_path="last"`` (Lightning's default when fitting with it) find the
-newest committed step.
+every rank's checkpoint to the plugin, calls ``maybe_save`` after each optimizer step
+(the checkpoint dict is built only on a due step; never between the micro-batches of a
+gradient accumulation, which a resume could not take up), hands SIGTERM to the manager
+instead of Lightning's own handler (which stops the loop without a save), re-applies
+the restored RNG at the first batch (Lightning runs code between its load and that
+batch), and makes ``ckpt_path="last"`` (Lightning's default when fitting with it) find
+the newest committed step.
 """
 
 from __future__ import annotations
@@ -49,14 +54,15 @@ import torch
 
 from unbroken.checkpoint import json_values
 from unbroken.checkpoint.catalog import list_checkpoints
+from unbroken.checkpoint.config import check_option_names
 from unbroken.checkpoint.errors import NoCheckpointError
 from unbroken.checkpoint.format.manifest import manifest_key, parse_step_dir, read_manifest
 from unbroken.checkpoint.manager import CheckpointManager, SaveStats
 from unbroken.data.loader import DataLoader
-from unbroken.integrations import checkpoint_dict
+from unbroken.integrations import checkpoint_dict, checkpoint_paths
 from unbroken.integrations.live_state import LiveState
 from unbroken.state.rng import capture_rng_state, restore_rng_state
-from unbroken.storage import LocalStore, open_store
+from unbroken.storage import LocalStore, Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +81,7 @@ class UnbrokenCheckpointIO(CheckpointIO):
     """
 
     def __init__(self, url: str | os.PathLike, **manager_options: Any) -> None:
+        _check_manager_args(url, manager_options)  # now, not at the Trainer's setup
         self.url = os.fspath(url)
         self.options = manager_options
         self._manager: CheckpointManager | None = None
@@ -122,7 +129,13 @@ class UnbrokenCheckpointIO(CheckpointIO):
                 "Lightning calls a plugin on rank 0 alone unless told otherwise: give the "
                 "Trainer callbacks=[io.callback], or call io.attach(fabric) for Fabric"
             )
-        self.manager.save(_step_of(checkpoint, path), self._state(checkpoint, path, filter))
+        manager, step = self.manager, _step_of(checkpoint, path)
+        skipped = manager.stats.skipped_committed
+        manager.save(step, self._state(checkpoint, path, filter))
+        if manager.stats.skipped_committed > skipped and path is not None and _rank() == 0:
+            # step already committed or in flight, under another path (or none): the
+            # manifest will not record this one, so an alias does
+            checkpoint_paths.record_alias(manager.store, os.fspath(path), step)
 
     def attach(self, fabric: Any) -> None:
         """Make ``fabric.save`` hand every rank's checkpoint to this plugin (under DDP
@@ -185,10 +198,12 @@ class UnbrokenCheckpointIO(CheckpointIO):
         return checkpoint_dict.join(tree["skeleton"], bag.tensors)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        """Nothing: retention is the manager's (``keep_last``, ``keep_every_steps``), which
-        deletes a committed checkpoint only once a newer one is committed. Lightning asks
-        for a removal as soon as its next save *starts*, which would lose the last good
+        """Forget ``path``'s alias (see :mod:`.checkpoint_paths`), delete no checkpoint:
+        retention is the manager's (``keep_last``, ``keep_every_steps``), which deletes a
+        committed checkpoint only once a newer one is committed. Lightning asks for a
+        removal as soon as its next save *starts*, which would lose the last good
         checkpoint while the new one is still uploading."""
+        checkpoint_paths.remove_alias(self._store(), os.fspath(path))
         log.debug("UnbrokenCheckpointIO: %s is kept until retention removes it", path)
 
     def teardown(self) -> None:
@@ -204,7 +219,7 @@ class UnbrokenCheckpointIO(CheckpointIO):
         """The manifest of the newest committed step, as a path or URL Lightning can test
         for (``ckpt_path="last"``); None if nothing is committed. Reads the durable tier
         directly, so it works before the process group (and the manager) exist."""
-        store = self._manager.store if self._manager is not None else open_store(self.url)
+        store = self._store()
         committed = [c.step for c in list_checkpoints(store) if c.committed]
         if not committed:
             return None
@@ -213,6 +228,12 @@ class UnbrokenCheckpointIO(CheckpointIO):
             return os.path.join(store.root, key)
         return store.url_for(key)
 
+    def _store(self) -> Store:
+        """The durable tier, without making the manager (every rank's) if there is none."""
+        if self._manager is not None:
+            return self._manager.store
+        return open_store(self.url, **(self.options.get("storage_options") or {}))
+
     def _step_for(self, path: str) -> int:
         store = self.manager.store
         for part in (os.path.basename(os.path.dirname(path)), os.path.basename(path)):
@@ -220,9 +241,10 @@ class UnbrokenCheckpointIO(CheckpointIO):
             if step is not None:
                 return step
         committed = sorted((c.step for c in list_checkpoints(store) if c.committed), reverse=True)
-        for step in committed:  # a path Lightning saved under: its own name for the step
+        aliased = checkpoint_paths.aliased_step(store, path)
+        for step in committed:  # a path Lightning saved under: the newest step it names
             tree = read_manifest(store, step).extra.get("values", {}).get(TREE, {})
-            if isinstance(tree, dict) and tree.get("path") == path:
+            if step == aliased or (isinstance(tree, dict) and tree.get("path") == path):
                 return step
         raise NoCheckpointError(
             f"{path}: no committed checkpoint at {store.url} was saved under this path "
@@ -293,6 +315,12 @@ class UnbrokenCallback(OnExceptionCheckpoint):
     ``fit`` without ``ckpt_path``) considers its ``ckpt_path``: the newest committed
     step. Unlike Lightning's, it saves nothing on an exception (a save is collective and
     the other ranks are not saving) and removes nothing at teardown.
+
+    Being a ``Checkpoint``, it needs the Trainer's ``enable_checkpointing=True`` (the
+    default): with ``False`` Lightning refuses every checkpoint callback ("found
+    `ModelCheckpoint` in callbacks list"). The default writes nothing of Lightning's own:
+    Lightning adds its default ``ModelCheckpoint`` only when no checkpoint callback is
+    given, and this is one.
     """
 
     def __init__(self, io: UnbrokenCheckpointIO) -> None:
@@ -300,6 +328,7 @@ class UnbrokenCallback(OnExceptionCheckpoint):
         self.io = io
         self.trainer: Any = None
         self.dirpath, self.filename = io.url, "last"
+        self._last_step: int | None = None  # global_step at the last batch end
 
     @property
     def ckpt_path(self) -> str:  # type: ignore[override]
@@ -322,6 +351,7 @@ class UnbrokenCallback(OnExceptionCheckpoint):
         self.io.manager  # noqa: B018 - made here: every rank, the process group up
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._last_step = trainer.global_step  # as restored
         if self.io.options.get("preemption", "exit") != "off":
             _take_sigterm_from_lightning(trainer)
 
@@ -341,6 +371,9 @@ class UnbrokenCallback(OnExceptionCheckpoint):
             # a training_step(dataloader_iter) fetched its batches in the step, and idx
             # is the last it fetched (a ModelCheckpoint before us saved mid-epoch then)
             _end_epoch_of(trainer.train_dataloader)
+        stepped, self._last_step = trainer.global_step != self._last_step, trainer.global_step
+        if not stepped:  # mid-accumulation: a save (SIGTERM's too) waits for the step
+            return
         if 0 <= trainer.max_steps <= trainer.global_step:  # the fit's last step
             # Saved here, mid-epoch like every other save: by on_train_end Lightning has
             # counted the epoch done, and a longer fit resumed from that state would start
@@ -405,6 +438,21 @@ def _trainer_save(self: Strategy, checkpoint: Any, filepath: Any, storage_option
 
 def _world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _check_manager_args(url: Any, options: Mapping[str, Any]) -> None:
+    """What ``CheckpointManager(url, **options)`` would refuse at the Trainer's setup,
+    refused at construction: a typo in an option name fails where it was written."""
+    if not isinstance(url, (str, os.PathLike)):
+        raise TypeError(
+            f"UnbrokenCheckpointIO: url must be a str or os.PathLike (a path or a URL such "
+            f"as 's3://bucket/run'), got {type(url).__name__}"
+        )
+    check_option_names(options, "UnbrokenCheckpointIO")  # "url" too: it is given once
 
 
 def _take_sigterm_from_lightning(trainer: Any) -> None:

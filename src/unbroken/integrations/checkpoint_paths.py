@@ -1,0 +1,55 @@
+"""The paths a framework saved under that no checkpoint of that step records.
+
+A committed step is never written twice, so when Lightning's ``ModelCheckpoint`` or a
+``fabric.save`` saves under a path at a step already committed (or in flight), the
+step's manifest keeps the path it was first saved under, and the new path would name
+nothing. Such a path is recorded here as an alias, ``path -> step``: one small JSON
+object per path under ``lightning-paths/`` in the checkpoint root. Everything that lists
+checkpoints (retention, ``unbroken ls``, ``verify``) reads only ``step-*`` directories,
+so the folder is left alone; an alias whose step is not committed is not followed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+from unbroken.storage import ObjectNotFoundError, Store
+
+log = logging.getLogger(__name__)
+
+FOLDER = "lightning-paths"
+"""The folder of the aliases, in the checkpoint root beside the step directories."""
+
+
+def alias_key(path: str) -> str:
+    """The store key of ``path``'s alias: a path may hold any character, a key not."""
+    return f"{FOLDER}/{hashlib.sha256(path.encode()).hexdigest()[:32]}.json"
+
+
+def record_alias(store: Store, path: str, step: int) -> None:
+    """Let ``path`` name ``step`` (replacing what it named before)."""
+    record = {"path": path, "step": step}
+    store.write_bytes(alias_key(path), json.dumps(record).encode())
+
+
+def aliased_step(store: Store, path: str) -> int | None:
+    """The step ``path``'s alias names, None without one (or one unreadable)."""
+    key = alias_key(path)
+    try:
+        record = json.loads(store.read_bytes(key))
+    except ObjectNotFoundError:
+        return None
+    except ValueError as e:
+        log.warning("%s is not an alias unbroken wrote (%s); ignored", store.url_for(key), e)
+        return None
+    if not isinstance(record, dict) or record.get("path") != path:
+        return None  # not ours, or another path's (a hash collision)
+    step = record.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def remove_alias(store: Store, path: str) -> None:
+    """Forget ``path``'s alias (if any); the checkpoint it named stays."""
+    store.delete(alias_key(path))
