@@ -445,6 +445,28 @@ def scenario_retention(a: argparse.Namespace) -> None:
     log("retention ok")
 
 
+def scenario_tight_tier(a: argparse.Namespace) -> None:
+    """Two ranks of one node, DDP's replicated state, a tmpfs that holds the node's two
+    snapshots and little more: every save stays in the memory tier. Each rank stages
+    every tensor but writes half (DCP writes a replicated tensor once): sized by what
+    it stages, every other save went to disk."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(nn.Linear(1120, 1120))  # 15 MB with Adam: two fit the tmpfs, not three
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, memory_tier=True)
+    state = {"model": model, "optim": optim}
+    for step in range(1, 7):
+        model(torch.randn(4, 1120)).sum().backward()
+        optim.step()
+        mgr.save(step, state)
+        mgr.wait()
+        held = Path(mgr.memory_tier.path) / f"step-{step:012d}" / "manifest.json"
+        assert held.exists(), f"step {step} went to the disk tier"
+    mgr.close()
+    log("tight tier ok")
+
+
 def scenario_train(a: argparse.Namespace) -> None:
     """Resumable training; rank 1 dies once at --crash-at (recovery under --max-restarts)."""
     model = make_model(0)
@@ -627,6 +649,7 @@ SCENARIOS = {
     "peer_dies_mid_save": scenario_peer_dies_mid_save,
     "generators_load": scenario_generators_load,
     "train": scenario_train,
+    "tight_tier": scenario_tight_tier,
     "churn": scenario_churn,
     "replicas": scenario_replicas,
 }

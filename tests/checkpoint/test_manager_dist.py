@@ -103,6 +103,15 @@ def test_the_groups_object_collectives_round_trip_and_let_go_of_their_tensors(tm
     assert out.count("group ok") == 2
 
 
+def test_ranks_of_a_node_with_replicated_state_keep_every_save_in_a_tight_tier(
+    tmp_path, small_tmpfs
+):
+    out = check(
+        torchrun(2, "tight_tier", "--url", str(tmp_path / "d"), "--staging", str(tmp_path / "s"))
+    )
+    assert out.count("tight tier ok") == 2
+
+
 def test_wait_covers_the_coordinators_retention_on_every_rank(tmp_path):
     durable = "emulated::" + str(tmp_path / "d")
     out = check(torchrun(2, "retention", "--url", durable, "--staging", str(tmp_path / "s{rank}")))

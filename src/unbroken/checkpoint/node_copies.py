@@ -59,6 +59,8 @@ class NodeCopies:
         """This rank's files of the memory tier that saves stage straight into."""
         self.layout: TensorLayout | None = None
         """This rank's shard as the last save wrote it to the memory tier."""
+        self._shard_bytes: int | None = None
+        """The size of this rank's shard as the last save wrote it, to either tier."""
         self._on_arena = on_arena
         """Told, before an arena of a layout is made, that the next saves stage its
         tensors there (the stager drops its own buffers of them)."""
@@ -90,6 +92,17 @@ class NodeCopies:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(root, name, MANIFEST_NAME))
             staging_tier.tidy(root, current_step, writing=step)
+
+    def bytes_to_write(self, stats: dict[str, float]) -> int:
+        """What a snapshot's local copy adds to the tier, from its staging ``stats``. A
+        rank stages every tensor it holds, but writes only those of its shard (DCP
+        writes DDP's replicated tensors once, spread over the ranks), and those staged in
+        place are in the tier already. Once a shard was written: its size less what is
+        in place, plus tensors new since; before, every byte staged apart."""
+        staged, in_place = stats.get("bytes", 0.0), stats.get("bytes_in_place", 0.0)
+        if self._shard_bytes is None:
+            return int(staged - in_place)
+        return int(max(0.0, self._shard_bytes - in_place) + stats.get("bytes_new", staged))
 
     def choose(self, nbytes: int, step: int) -> str:
         """Where ``step``'s local copy goes: the memory tier while it has room for
@@ -125,6 +138,7 @@ class NodeCopies:
         made here (not in the training loop) once the snapshot's buffers are free; a
         spare waits for the commit to tidy the older step."""
         self.layout = layout if self.in_memory(root) else None
+        self._shard_bytes = layout.end
         if snapshot_released:
             self.prepare_arenas(spare=False)
 

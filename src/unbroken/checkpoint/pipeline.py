@@ -305,8 +305,7 @@ class SavePipeline:
             problem, exc = describe(e), e
         self._agree(problem, f"staging step {step}", exc)
         self.node.begin(step, self.current_step)
-        staged_bytes = job.staged.stats.get("bytes", 0) - job.staged.stats.get("bytes_in_place", 0)
-        root = self.node.choose(int(staged_bytes), step)
+        root = self.node.choose(self.node.bytes_to_write(job.staged.stats), step)
         job.local_root = root
         # The helper reads the node copy's files in memory: they are whole before it starts.
         in_memory = self.node.in_memory(root)

@@ -215,6 +215,8 @@ class StateStager:
         self.chunk_bytes = chunk_bytes
         self._streams: dict[torch.device, object] = {}
         self._current: StagedState | None = None
+        self._seen: frozenset[tuple[str, tuple[int, ...], torch.dtype]] = frozenset()
+        """Each tensor of the last snapshot: what a new one holds that it did not."""
         self._cond = threading.Condition()
         self._stage_lock = threading.Lock()
         self._closed = False
@@ -290,8 +292,13 @@ class StateStager:
             checksum=self.checksum,
             events=first_events,
         )
+        seen = frozenset((leaf.name, tuple(leaf.src.shape), leaf.src.dtype) for leaf in leaves)
+        new, self._seen = seen - self._seen, seen
+        by_key = {(leaf.name, tuple(leaf.src.shape), leaf.src.dtype): leaf for leaf in leaves}
         stats = {
             "bytes": float(sum(leaf.nbytes for leaf in leaves)),
+            # of them, tensors the last snapshot did not hold (all of them at the first)
+            "bytes_new": float(sum(by_key[k].nbytes for k in new)),
             "bytes_first": float(sum(leaf.nbytes for leaf in now)),
             "tensors": float(len(leaves)),
             "allocated_bytes": float(allocated),
