@@ -288,3 +288,26 @@ def test_a_drain_waits_for_a_replica_between_its_files(tmp_path, server):
     assert client.drain(0.3) is False
     client.seal(1, 9, b"{}")
     assert client.drain(5) is True
+
+
+def test_a_replica_broken_off_by_a_clean_close_is_not_called_a_failure(tmp_path, server, caplog):
+    """A clean end: this rank closes its replicator as the peer node's server ends too,
+    under a replica still going. Nothing failed (the job and its tiers end), so nothing
+    is logged as a failure."""
+    from unbroken.checkpoint.peers.replicator import Replica, Replicator
+
+    _, address, proc = server
+    folder = tmp_path / "own" / step_dir(3)
+    crc = write(folder / "__0_0.distcp", os.urandom(256 << 20))
+    done: list[tuple[int, int, bool]] = []
+    replicator = Replicator(0, [PeerClient(address, TOKEN)], on_done=lambda *a: done.append(a))
+    caplog.set_level("DEBUG", logger="unbroken.checkpoint.peers.replicator")
+    replicator.submit(Replica(3, str(folder), {"__0_0.distcp": crc}, b"{}"))
+    deadline = time.monotonic() + 30
+    while not replicator._busy and time.monotonic() < deadline:  # the send is under way
+        time.sleep(0.001)
+    replicator.close(timeout=0.0)
+    proc.kill()  # the peer's server ends with its job
+    replicator._thread.join(30)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert done == [] and "broken off by close" in caplog.text

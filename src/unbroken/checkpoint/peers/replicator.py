@@ -125,6 +125,9 @@ class Replicator:
                 if isinstance(e, FileNotFoundError) and not os.path.isdir(replica.folder):
                     log.debug("step %d: superseded while it was sent", replica.step)
                     return  # not a failure: a newer commit's replica replaces it
+                if self._closed:  # close() broke it off (a clean end needs no replica)
+                    log.debug("step %d: replica broken off by close: %s", replica.step, e)
+                    return
                 ok = False
                 self._tell(client, replica.step, e)
         if self._on_done is not None:
