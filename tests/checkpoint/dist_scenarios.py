@@ -467,6 +467,41 @@ def scenario_tight_tier(a: argparse.Namespace) -> None:
     log("tight tier ok")
 
 
+def scenario_node_room(a: argparse.Namespace) -> None:
+    """Two ranks of one node, 8 MiB replicated: each writes half. After a save that
+    found no room (the disk tier took it), room for 6 MiB above the tmpfs's reserve:
+    each rank's half fits, both halves do not. That save goes to disk too, and the
+    reserve is kept."""
+    from unbroken.checkpoint.memory_tier import space, tree_bytes
+
+    state = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(8)}  # 8 x 1 MiB
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=1, keep_last=2)
+    tier = Path(mgr.memory_tier.path)
+    filler = tier.parent.parent / "another-programs-file"
+
+    def leave_room(nbytes: int) -> None:  # another program takes the rest above the reserve
+        held = filler.stat().st_size if filler.exists() else 0
+        room = space(str(tier))
+        filler.write_bytes(
+            b"\0" * (room.free + held + tree_bytes(str(tier)) - room.reserve - nbytes)
+        )
+
+    for step, room in ((1, None), (2, 1 << 20), (3, 6 << 20)):
+        if room is not None and dist.get_rank() == 0:
+            leave_room(room)
+        dist.barrier()
+        mgr.save(step, state)
+        mgr.wait()
+        dist.barrier()
+        if step > 1:
+            assert not (tier / f"step-{step:012d}").exists(), f"step {step} in memory"
+            assert (Path(a.staging) / f"step-{step:012d}" / "manifest.json").exists()
+    room = space(str(tier))
+    assert room.free >= room.reserve, (room.free, room.reserve)
+    mgr.close()
+    log("node room ok")
+
+
 def scenario_train(a: argparse.Namespace) -> None:
     """Resumable training; rank 1 dies once at --crash-at (recovery under --max-restarts)."""
     model = make_model(0)
@@ -650,6 +685,7 @@ SCENARIOS = {
     "generators_load": scenario_generators_load,
     "train": scenario_train,
     "tight_tier": scenario_tight_tier,
+    "node_room": scenario_node_room,
     "churn": scenario_churn,
     "replicas": scenario_replicas,
 }

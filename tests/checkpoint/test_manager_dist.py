@@ -112,6 +112,13 @@ def test_ranks_of_a_node_with_replicated_state_keep_every_save_in_a_tight_tier(
     assert out.count("tight tier ok") == 2
 
 
+def test_the_ranks_of_a_node_never_fill_its_tier_past_the_reserve_together(tmp_path, small_tmpfs):
+    out = check(
+        torchrun(2, "node_room", "--url", str(tmp_path / "d"), "--staging", str(tmp_path / "s"))
+    )
+    assert out.count("node room ok") == 2
+
+
 def test_wait_covers_the_coordinators_retention_on_every_rank(tmp_path):
     durable = "emulated::" + str(tmp_path / "d")
     out = check(torchrun(2, "retention", "--url", durable, "--staging", str(tmp_path / "s{rank}")))

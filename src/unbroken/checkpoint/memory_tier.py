@@ -183,6 +183,15 @@ class MemoryTier:
         warnings.warn(message + "; the memory tier is off", RuntimeWarning, stacklevel=3)
         return False
 
+    def ranks(self) -> int:
+        """The ranks of this node writing to the tier (their owner records; at least
+        this one): they check its room at the same moment, each for its own bytes."""
+        try:
+            names = os.listdir(os.path.join(self.path, OWNERS))
+        except OSError:
+            return 1
+        return max(1, sum(n.endswith(".json") for n in names))
+
     def room_now(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more fit now with the reserve kept (said nowhere)."""
         try:

@@ -94,15 +94,19 @@ class NodeCopies:
             staging_tier.tidy(root, current_step, writing=step)
 
     def bytes_to_write(self, stats: dict[str, float]) -> int:
-        """What a snapshot's local copy adds to the tier, from its staging ``stats``. A
-        rank stages every tensor it holds, but writes only those of its shard (DCP
+        """What a snapshot's local copies add to the memory tier, from this rank's
+        staging ``stats``, for the whole node: its ranks check the room at the same
+        moment, each would find room for its own bytes, and together fill past the cap.
+        A rank stages every tensor it holds, but writes only those of its shard (DCP
         writes DDP's replicated tensors once, spread over the ranks), and those staged in
         place are in the tier already. Once a shard was written: its size less what is
         in place, plus tensors new since; before, every byte staged apart."""
         staged, in_place = stats.get("bytes", 0.0), stats.get("bytes_in_place", 0.0)
         if self._shard_bytes is None:
-            return int(staged - in_place)
-        return int(max(0.0, self._shard_bytes - in_place) + stats.get("bytes_new", staged))
+            own = staged - in_place
+        else:
+            own = max(0.0, self._shard_bytes - in_place) + stats.get("bytes_new", staged)
+        return int(own) * (self.memory.ranks() if self.memory is not None else 1)
 
     def choose(self, nbytes: int, step: int) -> str:
         """Where ``step``'s local copy goes: the memory tier while it has room for
