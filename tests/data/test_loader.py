@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import random
 from collections import Counter
 
@@ -332,12 +334,22 @@ def test_dataset_alone_works_with_a_stock_torch_dataloader(make_volume):
     assert len(shards[0]) == len(shards[1]) == 7
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_a_stock_dataloaders_persistent_workers_see_each_epoch_the_loop_sets(make_volume, context):
+@pytest.mark.parametrize(
+    ("context", "copied"),
+    [("fork", None), ("spawn", None), ("fork", "pickle"), ("fork", "deepcopy")],
+)
+def test_a_stock_dataloaders_persistent_workers_see_each_epoch_the_loop_sets(
+    make_volume, context, copied
+):
     # persistent workers keep the copy of the dataset they started with: the epoch must
-    # reach them anyway, or every epoch repeats the first one's order and augmentations
+    # reach them anyway, or every epoch repeats the first one's order and augmentations.
+    # A dataset shipped to this process (pickled, as Ray or submitit do) too.
     vol = make_volume(12)
     ds, fresh = vol.dataset(seed=3), vol.dataset(seed=3)
+    if copied == "pickle":
+        ds = pickle.loads(pickle.dumps(ds))
+    elif copied == "deepcopy":
+        ds = copy.deepcopy(ds)
 
     def loader(dataset, persistent):
         return torch.utils.data.DataLoader(

@@ -370,6 +370,11 @@ class VolumeDataset(IterableDataset):
         state["_local"] = None
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if not self._epoch.is_shared():  # a copy (pickle, deepcopy): its own shared epoch,
+            self._epoch.share_memory_()  # which its fork-started workers see too
+
 
 class _PerProcess:
     """What each process (main or worker) owns: a store client, the cache, counters."""
