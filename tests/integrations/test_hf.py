@@ -29,7 +29,7 @@ from tests.integrations.hf_parts import (  # noqa: E402
     gpt2,
     training_args,
 )
-from unbroken.integrations.hf import UnbrokenCallback  # noqa: E402
+from unbroken.integrations.hf import UnbrokenCallback, _inner  # noqa: E402
 
 JOB = Path(__file__).with_name("_hf_job.py")
 STEPS, FILES, STEPS_PER_EPOCH = 32, 64, 16  # 64 files, 2 ranks x 2 per batch
@@ -155,6 +155,46 @@ def test_arguments_the_callback_would_defeat_are_refused_when_the_trainer_is_mad
         UnbrokenCallback(tmp_path / "ckpt", every_step=4)
     with pytest.raises(TypeError, match=r"UnbrokenCallback: target must be .* int 123"):
         UnbrokenCallback(123)
+
+
+class _DigestAt(transformers.TrainerCallback):
+    """The model and optimizer's digest at the end of ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.digest = step, None
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if state.global_step == self.step:
+            self.digest = digest(model, _inner(optimizer, "optimizer"))
+
+
+def test_the_last_step_is_saved_before_the_trainer_loads_the_best_model(tmp_path):
+    """load_best_model_at_end writes the best step's weights in place once training
+    ends: the last step's checkpoint holds that step's own weights, whole."""
+    volume = toy_volume(tmp_path, files=FILES)
+    best = {"eval_strategy": "steps", "eval_steps": 4, "load_best_model_at_end": True}
+    best.update(metric_for_best_model="loss", greater_is_better=True)  # an early step's
+    last = _DigestAt(10)  # not a step the cadence (4, 8) saves
+    trainer = Recording(
+        model=gpt2(),
+        args=training_args(str(tmp_path), 10, ddp_backend=None, **best),
+        train_dataset=ub.VolumeDataset(volume, decode=decode, seed=0),
+        eval_dataset=_Tokens(),
+        callbacks=[
+            UnbrokenCallback(
+                tmp_path / "ckpt",
+                staging_dir=tmp_path / "stage",
+                when_busy="wait",
+                keep_trainer_checkpoints=True,
+            ),
+            last,
+        ],
+    )
+    trainer.train()
+    assert not trainer.state.best_model_checkpoint.endswith("-10")
+    assert _committed(tmp_path) == [4, 8, 10]
+    restored, seen, _ = _train(tmp_path, volume, 10)  # the finished run: restored at 10
+    assert seen == {} and restored == last.digest
 
 
 def test_a_volume_served_by_transformers_own_loader_is_warned_about(tmp_path):

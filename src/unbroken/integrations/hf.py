@@ -178,10 +178,15 @@ class UnbrokenCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """``save_strategy="epoch"``: the save the Trainer asks for, through the manager."""
-        if self._save_at_epoch_end and control.should_save:
-            assert self.manager is not None, "on_train_begin did not run"
+        """``save_strategy="epoch"``: the save the Trainer asks for, through the manager.
+        At the training's last step, its save, waited for: the Trainer's end may then
+        write the model in place (``load_best_model_at_end``)."""
+        assert self.manager is not None, "on_train_begin did not run"
+        last = control.should_training_stop or state.global_step >= state.max_steps
+        if last or (self._save_at_epoch_end and control.should_save):
             self.manager.save(state.global_step, self._live(state))
+        if last:
+            self.manager.wait()
         if not self.keep_trainer_checkpoints:
             control.should_save = False
 
@@ -192,9 +197,11 @@ class UnbrokenCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Save the last step (a no-op if it is committed already) and wait for it."""
+        """Save the last step (a no-op if it is committed already) and wait for it; not
+        once the Trainer loaded the best model: those weights are not the last step's."""
         assert self.manager is not None
-        self.manager.save(state.global_step, self._live(state))
+        if not args.load_best_model_at_end:
+            self.manager.save(state.global_step, self._live(state))
         if self._owns_manager:
             self.manager.close()
             self.manager = None
