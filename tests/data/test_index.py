@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -174,3 +175,26 @@ def test_what_cannot_be_listed_is_refused_only_where_the_filters_would_select_it
     from unbroken.data.index import _selectable
 
     assert _selectable(key, include, exclude) is selectable
+
+
+def test_datasets_made_and_dropped_leave_no_descriptor_open(make_volume):
+    """A loop that makes a dataset per run, or per hyperparameter trial, must not run
+    out of descriptors: each one's cache ledger closes when it is dropped."""
+    import gc
+
+    vol = make_volume(4)
+
+    def ledgers() -> int:
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own, closed by now
+                count += os.readlink(f"/proc/self/fd/{fd}").endswith("/usage")
+        return count
+
+    before = ledgers()
+    for _ in range(20):
+        ds = vol.dataset()
+        assert len(list(ds)) == 4  # the ledger was opened
+        del ds
+    gc.collect()
+    assert ledgers() - before <= 1

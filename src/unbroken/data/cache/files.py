@@ -90,6 +90,12 @@ class CacheLayout:
         self.crash_seen = False
         """Set when a fill found the temp file of a dead filler: the ledger may be off."""
 
+    def __del__(self) -> None:  # a dataset dropped: its ledger descriptor goes with it
+        fd, pid = getattr(self, "_ledger_fd", None), getattr(self, "_ledger_pid", 0)
+        if fd is not None and pid == os.getpid():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def after_fork(self) -> None:
         """In a forked child: close and forget the parent's ledger handle and record.
         What its threads held open besides goes in :func:`close_inherited`."""
