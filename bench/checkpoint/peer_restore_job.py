@@ -63,6 +63,7 @@ def main(
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     os.environ["UNBROKEN_MEMORY_DIR"] = os.path.join(shm, f"node-{rank}")
+    os.makedirs(os.environ["UNBROKEN_MEMORY_DIR"], exist_ok=True)
     # A tensor sharded over the ranks (as FSDP2 shards parameters): each rank's own bytes.
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(rank)

@@ -19,7 +19,7 @@ def small_tmpfs(tmp_path, monkeypatch):
     )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    monkeypatch.setenv(MEMORY_DIR_ENV, str(where / "unbroken"))
+    monkeypatch.setenv(MEMORY_DIR_ENV, str(where))
     try:
         yield where
     finally:

@@ -234,7 +234,9 @@ def node_tiers(a: argparse.Namespace) -> dict:
     tier's root), as on separate machines, and keeps its copies when it ends."""
     if not a.node_tiers:
         return {}
-    os.environ["UNBROKEN_MEMORY_DIR"] = os.path.join(a.node_tiers, f"shm-{dist.get_rank()}")
+    tmpfs = os.path.join(a.node_tiers, f"shm-{dist.get_rank()}")
+    os.makedirs(tmpfs, exist_ok=True)
+    os.environ["UNBROKEN_MEMORY_DIR"] = tmpfs
     return {"memory_tier": True}
 
 

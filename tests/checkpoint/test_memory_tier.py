@@ -377,3 +377,17 @@ def test_the_tier_directory_is_the_users_alone(tmp_path):
         root = os.path.dirname(mgr.memory_tier.path)
         assert os.stat(root).st_mode & 0o777 == 0o700
         assert os.stat(mgr.memory_tier.path).st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("where", ["missing", "relative"])
+def test_a_memory_dir_that_is_missing_or_relative_turns_the_tier_off(tmp_path, monkeypatch, where):
+    # a typo would otherwise make a "memory" tier on whatever disk the path names
+    named = str(tmp_path / "shm-typo") if where == "missing" else "relative-shm"
+    monkeypatch.setenv(MEMORY_DIR_ENV, named)
+    monkeypatch.chdir(tmp_path)
+    why = "does not exist" if where == "missing" else "not an absolute path"
+    with pytest.warns(RuntimeWarning, match=f"the memory tier is off: .*{why}"):
+        ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s").close()
+    with pytest.raises(MemoryTierError, match=why):
+        ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", memory_tier=True)
+    assert not (tmp_path / named).exists()

@@ -76,6 +76,20 @@ def _uid() -> int:
     return os.getuid() if hasattr(os, "getuid") else 0
 
 
+def _check_base(root: str) -> None:
+    """The directory the root goes in must exist and be named absolutely: a misspelt
+    ``$UNBROKEN_MEMORY_DIR`` would make a folder on whatever disk it names, and a
+    relative one a folder per working directory."""
+    base = os.path.dirname(root)
+    if not os.path.isabs(base):
+        raise ValueError(f"{MEMORY_DIR_ENV}={base!r} is not an absolute path")
+    if not os.path.isdir(base):
+        raise FileNotFoundError(
+            f"{base} does not exist (the memory tier goes in a directory on a tmpfs: "
+            f"/dev/shm, or {MEMORY_DIR_ENV})"
+        )
+
+
 def _check_own_root(root: str) -> None:
     """The root must be a real directory of this user: not a link, nor another user's
     (planted where ours would be made), since the tier writes and sweeps inside it."""
@@ -148,6 +162,7 @@ class MemoryTier:
         had and is not ``required`` (warned once), MemoryTierError where it is."""
         root = root or default_root()
         try:
+            _check_base(root)
             os.makedirs(root, mode=0o700, exist_ok=True)
             _check_own_root(root)
             os.chmod(root, 0o700)
@@ -156,7 +171,7 @@ class MemoryTier:
             tier = cls(path, rank)
             tier._record_owner(staging_dir)  # before the sweep: another rank sweeps too
             sweep_dead(root, keep=path, job=job_id())
-        except OSError as e:
+        except (OSError, ValueError) as e:
             return _unavailable(f"{root} is not usable ({type(e).__name__}: {e})", required)
         return tier
 
