@@ -391,3 +391,15 @@ def test_a_memory_dir_that_is_missing_or_relative_turns_the_tier_off(tmp_path, m
     with pytest.raises(MemoryTierError, match=why):
         ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", memory_tier=True)
     assert not (tmp_path / named).exists()
+
+
+def test_a_killed_attempts_owner_records_do_not_count_as_ranks_writing(tmp_path):
+    # 4 ranks ran on this node, were killed, and 1 restarted (a resize): the room a save
+    # asks for is this rank's bytes times the ranks writing now, not times 4
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        owners = Path(mgr.memory_tier.path) / ".owners"
+        for rank in (1, 2, 3):
+            (owners / f"rank-{rank:05d}.json").write_text(json.dumps({"pid": dead.pid}))
+        assert mgr.memory_tier.ranks() == 1

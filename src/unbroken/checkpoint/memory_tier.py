@@ -199,13 +199,10 @@ class MemoryTier:
         return False
 
     def ranks(self) -> int:
-        """The ranks of this node writing to the tier (their owner records; at least
-        this one): they check its room at the same moment, each for its own bytes."""
-        try:
-            names = os.listdir(os.path.join(self.path, OWNERS))
-        except OSError:
-            return 1
-        return max(1, sum(n.endswith(".json") for n in names))
+        """The ranks of this node writing to the tier (its live owners; at least this
+        one): they check its room at the same moment, each for its own bytes. A killed
+        attempt's records (more ranks before a resize) are not counted."""
+        return max(1, sum(_owner_alive(doc, launcher=False) for doc in _owner_records(self.path)))
 
     def room_now(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more fit now with the reserve kept (said nowhere)."""
