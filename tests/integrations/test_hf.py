@@ -6,6 +6,7 @@ time restarted by --max-restarts, ending bitwise equal to an uninterrupted run."
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,38 @@ def test_the_last_step_is_saved_before_the_trainer_loads_the_best_model(tmp_path
     assert _committed(tmp_path) == [4, 8, 10]
     restored, seen, _ = _train(tmp_path, volume, 10)  # the finished run: restored at 10
     assert seen == {} and restored == last.digest
+
+
+def test_an_early_stop_lets_the_save_in_flight_copy_before_the_best_model_loads(
+    tmp_path, monkeypatch
+):
+    """Early stopping decides at the epoch's evaluation, after the epoch's save began;
+    the Trainer then loads the best model in place. The copy is slowed to widen the
+    window: the save must not be torn, and the last epoch's step is committed."""
+    from unbroken.checkpoint.staging import copy as staging_copy
+
+    run = staging_copy.CopyJob._run
+    monkeypatch.setattr(staging_copy.CopyJob, "_run", lambda job: time.sleep(1.5) or run(job))
+    volume = toy_volume(tmp_path, files=16)  # 8 steps an epoch
+    epochs = {"save_strategy": "epoch", "eval_strategy": "epoch", "num_train_epochs": 4}
+    best = {"load_best_model_at_end": True, "metric_for_best_model": "loss"}
+    trainer = Recording(
+        model=gpt2(),
+        args=training_args(
+            str(tmp_path), -1, ddp_backend=None, greater_is_better=True, **epochs, **best
+        ),
+        train_dataset=ub.VolumeDataset(volume, decode=decode, seed=0),
+        eval_dataset=_Tokens(),
+        callbacks=[
+            UnbrokenCallback(
+                tmp_path / "ckpt", staging_dir=tmp_path / "st", keep_trainer_checkpoints=True
+            ),
+            transformers.EarlyStoppingCallback(early_stopping_patience=1),
+        ],
+    )
+    trainer.train()  # raised SaveFailedError (a torn snapshot) at close
+    assert trainer.state.global_step < 32  # stopped early
+    assert _committed(tmp_path)[-1] == trainer.state.global_step
 
 
 def test_a_volume_served_by_transformers_own_loader_is_warned_about(tmp_path):

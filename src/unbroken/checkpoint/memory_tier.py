@@ -17,7 +17,7 @@ Bytes are accounted for: the tier holds the committed copy the run is at plus th
 being written (``staging_tier.tidy``), each save first checks that the tmpfs keeps
 ``reserve_bytes`` free after it (DataLoader workers and NCCL need /dev/shm too), and a
 clean end removes the job's files. A job that died leaves its files for its own restart;
-another job on the node sweeps them once no process of the dead job (a rank or the
+another manager on the node sweeps them once no process of the dead job (a rank or the
 launcher that restarts it) is left and nothing in them changed for a while (a container
 restarted in place, or the job's other nodes, may be starting again).
 """
@@ -170,7 +170,7 @@ class MemoryTier:
             os.makedirs(path, mode=0o700, exist_ok=True)
             tier = cls(path, rank)
             tier._record_owner(staging_dir)  # before the sweep: another rank sweeps too
-            sweep_dead(root, keep=path, job=job_id())
+            sweep_dead(root, keep=path)
         except (OSError, ValueError) as e:
             return _unavailable(f"{root} is not usable ({type(e).__name__}: {e})", required)
         return tier
@@ -316,12 +316,12 @@ def _owner_alive(doc: dict, *, launcher: bool = True) -> bool:
     return False
 
 
-def sweep_dead(root: str, *, keep: str, job: str | None = None) -> list[str]:
+def sweep_dead(root: str, *, keep: str) -> list[str]:
     """Remove the tier directories of jobs none of whose processes is left (every owner
     record names a rank and a launcher that are gone, or there is none: a half-made
     directory, a clean end's leftover) once nothing in them changed for
-    ``SWEEP_GRACE_SECONDS``; returns what was removed. ``keep`` (ours) stays, and so do
-    the other nodes' directories of ``job`` (this job), which restart with it."""
+    ``SWEEP_GRACE_SECONDS``: a job restarting (its other nodes too) is back well within
+    it. Returns what was removed; ``keep`` (ours) stays."""
     removed = []
     try:
         entries = os.listdir(root)
@@ -335,8 +335,6 @@ def sweep_dead(root: str, *, keep: str, job: str | None = None) -> list[str]:
             continue
         records = _owner_records(path)
         if any(_owner_alive(doc) for doc in records):
-            continue
-        if job is not None and any(doc.get("job") == job for doc in records):
             continue
         if _unchanged_for(path, SWEEP_GRACE_SECONDS):
             shutil.rmtree(path, ignore_errors=True)

@@ -164,7 +164,9 @@ class NodeCopies:
             )
 
     def failed(self, step: int) -> None:
-        """A failed save's partial copies go from every tier."""
+        """A failed save's partial copies go from every tier; the next save's room is
+        sized afresh (tensors new in the failed one were counted as seen)."""
+        self._shard_bytes = None
         for root in self.stores:
             staging_tier.remove_unfinished(root, step)
 

@@ -34,6 +34,7 @@ import torch
 
 from unbroken.checkpoint.config import check_option_names
 from unbroken.checkpoint.manager import CheckpointManager
+from unbroken.checkpoint.staging import step_gate
 from unbroken.data.dataset import VolumeDataset
 from unbroken.data.loader import DataLoader
 from unbroken.integrations.live_state import LiveState
@@ -170,6 +171,19 @@ class UnbrokenCallback(TrainerCallback):
         self._maybe_save(state)
         if not self.keep_trainer_checkpoints:
             control.should_save = False
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """With ``load_best_model_at_end``, an evaluation may end the training (early
+        stopping), and the Trainer then writes the best model's weights in place: the
+        save in flight finishes its copy of them first (its upload goes on)."""
+        if args.load_best_model_at_end:
+            step_gate.wait_for_copies()
 
     def on_epoch_end(
         self,

@@ -73,6 +73,12 @@ def copies_in_flight() -> int:
 
 
 def _before_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    wait_for_copies()
+
+
+def wait_for_copies() -> None:
+    """Wait for the staging copies in flight, as a step does: for code that writes the
+    saved tensors in place outside an optimizer's step (a ``load_state_dict``)."""
     if not _in_flight:  # the cost of every step while no copy runs
         return
     with _lock:
