@@ -146,7 +146,8 @@ def supervise(args: argparse.Namespace, run: Run, tmp: str, kills: int, pace: fl
     """Run the job to its end with a progress bar, SIGKILLing a random rank ``kills``
     times. Each kill comes once the attempt has trained a save interval past where it
     resumed (so it has something to lose), after a random further delay of up to
-    1.5 intervals at ``pace`` seconds per step: mid-step, mid-save or mid-upload."""
+    1.5 intervals at ``pace`` seconds per step (mid-step, mid-save or mid-upload), and
+    at the latest a step before the last interval, where no kill comes."""
     from tqdm import tqdm
 
     proc = launch(args, run, tmp, restarts=kills)
@@ -184,7 +185,9 @@ def supervise(args: argparse.Namespace, run: Run, tmp: str, kills: int, pace: fl
                 and (step >= resumed + args.every_steps)
             ):
                 kill_at = time.monotonic() + random.uniform(0, 1.5 * args.every_steps * pace)
-            if kill_at is not None and time.monotonic() >= kill_at:
+            # the attempt ran faster than the pace: the kill lands before the end zone
+            last_chance = step >= args.steps - args.every_steps - 1
+            if kill_at is not None and (time.monotonic() >= kill_at or last_chance):
                 kill_at = None
                 ranks = children(proc.pid)
                 if ranks and not end_zone:
