@@ -136,3 +136,16 @@ def test_ls_of_an_unreachable_http_store_is_a_failure_to_reach_it(capsys):
     code, _out, err = run(capsys, "ls", url)
     assert code == 1
     assert "no checkpoints" not in err and "Cannot connect" in err
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["s3://AKIAEXAMPLE:hunter2@bucket/run", "memory://user:hunter2@host/run", "s4://u:hunter2@b/x"],
+)
+def test_credentials_in_a_url_are_never_printed(capsys, url):
+    for verb in ("ls", "verify", "goodput"):
+        code, out, err = run(capsys, verb, url)
+        assert code in (1, 2) and "hunter2" not in out + err, (verb, out, err)
+        assert "***@" in err
+    if url.startswith("s3://"):  # never taken for a bucket named "KEY:SECRET@bucket"
+        assert "credentials in the URL are not read" in err

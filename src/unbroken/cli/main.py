@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from unbroken._version import __version__
 from unbroken.cli import demo, goodput, ls, plan, verify
 from unbroken.cli.errors import CliError
+from unbroken.storage.errors import redact
 
 VERBS = (ls, verify, goodput, plan, demo)
 
@@ -41,8 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():  # restores showwarning for an in-process caller
             warnings.showwarning = _one_line_warning(prog)
             return args.run(args)
-    except CliError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+    except CliError as exc:  # messages may quote the URL given, credentials and all
+        print(f"{prog}: error: {redact(str(exc))}", file=sys.stderr)
         return exc.code
     except BrokenPipeError:  # `unbroken ls URL | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -53,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a store or checkpoint error: one line, no traceback
         if os.environ.get("UNBROKEN_DEBUG"):
             raise
-        print(f"{prog}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {type(exc).__name__}: {redact(str(exc))}", file=sys.stderr)
         return 1
 
 
@@ -62,7 +63,7 @@ def _one_line_warning(prog: str):
     ``unbroken ls: warning: ...``, not Python's source path and line."""
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
-        print(f"{prog}: warning: {message}", file=file or sys.stderr)
+        print(f"{prog}: warning: {redact(str(message))}", file=file or sys.stderr)
 
     return show
 

@@ -16,7 +16,7 @@ from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints, verify
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME, step_dir
 from unbroken.cli.errors import CliError
 from unbroken.cli.stores import add_storage_arguments, open_existing, storage_options
-from unbroken.storage.errors import ObjectNotFoundError
+from unbroken.storage.errors import ObjectNotFoundError, redact
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({str(s): p for s, p in report.items()}, indent=1))
     else:
         for step, problems in report.items():
-            where = store.url_for(step_dir(step))
+            where = redact(store.url_for(step_dir(step)))
             for p in problems:
                 if step in partial:  # a save cut short or still running: never restored
                     print(f"PARTIAL {where}: {p}; restore never uses such a step")
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             if not problems:
                 print(f"ok      {where}")
         for step in sorted(gone):
-            print(f"gone    {store.url_for(step_dir(step))}: removed while verifying "
+            print(f"gone    {redact(store.url_for(step_dir(step)))}: removed while verifying "
                   "(a running job's retention), not checked")  # fmt: skip
     if bad:
         n = sum(len(p) for p in bad.values())

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from unbroken.storage.errors import redact
+
 NATIVE_SCHEMES = {
     "s3": "s3",
     "s3a": "s3",
@@ -116,7 +118,12 @@ def native_target(url: str, storage_options: dict[str, Any]) -> NativeTarget:
         bucket, host = bucket.split("@", 1)
         config["account_name"] = host.split(".", 1)[0]
     if not bucket:
-        raise ValueError(f"{url!r} names no bucket")
+        raise ValueError(f"{redact(url)!r} names no bucket")
+    if "@" in bucket:  # s3://KEY:SECRET@bucket: a bucket name holds no "@"
+        raise ValueError(
+            f"{redact(url)!r}: credentials in the URL are not read; pass them as storage "
+            "options (key=, secret=) or in the environment (AWS_ACCESS_KEY_ID, ...)"
+        )
     client: dict[str, Any] = {}
     _map_into(kind, url, dict(storage_options), config, client)
     if kind == "azure" and "connection_string" in config:
