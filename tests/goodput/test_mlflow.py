@@ -148,8 +148,18 @@ def test_a_restarted_attempt_logs_to_the_same_run_on_a_real_server(tmp_path, mlf
     data = make_volume(tmp_path / "data")
     url, staging = str(tmp_path / "ck"), str(tmp_path / "st")
     job_env = {**env(), "MLFLOW_TRACKING_URI": mlflow_server, "UNBROKEN_MLFLOW_EVERY_STEPS": "5"}
-    args = [sys.executable, str(JOB), "--url", url, "--staging", staging, "--data", data,
-            "--step-seconds", "0.3"]  # fmt: skip  (the run opens before the kill)
+    args = [
+        sys.executable,
+        str(JOB),
+        "--url",
+        url,
+        "--staging",
+        staging,
+        "--data",
+        data,
+        "--step-seconds",
+        "0.3",
+    ]  # fmt: skip  (the run opens before the kill)
     first = subprocess.run([*args, "--crash-at", "25"], env=job_env, capture_output=True,
                            text=True, timeout=300)  # fmt: skip
     assert first.returncode == -9, first.stderr
@@ -164,3 +174,24 @@ def test_a_restarted_attempt_logs_to_the_same_run_on_a_real_server(tmp_path, mlf
     fetch = client.get_metric_history(run_id, "fetch_seconds")
     assert fetch and all(m.value >= 0 for m in fetch)
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_another_job_on_the_same_root_gets_a_run_of_its_own(tmp_path, monkeypatch):
+    """`unbroken goodput` counts a second launch as another job: so does MLflow (it
+    logged into the first job's run, and set that FINISHED run RUNNING again)."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowClient(tracking_uri=uri).search_experiments()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    url = str(tmp_path / "ck")
+    monkeypatch.setenv("UNBROKEN_JOB_ID", "job-a")
+    train(tmp_path, url, every_steps=3, step_seconds=0.05)
+    first = saved_run(url)
+    monkeypatch.setenv("UNBROKEN_JOB_ID", "job-b")
+    with ub.CheckpointManager(url, staging_dir=tmp_path / "st2") as mgr:  # a job of its own
+        mgr.save(100, {"w": torch.zeros(2)})
+    second = saved_run(url)
+    client = MlflowClient(tracking_uri=uri)
+    assert second != first
+    assert client.get_run(first).info.status == "FINISHED"
+    tags = [client.get_run(run).data.tags["unbroken.attempt"] for run in (first, second)]
+    assert tags[0] != tags[1]

@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+from unbroken._util.job import job_id
 from unbroken.goodput import events as ev
 from unbroken.goodput import jobs
 from unbroken.goodput.breakdown import breakdown
@@ -155,7 +156,7 @@ class MlflowSink:
             )
             self.run_id = run.info.run_id
         if self.run_id != saved:
-            doc = {"run_id": self.run_id, "tracking_uri": self.tracking_uri}
+            doc = {"run_id": self.run_id, "tracking_uri": self.tracking_uri, "job": job_id()}
             self.store.write_bytes(RUN_KEY, json.dumps(doc).encode())
         self._client.set_tag(self.run_id, "unbroken.attempt", self.attempt)
         # Earlier attempts' events, once: the running goodput spans the whole job (this
@@ -174,6 +175,8 @@ class MlflowSink:
             return None
         if doc.get("tracking_uri") != self.tracking_uri:
             return None  # another server: a run id there means nothing here
+        if doc.get("job") != job_id():  # another job on this root (a new launch): its own run
+            return None
         run_id = doc.get("run_id")
         try:
             self._client.get_run(run_id)
