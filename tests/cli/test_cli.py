@@ -340,3 +340,18 @@ def test_the_console_script_shows_no_traceback(tmp_path):
         assert p.returncode in (1, 2), (argv, p.returncode)
         assert "Traceback" not in p.stdout + p.stderr
         assert ("error: " if argv else "usage: unbroken") in p.stderr
+
+
+def test_goodput_of_a_job_still_running_does_not_call_it_crashed(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("UNBROKEN_GOODPUT_FLUSH", "0")  # every event reaches the store at once
+    url = str(tmp_path / "live")
+    state = {"w": torch.zeros(4)}
+    with ub.CheckpointManager(url, staging_dir=tmp_path / "st", every_steps=2) as mgr:
+        for step in range(1, 5):
+            mgr.maybe_save(step, state)
+        mgr.wait()
+        code, out, _ = run(capsys, "goodput", url)  # the job runs on
+        assert code == 0 and "no end yet" in out and "crashed" not in out, out
+        assert "still running" in out
+    code, out, _ = run(capsys, "goodput", url)
+    assert code == 0 and "clean" in out and "no end yet" not in out, out

@@ -108,6 +108,11 @@ def _utc(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
 
 
+LIVE_SECONDS = 180.0
+"""A newest attempt without an end whose last event is this recent may still be running
+(rank 0 flushes its events every 60 s by default): not called crashed."""
+
+
 def render(b: Breakdown, job: str | None = None) -> str:
     restarts = f"{b.restarts} restart" + ("" if b.restarts == 1 else "s")
     runs = f"{b.runs} runs, " if b.runs > 1 else ""
@@ -118,6 +123,9 @@ def render(b: Breakdown, job: str | None = None) -> str:
     )
     wall = b.wall_seconds or 1.0
     rows = [[c, f"{b.seconds[c]:.1f}", f"{b.seconds[c] / wall:.1%}"] for c in CATEGORIES]
+    newest = b.attempts[-1] if b.attempts else None
+    recent = newest is not None and time.time() - newest.end < LIVE_SECONDS
+    live = newest if recent and newest is not None and not newest.clean else None
     cats = text.table(["category", "seconds", "share"], rows, right=(1, 2))
     att_rows = [
         [
@@ -128,7 +136,7 @@ def render(b: Breakdown, job: str | None = None) -> str:
             f"{a.first_step}-{a.last_step}" if a.steps else "-",
             str(a.wasted_steps),
             "-" if a.restored_step is None else str(a.restored_step),
-            "clean" if a.clean else "crashed",
+            "clean" if a.clean else "no end yet" if a is live else "crashed",
         ]
         for a in b.attempts
     ]
@@ -141,5 +149,11 @@ def render(b: Breakdown, job: str | None = None) -> str:
         f"\nattempt {a.attempt}: rank {b.rank} left no event; rank {a.stand_in_rank}'s stand in"
         for a in stand_ins
     )
+    if live is not None:
+        since = text.duration(time.time() - live.end)
+        note += (
+            f"\nattempt {live.attempt}: no end event, its last one {since} ago: still "
+            "running (rank 0's events reach the store about once a minute, so the figures "
+            "stop there and its last stretch counts as wasted until then), or killed"
+        )
     return f"{head}\n\n{cats}\n\n{atts}{note}"
-
