@@ -991,3 +991,32 @@ def test_an_unreadable_step_folder_fails_restore_naming_it_and_a_users_folder_do
             (ck / folder).chmod(0o755)
         assert expected in run.stdout, run.stdout + run.stderr
     assert f"checkpoint folder {ck / step_dir(2)} cannot be read" in run.stdout, run.stdout
+
+
+def test_a_step_an_earlier_attempt_committed_after_the_restored_one_is_named_so(
+    tmp_path, monkeypatch
+):
+    """A run whose restore passed over the newest step (corrupt) reaches that step: it is
+    never overwritten, and the message says it is this job's, not another job's."""
+    monkeypatch.setenv("UNBROKEN_JOB_ID", "job-x")
+    first = (
+        "import sys, torch, unbroken as ub\n"
+        "with ub.CheckpointManager(sys.argv[1], staging_dir=sys.argv[2]) as m:\n"
+        "    for step in (2, 4):\n"
+        "        m.save(step, {'w': torch.full((4,), float(step))})\n"
+    )
+    url, staging = str(tmp_path / "d"), str(tmp_path / "s")
+    subprocess.run([sys.executable, "-c", first, url, staging], check=True, timeout=120)
+    flip_payload_byte(tmp_path / "d" / step_dir(4), key="w")
+    state = {"w": torch.zeros(4)}
+    with (
+        pytest.raises(SaveFailedError) as info,
+        ub.CheckpointManager(url, staging_dir=staging) as mgr,
+    ):
+        with pytest.warns(RuntimeWarning, match="falling back"):
+            assert mgr.restore(state) == 2
+        mgr.save(4, state)
+        mgr.wait()
+    message = str(info.value)
+    assert "by an earlier attempt of this job" in message and "two jobs" not in message
+    assert "never overwritten" in message

@@ -288,15 +288,26 @@ def manifest_key(step: int) -> str:
 
 
 def committed_by(store: Store, step: int) -> str:
-    """' by <the job that wrote it> (two jobs ...)' for a step some other job committed,
-    '' when this process did (or the record cannot be read: the caller's words stand)."""
+    """' by <the job that wrote it> (...)' for a step another process committed, '' when
+    this process did (or the record cannot be read: the caller's words stand). An earlier
+    attempt of this job (or run) committed it where this run restored an older step: the
+    newer one was unusable (corrupt), or ``restore(step=)`` chose the older."""
     try:
         writer = read_manifest(store, step).extra.get("writer")
     except Exception:
         return ""
-    if isinstance(writer, dict) and writer == writer_identity():
+    mine = writer_identity()
+    if isinstance(writer, dict) and writer == mine:
         return ""
-    return f" by {describe_writer(writer)} (two jobs are saving to one URL?)"
+    if isinstance(writer, dict) and mine["job"] is not None and writer.get("job") == mine["job"]:
+        return (
+            f" by an earlier attempt of this job ({describe_writer(writer)}), after the "
+            "step this run restored"
+        )
+    return (
+        f" by {describe_writer(writer)} (two jobs saving to one URL, or an earlier run "
+        "whose newer steps this run's restore passed over as unusable?)"
+    )
 
 
 def write_manifest(store: Store, manifest: Manifest) -> None:
