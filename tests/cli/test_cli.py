@@ -135,6 +135,19 @@ def test_verify_of_a_live_job_is_not_fooled_by_its_retention(capsys, checkpoints
     assert f"gone    {ck / step_dir(2)}: removed while verifying" in out
     assert f"ok      {ck / step_dir(4)}" in out
 
+    def list_then_prune_all(store):  # every step removed meanwhile: nothing was checked
+        infos = listed(store)
+        for info in infos:
+            store.delete(step_dir(info.step))
+        return infos
+
+    verify.list_checkpoints = list_then_prune_all
+    try:
+        code, out, err = run(capsys, "verify", str(ck))
+    finally:
+        verify.list_checkpoints = listed
+    assert code == 1 and "nothing was checked" in err, (out, err)
+
 
 def test_verify_calls_a_commit_record_deleted_by_hand_meanwhile_damage(
     capsys, checkpoints, tmp_path, monkeypatch

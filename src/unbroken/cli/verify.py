@@ -92,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         n = sum(len(p) for p in bad.values())
         raise CliError(f"{n} problem(s) in {len(bad)} checkpoint(s) under {store.url}")
+    if gone and not report:  # nothing was checked: not a pass
+        raise CliError(
+            f"every checkpoint under {store.url} was removed while verifying (a running "
+            "job's retention): nothing was checked; run it again, or pass --step N"
+        )
     return 0
 
 
