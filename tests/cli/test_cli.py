@@ -113,7 +113,9 @@ def test_verify_names_a_damaged_manifest(capsys, checkpoints, tmp_path, damage):
     assert "ok " in out  # step 2 is sound
 
 
-def test_verify_of_a_live_job_is_not_fooled_by_its_retention(capsys, checkpoints, tmp_path):
+def test_verify_of_a_live_job_is_not_fooled_by_its_retention(
+    capsys, checkpoints, tmp_path, monkeypatch
+):
     """A hostile user's find: a cron `verify` of a running job exited 1 ("corruption")
     whenever retention removed a step between the listing and its check."""
     import unbroken.cli.verify as verify
@@ -121,31 +123,21 @@ def test_verify_of_a_live_job_is_not_fooled_by_its_retention(capsys, checkpoints
     ck = copy_tree(checkpoints, tmp_path / "ck")
     listed = verify.list_checkpoints
 
-    def list_then_prune(store):  # the job's retention runs right after our listing
-        infos = listed(store)
-        store.delete(step_dir(2))
-        return infos
+    def verify_while_retention_removes(*steps: int) -> tuple[int, str, str]:
+        def list_then_prune(store):  # the job's retention runs right after our listing
+            infos = listed(store)
+            for step in steps:
+                store.delete(step_dir(step))
+            return infos
 
-    verify.list_checkpoints = list_then_prune
-    try:
-        code, out, _ = run(capsys, "verify", str(ck))
-    finally:
-        verify.list_checkpoints = listed
+        monkeypatch.setattr(verify, "list_checkpoints", list_then_prune)
+        return run(capsys, "verify", str(ck))
+
+    code, out, _ = verify_while_retention_removes(2)
     assert code == 0, out
     assert f"gone    {ck / step_dir(2)}: removed while verifying" in out
     assert f"ok      {ck / step_dir(4)}" in out
-
-    def list_then_prune_all(store):  # every step removed meanwhile: nothing was checked
-        infos = listed(store)
-        for info in infos:
-            store.delete(step_dir(info.step))
-        return infos
-
-    verify.list_checkpoints = list_then_prune_all
-    try:
-        code, out, err = run(capsys, "verify", str(ck))
-    finally:
-        verify.list_checkpoints = listed
+    code, out, err = verify_while_retention_removes(4)  # every step gone: nothing checked
     assert code == 1 and "nothing was checked" in err, (out, err)
 
 
