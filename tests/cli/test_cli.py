@@ -275,6 +275,13 @@ def test_goodput_plot(capsys, checkpoints, tmp_path):
     assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_goodput_plot_into_a_folder_named_with_a_slash_makes_it(capsys, checkpoints, tmp_path):
+    folder = tmp_path / "plots"
+    code, _out, err = run(capsys, "goodput", str(checkpoints), "--plot", f"{folder}/")
+    assert code == 0, err
+    assert (folder / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_goodput_plot_without_matplotlib_says_what_to_install(
     capsys, checkpoints, tmp_path, monkeypatch
 ):

@@ -149,3 +149,10 @@ def test_credentials_in_a_url_are_never_printed(capsys, url):
         assert "***@" in err
     if url.startswith("s3://"):  # never taken for a bucket named "KEY:SECRET@bucket"
         assert "credentials in the URL are not read" in err
+
+
+def test_a_secret_that_parses_as_a_number_is_explained(capsys):
+    options = ["key=abc", "secret=12345", "endpoint_url=http://127.0.0.1:1"]
+    argv = [arg for option in options for arg in ("--storage-option", option)]
+    code, _out, err = run(capsys, "ls", "s3://bucket/run", *argv)
+    assert code == 2 and """quote a string as KEY='"12345"'""" in err, err

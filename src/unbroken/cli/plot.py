@@ -27,7 +27,10 @@ def lane_of(b: Breakdown, t: float) -> int:
 
 def plot_path(path: str) -> str:
     """Where ``--plot path`` writes: ``path`` itself, ``timeline.png`` in it where it is a
-    directory, ``path.png`` where it names no format (matplotlib would add it unsaid)."""
+    directory (one ending in a slash is made), ``path.png`` where it names no format
+    (matplotlib would add it unsaid)."""
+    if path.endswith(("/", os.sep)):
+        os.makedirs(path, exist_ok=True)
     if os.path.isdir(path):
         return os.path.join(path, "timeline.png")
     if not os.path.splitext(path)[1].strip("."):

@@ -88,7 +88,13 @@ def open_existing(url: str, options: dict[str, Any] | None = None) -> Store:
     try:
         store = open_store(url, **(options or {}))
     except (ValueError, TypeError) as exc:  # the URL or its options: a bad argument
-        raise CliError(f"cannot open {url!r}: {exc}", code=2) from exc
+        hint = ""
+        if isinstance(exc, TypeError) and options:  # 12345 or true was parsed as JSON
+            hint = (
+                " (a --storage-option VALUE that parses as JSON, a number or true, is passed"
+                """ as such: quote a string as KEY='"12345"')"""
+            )
+        raise CliError(f"cannot open {url!r}: {exc}{hint}", code=2) from exc
     except ImportError as exc:  # a package this scheme needs is not installed
         raise CliError(f"cannot open {url!r}: {exc}") from exc
     if isinstance(store, LocalStore) and not os.path.isdir(store.root):
