@@ -224,6 +224,11 @@ class UnbrokenCallback(TrainerCallback):
 
     # -- helpers -----------------------------------------------------------------------
 
+    @property
+    def _own_cadence(self) -> bool:
+        """The manager's options set a cadence (``save_strategy`` is then not followed)."""
+        return bool({"every_steps", "every_seconds"} & set(self._options))
+
     def _check_arguments(self, args: TrainingArguments) -> None:
         if args.load_best_model_at_end and not self.keep_trainer_checkpoints:
             raise ValueError(
@@ -231,8 +236,7 @@ class UnbrokenCallback(TrainerCallback):
                 "Trainer's own checkpoints (output_dir/checkpoint-N), which this callback "
                 "switches off: pass UnbrokenCallback(..., keep_trainer_checkpoints=True)"
             )
-        own_cadence = {"every_steps", "every_seconds"} & set(self._options)
-        if _strategy(args) == "best" and self.manager is None and not own_cadence:
+        if _strategy(args) == "best" and self.manager is None and not self._own_cadence:
             raise ValueError(
                 "UnbrokenCallback: save_strategy='best' saves after an evaluation, where the "
                 "Trainer writes its own checkpoint; give UnbrokenCallback(..., every_steps=N)"
@@ -242,7 +246,7 @@ class UnbrokenCallback(TrainerCallback):
     def _manager_options(self, args: TrainingArguments, state: TrainerState) -> dict[str, Any]:
         """The manager's options; the cadence from ``save_strategy`` where none is given."""
         options = dict(self._options)
-        if {"every_steps", "every_seconds"} & set(options):
+        if self._own_cadence:
             return options
         strategy = _strategy(args)
         if strategy == "steps":  # the Trainer's own figure: a ratio of max_steps resolved

@@ -292,13 +292,13 @@ class StateStager:
             checksum=self.checksum,
             events=first_events,
         )
-        seen = frozenset((leaf.name, tuple(leaf.src.shape), leaf.src.dtype) for leaf in leaves)
-        new, self._seen = seen - self._seen, seen
-        by_key = {(leaf.name, tuple(leaf.src.shape), leaf.src.dtype): leaf for leaf in leaves}
+        keys = [(leaf.name, tuple(leaf.src.shape), leaf.src.dtype) for leaf in leaves]
+        new_bytes = sum(leaf.nbytes for leaf, k in zip(leaves, keys) if k not in self._seen)
+        self._seen = frozenset(keys)
         stats = {
             "bytes": float(sum(leaf.nbytes for leaf in leaves)),
             # of them, tensors the last snapshot did not hold (all of them at the first)
-            "bytes_new": float(sum(by_key[k].nbytes for k in new)),
+            "bytes_new": float(new_bytes),
             "bytes_first": float(sum(leaf.nbytes for leaf in now)),
             "tensors": float(len(leaves)),
             "allocated_bytes": float(allocated),
