@@ -275,6 +275,15 @@ def test_goodput_plot(capsys, checkpoints, tmp_path):
     assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize(
+    "given, written", [("t", "t.png"), ("t.", "t.png"), (".png", ".png"), ("t.svg", "t.svg")]
+)
+def test_goodput_plot_path_adds_png_only_where_no_format_is_named(tmp_path, given, written):
+    from unbroken.cli.plot import plot_path
+
+    assert plot_path(str(tmp_path / given)) == str(tmp_path / written)
+
+
 def test_goodput_plot_into_a_folder_named_with_a_slash_makes_it(capsys, checkpoints, tmp_path):
     folder = tmp_path / "plots"
     code, _out, err = run(capsys, "goodput", str(checkpoints), "--plot", f"{folder}/")
@@ -310,6 +319,11 @@ def test_plan_reproduces_the_published_figures(capsys):
     assert best["optimal_interval_minutes"] == pytest.approx(18.3, abs=0.05)
 
 
+def test_plan_prints_a_huge_figure_by_its_exponent(capsys):
+    code, out, _ = run(capsys, "plan", "--interruptions-per-day", "1e-300", "--save-seconds", "10")
+    assert code == 0 and "2.19e+151 minutes" in out and max(map(len, out.splitlines())) < 60
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -324,6 +338,7 @@ def test_plan_reproduces_the_published_figures(capsys):
         ["plan", "--gpus", "1" + "0" * 310, "--days", "1", "--afr", "0.1"],  # no float
         ["plan", "--json", "--interruptions-per-day", "1e-320", "--save-seconds", "10"],
         ["plan", "--gpus", "8", "--days", "inf", "--afr", "0.1"],
+        ["plan", "--interruptions-per-day", "1", "--interval-minutes", "1e307"],  # *60 is inf
         ["goodput", "somewhere", "--rank", "-1"],
     ],
 )

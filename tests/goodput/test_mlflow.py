@@ -50,6 +50,30 @@ def test_a_sqlite_tracking_uri_gets_every_metric(tmp_path, monkeypatch):
     assert last == pytest.approx(goodput_json(url)["goodput"], abs=0.02)
 
 
+def test_a_batch_with_no_new_step_logs_no_per_step_figure(tmp_path, monkeypatch):
+    """The closing batch often follows a periodic one at the same step: it logged
+    ``fetch_seconds = 0`` there, an average over no step."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowClient(tracking_uri=uri).search_experiments()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("UNBROKEN_MLFLOW_EVERY_STEPS", "1000")  # only the calls below log
+    model = torch.nn.Linear(4, 2)
+    with ub.CheckpointManager(str(tmp_path / "ck"), every_steps=100) as mgr:
+        for step in range(1, 4):
+            time.sleep(0.05)
+            mgr.maybe_save(step, {"model": model})
+        sink = mgr._goodput.sink
+        deadline = time.monotonic() + 60
+        while sink.run_id is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sink.log_now()
+        sink.log_now()
+        client = MlflowClient(tracking_uri=uri)
+        fetch = client.get_metric_history(sink.run_id, "fetch_seconds")
+        assert [m.step for m in fetch] == [3], [(m.step, m.value) for m in fetch]
+        assert [m.step for m in client.get_metric_history(sink.run_id, "goodput")] == [3, 3]
+
+
 def test_an_active_run_is_logged_to_and_left_open(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path}/mlflow.db"

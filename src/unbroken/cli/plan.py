@@ -55,6 +55,8 @@ def compute(args: argparse.Namespace) -> dict[str, float]:
         interval = args.interval_minutes
         if interval is not None and not interval > 0:
             raise CliError(f"--interval-minutes must be > 0, got {interval:g}", code=2)
+        if interval is not None and not math.isfinite(interval * 60.0):
+            raise CliError(f"--interval-minutes {interval:g} is too large to plan with", code=2)
         if interval is None:
             if not save:
                 raise CliError(
@@ -89,5 +91,7 @@ def run(args: argparse.Namespace) -> int:
     }
     for key, value in out.items():
         label, fmt = labels[key]
+        if value >= 1e6:  # a figure of 150 digits says no more than its exponent
+            fmt = fmt.replace(":.1f", ":.3g").replace(":.2f", ":.3g")
         print(f"{label:<30} {fmt.format(value)}")
     return 0

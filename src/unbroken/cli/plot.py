@@ -33,7 +33,7 @@ def plot_path(path: str) -> str:
         os.makedirs(path, exist_ok=True)
     if os.path.isdir(path):
         return os.path.join(path, "timeline.png")
-    if not os.path.splitext(path)[1].strip("."):
+    if not os.path.splitext("x" + os.path.basename(path))[1].strip("."):  # ".png" is png
         return path.rstrip(".") + ".png"
     return path
 

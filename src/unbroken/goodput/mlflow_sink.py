@@ -200,11 +200,13 @@ class MlflowSink:
         steps, step = rec.steps_seen, rec.last_step
         if step is None or self.run_id is None:
             return
-        window = max(1, steps - self._logged_steps)
-        values: dict[str, float] = {
-            "fetch_seconds": (rec.waited_total - self._waited) / window,
-            "checkpoint_blocked_seconds": rec.blocked_total - self._blocked,
-        }
+        window = steps - self._logged_steps
+        blocked = rec.blocked_total - self._blocked
+        values: dict[str, float] = {}
+        if window > 0:  # a batch with no new step (the closing one) has no wait to average
+            values["fetch_seconds"] = (rec.waited_total - self._waited) / window
+        if window > 0 or blocked > 0:
+            values["checkpoint_blocked_seconds"] = blocked
         commit = rec.last_commit
         if commit is not None:
             if commit.get("seconds") is not None:
