@@ -429,7 +429,8 @@ def scenario_group(a: argparse.Namespace) -> None:
 
 def scenario_retention(a: argparse.Namespace) -> None:
     """On every rank, wait() returns once the save's retention is done (the coordinator
-    runs it, on a slow remote): the durable tier then holds keep_last commits."""
+    runs it, on a slow remote): the durable tier then holds keep_last commits. Ranks that
+    save different steps are refused, naming each."""
     durable = Path(a.url.removeprefix("emulated::"))
     mgr = ub.CheckpointManager(
         a.url,
@@ -443,6 +444,15 @@ def scenario_retention(a: argparse.Namespace) -> None:
         mgr.wait()
         committed = sorted(p.parent.name for p in durable.glob("step-*/manifest.json"))
         assert committed == [f"step-{step:012d}"], (step, committed)
+    try:  # a step counted per rank: refused on both, naming each rank's step
+        mgr.save(7 + dist.get_rank(), state)
+        mgr.wait()
+    except ub.StepsDisagreeError as e:
+        assert "rank 0: 7, rank 1: 8" in str(e), e
+    else:
+        raise AssertionError("the ranks saved different steps")
+    mgr.save(8, state)  # agreed again: it commits
+    mgr.wait()
     mgr.close()
     log("retention ok")
 

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from unbroken.checkpoint.durable_index import DurableIndex
-from unbroken.checkpoint.errors import OtherJobError
+from unbroken.checkpoint.errors import OtherJobError, SaveRefusedError
 from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
     FileRecord,
@@ -33,16 +33,8 @@ Outcome = tuple[str, Any]
 
 
 def conflict_fields(exc: BaseException | None) -> dict[str, Any] | None:
-    """An OtherJobError's fields, to travel to every rank (it does not pickle itself)."""
-    if not isinstance(exc, OtherJobError):
-        return None
-    return {
-        "message": str(exc),
-        "step": exc.step,
-        "url": exc.url,
-        "this_job": exc.this_job,
-        "other_job": exc.other_job,
-    }
+    """A refused save's fields, to travel to every rank (see SaveRefusedError.fields)."""
+    return exc.fields() if isinstance(exc, SaveRefusedError) else None
 
 
 def generator_digests(rng: dict[str, Any]) -> dict[str, int]:
@@ -99,18 +91,16 @@ def commit_step(
         durable.delete(f"{step_dir(step)}/{MANIFEST_NAME}")
         me, other = describe_writer(writer_identity()), _claim_holder(durable, step)
         where = durable.url_for(step_dir(step))
-        return (
-            "conflict",
-            {
-                "message": f"two jobs are saving to one URL: step {step} not "
-                f"committed: {', '.join(changed)} at {where} were replaced by the upload "
-                f"of {other} while this job ({me}) committed. Give each job its own URL.",
-                "step": step,
-                "url": where,
-                "this_job": me,
-                "other_job": other,
-            },
+        replaced = OtherJobError(
+            f"two jobs are saving to one URL: step {step} not committed: "
+            f"{', '.join(changed)} at {where} were replaced by the upload of {other} while "
+            f"this job ({me}) committed. Give each job its own URL.",
+            step=step,
+            url=where,
+            this_job=me,
+            other_job=other,
         )
+        return ("conflict", replaced.fields())
     index.add(manifest)
     return ("ok", manifest.to_json())
 

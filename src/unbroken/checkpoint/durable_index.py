@@ -36,6 +36,12 @@ class DurableIndex:
         assert self._committed is not None
         return set(self._committed)
 
+    def newest_after(self, step: int, passed_over: set[int]) -> int | None:
+        """The newest committed step after ``step`` that a restart would load (not one of
+        ``passed_over``, the steps a restore found unusable and went past)."""
+        return max((s for s in self.committed_steps() if s > step and s not in passed_over),
+                   default=None)  # fmt: skip
+
     def add(self, manifest: Manifest) -> None:
         """Record a commit this process just made."""
         if self._committed is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Base class for every checkpoint failure."""
@@ -103,20 +105,89 @@ class OtherWriterError(CheckpointError):
         self.url = url
 
 
-class OtherJobError(SaveFailedError, OtherWriterError):
-    """Another job is saving to this URL while this one runs: a conflict that never heals.
+class SaveRefusedError(SaveFailedError):
+    """A save that can never commit as the job runs now: raised from the ``save`` /
+    ``maybe_save`` / ``wait`` that learns of it, whatever ``raise_on_failure`` says (a job
+    warned about it would train on for days with every save failing). ``step``: the save's,
+    ``url``: where it was refused."""
 
-    It holds a claim made after this job started, or runs on this host, or won a commit
-    this job raced it for. Raised from the ``save`` / ``maybe_save`` / ``wait`` that learns
-    of it, whatever ``raise_on_failure`` says: two jobs on one URL skip each other's steps
-    and restore each other's checkpoints. ``this_job`` and ``other_job`` name both."""
+    _FIELDS: tuple[str, ...] = ("step", "url")
 
-    def __init__(
-        self, message: str, *, step: int, url: str, this_job: str, other_job: str
-    ) -> None:
+    def __init__(self, message: str, *, step: int, url: str) -> None:
         CheckpointError.__init__(self, message)
         self.step = step
         self.url = url
         self.cause = None
+
+    def fields(self) -> dict[str, Any]:
+        """Plain values that rebuild it on another rank (a collective carries these)."""
+        return {"kind": type(self).__name__, "message": str(self),
+                **{name: getattr(self, name) for name in self._FIELDS}}  # fmt: skip
+
+
+class OtherJobError(SaveRefusedError, OtherWriterError):
+    """Another job is saving to this URL while this one runs: a conflict that never heals.
+
+    It holds a claim made after this job started, or runs on this host, or won a commit
+    this job raced it for: two jobs on one URL skip each other's steps and restore each
+    other's checkpoints. ``this_job`` and ``other_job`` name both."""
+
+    _FIELDS = ("step", "url", "this_job", "other_job")
+
+    def __init__(self, message: str, *, step: int, url: str, this_job: str, other_job: str) -> None:
+        SaveRefusedError.__init__(self, message, step=step, url=url)
         self.this_job = this_job
         self.other_job = other_job
+
+
+class StepBehindError(SaveRefusedError):
+    """A save of a step older than the newest committed at the URL (a run that started
+    there without ``restore``, or whose step went back): retention would remove it as
+    soon as it commits, and a restart would load ``newest``, another run's progress."""
+
+    _FIELDS = ("step", "url", "newest")
+
+    def __init__(self, message: str, *, step: int, url: str, newest: int) -> None:
+        SaveRefusedError.__init__(self, message, step=step, url=url)
+        self.newest = newest
+
+    @classmethod
+    def at(cls, step: int, url: str, newest: int) -> StepBehindError:
+        return cls(
+            f"step {step} is older than step {newest}, committed at {url}: retention would "
+            f"remove step {step} as soon as it commits, and a restart would load step "
+            f"{newest}. To go on from step {newest}, call restore(state) before the first "
+            f"save; to start a new run, give it a URL of its own (or move steps newer than "
+            f"{step} out of {url})",
+            step=step,
+            url=url,
+            newest=newest,
+        )
+
+
+class StepsDisagreeError(SaveRefusedError):
+    """The ranks saved different steps at the same call: a step counted per rank (batches
+    of an uneven loader, say) can never make one checkpoint."""
+
+    @classmethod
+    def of(cls, steps: list[int], url: str) -> StepsDisagreeError:
+        shown = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps[:8]))
+        more = ", ..." if len(steps) > 8 else ""
+        return cls(
+            f"the ranks saved different steps ({shown}{more}): every rank calls save() and "
+            "maybe_save() with the same step, counted the same way on every rank",
+            step=steps[0],
+            url=url,
+        )
+
+
+def refusal_from_fields(fields: dict[str, Any], message: str | None = None) -> SaveRefusedError:
+    """The SaveRefusedError ``fields()`` came from (``message``: a new text for it)."""
+    kinds = {
+        k.__name__: k
+        for k in (SaveRefusedError, OtherJobError, StepBehindError, StepsDisagreeError)
+    }
+    args = {k: v for k, v in fields.items() if k != "kind"}
+    if message is not None:
+        args["message"] = message
+    return kinds[fields["kind"]](**args)

@@ -30,7 +30,7 @@ from unbroken.checkpoint.config import (
     default_staging_dir,
 )
 from unbroken.checkpoint.elastic_env import warn_if_restarts_may_hang
-from unbroken.checkpoint.errors import OlderStepRestoredError, OtherJobError, SaveFailedError
+from unbroken.checkpoint.errors import OlderStepRestoredError, SaveFailedError, SaveRefusedError
 from unbroken.checkpoint.format.manifest import check_step
 from unbroken.checkpoint.memory_tier import MemoryTier
 from unbroken.checkpoint.peers.network import PeerNetwork, replica_stores
@@ -247,7 +247,7 @@ class CheckpointManager:
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save now (waits for a save still in flight); False if ``step`` is already committed,
         or, with ``async_save=False``, if the save failed (its failure is warned about;
-        OtherJobError, another job saving to this URL, is raised)."""
+        a refused save, SaveRefusedError (another job saving to this URL, say), is raised)."""
         check_step(step)
         self._report_failures(raising=False)
         return self._save(step, state, skip_if_busy=False)
@@ -331,13 +331,14 @@ class CheckpointManager:
 
     def _report_failures(self, *, raising: bool) -> None:
         """Each failure is reported once: raised, or warned about (then kept in .failures).
-        Another job saving to this URL (OtherJobError) is always raised: it never heals,
-        and a job warned about it would train on for days with every save failing."""
+        A refused save (SaveRefusedError: another job saving to this URL, a step behind
+        the URL's newest, ranks at different steps) is always raised: it never heals, and a
+        job warned about it would train on for days with every save failing."""
         with self._lock:
             pending, self._failures = self._failures, []
         if not pending:
             return
-        conflicts = [err for err in pending if isinstance(err, OtherJobError)]
+        conflicts = [err for err in pending if isinstance(err, SaveRefusedError)]
         if raising or self.config.raise_on_failure or conflicts:
             self._warned = None
             raised = conflicts[-1] if conflicts else pending[-1]
@@ -468,6 +469,8 @@ class CheckpointManager:
             return None
         self._cadence.restored(restored.step)
         self._pipeline.current_step = restored.step  # its local copy is the one to keep
+        # newer steps restore went past (unusable) do not hold back this run's saves
+        self._pipeline.unusable = set(restored.newer) if step is None else set()
         newer = list(restored.newer) if step is not None else []  # from the agreed listing
         if newer:
             self._left_newer = (restored.step, newer)

@@ -32,7 +32,12 @@ from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.commit import commit_step, conflict_fields, generator_digests
 from unbroken.checkpoint.durable_index import DurableIndex
 from unbroken.checkpoint.durable_prune import prune_durable
-from unbroken.checkpoint.errors import OtherJobError, SaveFailedError
+from unbroken.checkpoint.errors import (
+    SaveFailedError,
+    StepBehindError,
+    StepsDisagreeError,
+    refusal_from_fields,
+)
 from unbroken.checkpoint.format.manifest import FileRecord, Manifest, committed_by, step_dir
 from unbroken.checkpoint.format.planners import PinnedSavePlanner
 from unbroken.checkpoint.format.shard_layout import TensorLayout
@@ -66,7 +71,7 @@ _CLAIM_RETRY = RetryPolicy(max_attempts=2, base_delay=0.05, max_delay=0.05)
 
 class _PhaseFailed(Exception):
     """A phase failed on some rank; ``args[0]`` says where and why, ``conflict`` (the
-    fields of an OtherJobError, as every rank got them) that another job is the cause."""
+    fields of a SaveRefusedError, as every rank got them) that it never heals."""
 
     def __init__(self, message: str, conflict: dict[str, Any] | None = None) -> None:
         super().__init__(message)
@@ -139,6 +144,9 @@ class SavePipeline:
         self.current_step: int | None = None
         """The step this run is at: its last commit, or what the manager restored. Its
         copy is the one the staging tier keeps (``staging_tier.tidy``)."""
+        self.unusable: set[int] = set()
+        """Committed steps newer than the restored one that restore went past (unusable):
+        they do not make this run's saves "behind" (a restart never loads them)."""
         self._idle = threading.Condition(self._lock)
         self.helpers = HelperSlot(self.durable, self.memory, self.config)
         """The process that uploads saves whose node copy is in the memory tier (none:
@@ -235,7 +243,7 @@ class SavePipeline:
                         "while it was under way, before its commit"
                     )
                 if e.conflict is not None:  # never heals: the manager raises it
-                    job.error = OtherJobError(**{**e.conflict, "message": message})
+                    job.error = refusal_from_fields(e.conflict, message)
                 else:
                     job.error = SaveFailedError(job.step, message=message)
                 job.error.__cause__ = e.__cause__
@@ -262,13 +270,21 @@ class SavePipeline:
                     self._pending -= 1
                     self._idle.notify_all()
 
-    def _agree(self, problem: str | None, what: str, exc: BaseException | None) -> None:
-        """Raise on every rank if ``problem`` is set on any rank (``exc``: this rank's)."""
-        gathered = self._together(what, self.group.all_gather, (problem, conflict_fields(exc)))
-        conflict = next((c for _, c in gathered if c is not None), None)
+    def _agree_to_stage(self, step: int, problem: str | None, exc: BaseException | None) -> None:
+        """Raise on every rank if ``problem`` is set on any rank (``exc``: this rank's), or
+        if the ranks are saving different steps."""
+        what = f"staging step {step}"
+        gathered = self._together(
+            what, self.group.all_gather, (step, problem, conflict_fields(exc))
+        )
+        steps = [s for s, _, _ in gathered]
+        if len(set(steps)) > 1:
+            disagree = StepsDisagreeError.of(steps, redact(self.durable.url))
+            raise _PhaseFailed(str(disagree), disagree.fields()) from exc
+        conflict = next((c for _, _, c in gathered if c is not None), None)
         if conflict is not None:
             raise _PhaseFailed(conflict["message"], conflict) from exc
-        bad = [f"rank {r}: {p}" for r, (p, _) in enumerate(gathered) if p]
+        bad = [f"rank {r}: {p}" for r, (_, p, _) in enumerate(gathered) if p]
         if bad:
             raise _PhaseFailed(f"{what} failed: " + "; ".join(bad)) from exc
 
@@ -299,11 +315,14 @@ class SavePipeline:
                 )
             elif g.is_coordinator and (newer := self.index.newer_format(step)) is not None:
                 problem = newer.problem
+            elif g.is_coordinator and (ahead := self.index.newest_after(step, self.unusable)):
+                exc = StepBehindError.at(step, redact(self.durable.url), ahead)  # ahead > 0
+                problem = str(exc)
             elif g.is_coordinator:
                 claimed = self._claim_quickly(name, step)
         except Exception as e:
             problem, exc = describe(e), e
-        self._agree(problem, f"staging step {step}", exc)
+        self._agree_to_stage(step, problem, exc)
         self.node.begin(step, self.current_step)
         root = self.node.choose(self.node.bytes_to_write(job.staged.stats), step)
         job.local_root = root

@@ -1,0 +1,97 @@
+"""A save behind the URL's newest committed step is refused, never kept for a moment.
+
+Retention keeps the newest steps: a run that starts on a URL holding step 100 without
+``restore`` (or whose step counter went back) had each save commit, then removed at once,
+and a restart loaded step 100, another run's progress. The ranks' own disagreement on the
+step is in ``dist_scenarios.scenario_retention``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+import unbroken as ub
+from unbroken.checkpoint.format.manifest import step_dir
+
+from .manager_util import assert_same, flip_payload_byte, make_state, snapshot, train
+
+
+def manager(tmp_path: Path, **kw) -> ub.CheckpointManager:
+    kw.setdefault("memory_tier", False)
+    return ub.CheckpointManager(
+        str(tmp_path / "durable"), staging_dir=str(tmp_path / "staging"), **kw
+    )
+
+
+def committed(mgr: ub.CheckpointManager) -> list[int]:
+    return [c.step for c in mgr.checkpoints() if c.committed]
+
+
+def test_a_run_that_starts_behind_the_urls_newest_is_refused_and_the_newest_kept(tmp_path):
+    state = make_state()
+    with manager(tmp_path) as first:
+        train(state, range(1, 3))
+        first.save(100, state)
+    newest = snapshot(state)
+    other = make_state(7)
+    mgr = manager(tmp_path, keep_last=1)  # no restore: the user forgot it
+    mgr.save(10, other)
+    with pytest.raises(ub.StepBehindError, match="step 10 is older than step 100") as info:
+        mgr.wait()
+    assert info.value.newest == 100 and "restore(state)" in str(info.value)
+    # raise_on_failure is off, yet the next maybe_save raises: every later save would fail
+    mgr.save(20, other)
+    deadline = time.monotonic() + 60
+    while len(mgr.failures) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(ub.StepBehindError, match="step 20 is older than step 100"):
+        mgr.maybe_save(21, other)
+    assert committed(mgr) == [100]
+    mgr.close()
+    fresh = make_state(3)
+    with manager(tmp_path) as again:
+        assert again.restore(fresh) == 100
+    assert_same(snapshot(fresh), newest)
+
+
+def test_a_step_that_goes_back_within_a_run_is_refused(tmp_path):
+    state = make_state()
+    with manager(tmp_path, keep_last=1) as mgr:
+        mgr.save(5, state)
+        mgr.wait()
+        mgr.save(3, state)
+        with pytest.raises(ub.StepBehindError, match="step 3 is older than step 5"):
+            mgr.wait()
+        assert committed(mgr) == [5]
+        mgr.save(6, state)  # forward again: saved as usual
+        mgr.wait()
+        assert committed(mgr) == [6]
+
+
+def test_a_run_restored_past_an_unusable_newest_saves_behind_it(tmp_path):
+    """Restore went past step 4 (corrupt) to step 2: steps 3 on are this run's, and a
+    restart will go past step 4 again to load them."""
+    state = make_state()
+    with manager(tmp_path, keep_last=3) as mgr:
+        for step in (2, 4):
+            train(state, range(step - 1, step + 1))
+            mgr.save(step, state)
+            mgr.wait()
+    for tier in ("durable", "staging"):
+        flip_payload_byte(tmp_path / tier / step_dir(4))
+    fresh = make_state(5)
+    with manager(tmp_path, keep_last=3) as mgr:
+        with pytest.warns(RuntimeWarning, match="falling back"):
+            assert mgr.restore(fresh) == 2
+        train(fresh, range(3, 4))
+        mgr.save(3, fresh)
+        mgr.wait()
+        assert committed(mgr) == [2, 3, 4]
+        saved = snapshot(fresh)
+    again = make_state(6)
+    with manager(tmp_path) as mgr, pytest.warns(RuntimeWarning, match="falling back"):
+        assert mgr.restore(again) == 3
+    assert_same(snapshot(again), saved)
