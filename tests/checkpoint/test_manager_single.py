@@ -217,6 +217,23 @@ def test_raise_on_failure_stops_training(tmp_path):
     mgr.close()  # raised already: not again
 
 
+def test_a_full_staging_disk_is_named_as_such(tmp_path, small_tmpfs):
+    """The write's own OSError, not a BufferError from freeing its bounce buffer while the
+    error's traceback still held a view of it."""
+    mgr = ub.CheckpointManager(
+        str(tmp_path / "durable"), staging_dir=str(small_tmpfs / "staging"), memory_tier=False
+    )
+    try:
+        with open(small_tmpfs / "hog", "wb", buffering=0) as f, pytest.raises(OSError):
+            while True:  # another program takes all the space
+                f.write(b"\0" * (1 << 16))
+        mgr.save(1, {"model": nn.Linear(1024, 1536)})  # 6 MB
+        with pytest.raises(SaveFailedError, match="No space left on device"):
+            mgr.wait()
+    finally:
+        mgr.close()
+
+
 def test_corrupt_newest_falls_back_to_previous(tmp_path):
     state = make_state()
     with manager(tmp_path, keep_last=3, when_busy="wait") as mgr:

@@ -297,9 +297,12 @@ def test_a_tmpfs_too_small_turns_the_tier_off_with_one_warning(tmp_path, small_t
 def test_a_tmpfs_too_small_is_an_error_with_memory_tier_true(tmp_path, small_tmpfs):
     mgr = ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s", memory_tier=True)
     try:
-        with pytest.raises(MemoryTierError, match=r"needs 50\.3 MB"):
-            mgr.save(1, big_state(24))
+        for step in (1, 2):  # every save, not only the first (the next went to disk)
+            with pytest.raises(MemoryTierError, match=r"needs 50\.3 MB"):
+                mgr.save(step, big_state(24))
+        mgr.wait()
         assert not (tmp_path / "d" / step_dir(1)).exists()  # nothing was saved
+        assert not (tmp_path / "d" / step_dir(2)).exists()
     finally:
         mgr.close()
 

@@ -124,8 +124,11 @@ class DirectFileWriter:
             self._bounce.release()
             self._bounce = None
         if self._buffer is not None:
-            self._buffer.close()
-            self._buffer = None
+            buffer, self._buffer = self._buffer, None
+            try:
+                buffer.close()
+            except BufferError:  # a failed write's traceback still holds a view of it:
+                pass  # freed with that traceback; its error (ENOSPC, say) is the one to see
 
     def _can_write_in_place(self, view: memoryview) -> bool:
         """At an aligned file offset, with at least one block of aligned memory."""

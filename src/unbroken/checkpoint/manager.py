@@ -196,8 +196,8 @@ class CheckpointManager:
         nbytes = state_bytes(flat)
         if nbytes <= self._sized:
             return
-        self._sized = nbytes
         self.memory_tier.check_fits(nbytes, required=bool(self.config.memory_tier))
+        self._sized = nbytes  # after the check: with memory_tier=True every save raises
 
     def _abandon_goodput(self) -> None:
         """The process ends now, without close(): flush what the event log holds."""

@@ -192,9 +192,9 @@ class MemoryTier:
             f"(docker run --shm-size, a larger /dev/shm, or {MEMORY_DIR_ENV} on a larger "
             "tmpfs) or pass memory_tier=False"
         )
-        self.active = False
-        if required:
+        if required:  # the tier stays on: every save is refused until there is room
             raise MemoryTierError(message)
+        self.active = False
         warnings.warn(message + "; the memory tier is off", RuntimeWarning, stacklevel=3)
         return False
 
