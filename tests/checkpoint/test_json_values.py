@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter, OrderedDict, UserList, defaultdict
 
 import pytest
 from hypothesis import given
@@ -32,6 +33,10 @@ def same(a, b) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     return a == b
+
+
+class ListOf(list):
+    """A list of the user's own kind: its methods would not come back."""
 
 
 def strict_loads(data: str):
@@ -69,6 +74,11 @@ def test_non_finite_floats_are_tagged():
         ({FLOAT_TAG: "inf"}, r"only key is '__float__'"),
         ([object()], r"state\['v'\]\[0\] is a object, which JSON cannot hold"),
         ({"s": {1, 2}}, r"state\['v'\]\['s'\] is a set"),
+        (defaultdict(int), r"is a defaultdict, which would come back .* as a plain dict"),
+        ({"c": Counter("ab")}, r"state\['v'\]\['c'\] is a Counter.* dict\(value\)"),
+        (OrderedDict(a=1), r"is a OrderedDict"),
+        (UserList([1]), r"is a UserList, which JSON cannot hold"),
+        ([ListOf([1])], r"state\['v'\]\[0\] is a ListOf, .* as a plain list"),
     ],
 )
 def test_what_json_would_change_is_refused_by_path(value, match):

@@ -4,9 +4,11 @@ They travel in the manifest, which is strict JSON so that any tool can read it. 
 JSON would change two kinds of value without a word: a tuple comes back as a list, and
 a mapping key that is not a string (``{3: ...}``) comes back as a string (``{"3": ...}``).
 A job restored that way reads the wrong thing later, far from the cause, so both are
-refused at the save, by path. Non-finite floats (``"best_loss": float("inf")``, common),
-which strict JSON has no words for, are written as ``{"__float__": "inf"}`` and read back
-as floats.
+refused at the save, by path, and so are subclasses of dict and list (a ``defaultdict``
+or ``Counter`` would come back as a dict, and raise KeyError later). Subclasses of int,
+float and str (``numpy.float64``, a str enum) come back as the base type, equal to them.
+Non-finite floats (``"best_loss": float("inf")``, common), which strict JSON has no
+words for, are written as ``{"__float__": "inf"}`` and read back as floats.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def _check(path: str, value: Any, open_containers: set[int]) -> None:
                 "(state['ema_weight'] = t), or put them in a module (an EMA as an nn.Module)"
             )
         raise TypeError(f"{path} is a {type(value).__name__}, which JSON cannot hold{hint}")
+    if type(value) not in (list, dict):  # its own behaviour would not come back with it
+        base = "list" if isinstance(value, list) else "dict"
+        raise TypeError(
+            f"{path} is a {type(value).__name__}, which would come back from the checkpoint "
+            f"as a plain {base}; store {base}(value) and rebuild it after restore"
+        )
     if id(value) in open_containers:
         raise TypeError(f"{path} contains itself")
     open_containers.add(id(value))
