@@ -430,7 +430,7 @@ def scenario_group(a: argparse.Namespace) -> None:
 def scenario_retention(a: argparse.Namespace) -> None:
     """On every rank, wait() returns once the save's retention is done (the coordinator
     runs it, on a slow remote): the durable tier then holds keep_last commits. Ranks that
-    save different steps are refused, naming each."""
+    save different steps, or one key's tensor in different shapes, are refused by name."""
     durable = Path(a.url.removeprefix("emulated::"))
     mgr = ub.CheckpointManager(
         a.url,
@@ -452,6 +452,17 @@ def scenario_retention(a: argparse.Namespace) -> None:
     else:
         raise AssertionError("the ranks saved different steps")
     mgr.save(8, state)  # agreed again: it commits
+    mgr.wait()
+    state["t"] = torch.zeros(3 + dist.get_rank())  # one key, a shape per rank: unrestorable
+    try:
+        mgr.save(10, state)
+        mgr.wait()
+    except ub.SaveRefusedError as e:
+        assert "state key 't' is a tensor of shape [3]" in str(e) and "[4]" in str(e), e
+    else:
+        raise AssertionError("a tensor of another shape on each rank was saved")
+    del state["t"]
+    mgr.save(12, state)
     mgr.wait()
     mgr.close()
     log("retention ok")

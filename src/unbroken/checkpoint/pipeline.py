@@ -34,12 +34,13 @@ from unbroken.checkpoint.durable_index import DurableIndex
 from unbroken.checkpoint.durable_prune import prune_durable
 from unbroken.checkpoint.errors import (
     SaveFailedError,
+    SaveRefusedError,
     StepBehindError,
     StepsDisagreeError,
     refusal_from_fields,
 )
 from unbroken.checkpoint.format.manifest import FileRecord, Manifest, committed_by, step_dir
-from unbroken.checkpoint.format.planners import PinnedSavePlanner
+from unbroken.checkpoint.format.planners import PinnedSavePlanner, unlike_copies_in
 from unbroken.checkpoint.format.shard_layout import TensorLayout
 from unbroken.checkpoint.format.writer import TierWriter
 from unbroken.checkpoint.format.writers import claim_step
@@ -355,6 +356,9 @@ class SavePipeline:
                 no_dist=g.pg is None,
             )
         except CheckpointException as e:
+            if unlike := unlike_copies_in(e):  # the state's fault: every save would fail
+                refused = SaveRefusedError(str(unlike), step=step, url=redact(self.durable.url))
+                raise _PhaseFailed(str(refused), refused.fields()) from e
             raise _PhaseFailed(
                 f"writing step {step} to the local staging tier {local_dir} failed: {describe(e)}"
             ) from e

@@ -1,5 +1,7 @@
 """DCP planners: loading that never unpickles arbitrary objects, saving buffers from rank 0.
 
+Saving also refuses a key whose tensor differs in shape or dtype between ranks.
+
 DCP's ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(..., weights_only=False)`` on
 every non-tensor item it reads, which runs whatever a planted pickle asks for. This
 planner loads those items with ``weights_only=True``: primitives, containers and tensors
@@ -54,6 +56,7 @@ class PinnedSavePlanner(DefaultSavePlanner):
         self.pinned = frozenset(pinned)
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        _refuse_unlike_copies(all_plans)
         if self.pinned and len(all_plans) > 1:
             owner: dict[MetadataIndex, int] = {}
             for rank, plan in enumerate(all_plans):
@@ -72,3 +75,37 @@ class PinnedSavePlanner(DefaultSavePlanner):
                 for rank, plan in enumerate(all_plans)
             ]
         return super()._dedup_save_plans(all_plans)
+
+
+class UnlikeCopiesError(ValueError):
+    """The ranks hold one key's tensor in different shapes or dtypes (see below)."""
+
+
+def unlike_copies_in(failed: BaseException) -> UnlikeCopiesError | None:
+    """The UnlikeCopiesError behind a DCP ``CheckpointException`` (its ``failures`` map a
+    rank to the exception, or to the exception and its traceback), if that is the cause."""
+    for failure in getattr(failed, "failures", {}).values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, UnlikeCopiesError):
+            return exc
+    return None
+
+
+def _refuse_unlike_copies(all_plans: list[SavePlan]) -> None:
+    """A key whose tensor has another shape or dtype on another rank: one copy is written
+    for the whole job, and the ranks it does not fit could never restore the step."""
+    seen: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            if item.tensor_data is None:
+                continue
+            fqn = item.index.fqn
+            mine = (tuple(item.tensor_data.size), item.tensor_data.properties.dtype)
+            first = seen.setdefault(fqn, (rank, *mine))
+            if first[1:] != mine:
+                raise UnlikeCopiesError(
+                    f"state key {fqn!r} is a tensor of shape {list(first[1])} ({first[2]}) on "
+                    f"rank {first[0]} and {list(mine[0])} ({mine[1]}) on rank {rank}: a tensor "
+                    "of the state is one copy for the whole job, the same shape and dtype on "
+                    "every rank; keep a rank's own tensor under a key of its own"
+                )
