@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,27 @@ def test_ls_json_has_the_catalog_field_names(capsys, checkpoints):
     assert set(doc[0]) >= {"step", "committed", "nbytes", "created", "world_size", "problem"}
     assert doc[0]["committed"] and doc[0]["world_size"] == 1 and doc[0]["problem"] is None
     assert not doc[2]["committed"] and "no manifest" in doc[2]["problem"]
+
+
+def test_ls_of_a_hand_edited_manifest_with_no_date_shows_none(capsys, checkpoints, tmp_path):
+    """A manifest of the format before its own checksum, ``created`` edited to -inf: ls
+    crashed (round(inf)) and ``--json`` printed NaN, which strict JSON refuses."""
+    root = tmp_path / "ck"
+    shutil.copytree(checkpoints, root)
+    path = root / step_dir(2) / "manifest.json"
+    doc = json.loads(path.read_text())
+    del doc["manifest_crc32c"]
+    doc["created"] = float("-inf")
+    path.write_text(json.dumps(doc))
+    code, out, _ = run(capsys, "ls", str(root))
+    row = out.splitlines()[1].split()
+    assert code == 0 and row[:2] == ["2", "committed"] and row[4] == "-", row  # no age
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+
+    def not_json(word: str):
+        raise ValueError(f"{word} is not strict JSON")
+
+    assert code == 0 and json.loads(out, parse_constant=not_json)[0]["created"] is None
 
 
 def test_verify_passes_a_sound_directory(capsys, checkpoints):
@@ -340,6 +362,12 @@ def test_plan_prints_a_huge_figure_by_its_exponent(capsys):
         ["plan", "--gpus", "8", "--days", "inf", "--afr", "0.1"],
         ["plan", "--interruptions-per-day", "1", "--interval-minutes", "1e307"],  # *60 is inf
         ["goodput", "somewhere", "--rank", "-1"],
+        # the demo's numbers are checked before it starts anything (it ran torchrun first)
+        ["demo", "--steps", "0"],
+        ["demo", "--every-steps", "0"],
+        ["demo", "--kills", "-1"],
+        ["demo", "--files", "16"],
+        ["demo", "--step-seconds", "-1"],
     ],
 )
 def test_plan_bad_arguments(capsys, argv):

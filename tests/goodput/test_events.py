@@ -137,6 +137,7 @@ BAD_LINES = [
     '{"kind":"step","t":6.0,"n":6,"step":6,"begin":-Infinity}',
     '{"kind":"step","t":7.0,"n":7,"step":7,"info":[1]}',
     '{"kind":"step","t":true,"n":8,"step":8}',
+    '{"kind":"step","t":1e300,"n":9,"step":5}',  # no date: the report's gmtime overflowed
 ]
 
 

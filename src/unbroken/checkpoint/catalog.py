@@ -7,6 +7,7 @@ manifest, never a request per file; ``verify_checkpoint(deep=True)`` re-checksum
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -183,9 +184,8 @@ def _describe(store: Store, step: int, sizes: dict[str, int]) -> CheckpointInfo:
         if len(problems) > 5:
             why += f"; and {len(problems) - 5} more"
         return CheckpointInfo(step, False, present, None, manifest.world_size, url, why)
-    return CheckpointInfo(
-        step, True, manifest.nbytes, manifest.created, manifest.world_size, url, None
-    )
+    created = manifest.created if math.isfinite(manifest.created) else None  # hand-edited
+    return CheckpointInfo(step, True, manifest.nbytes, created, manifest.world_size, url, None)
 
 
 def _crc32c_of(

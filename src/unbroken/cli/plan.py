@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 
+from unbroken.cli.argtypes import finite
 from unbroken.cli.errors import CliError
 from unbroken.goodput import planner
 
@@ -28,14 +29,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart-seconds", type=finite, help="seconds a restart costs (0)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(run=run)
-
-
-def finite(text: str) -> float:
-    """A float argument that is a number: inf and nan are refused as they are parsed."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"a finite number is needed, got {text!r}")
-    return value
 
 
 def compute(args: argparse.Namespace) -> dict[str, float]:

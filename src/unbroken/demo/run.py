@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from unbroken._util.procs import children
+from unbroken.cli.argtypes import int_at_least, seconds
 
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
 """Every launch carries torchrun's restart workaround (see docs/launch.md)."""
@@ -284,22 +285,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="a volume of raw images to read (default: one is made)")
     p.add_argument("--checkpoints", help="where the crashed run checkpoints (default: "
                    "checkpoints/ in the demo's directory, kept after it ends)")  # fmt: skip
-    p.add_argument("--steps", type=int, default=80, help="training steps (default: %(default)s)")
     p.add_argument(
-        "--every-steps", type=int, default=10, help="save every N steps (default: %(default)s)"
+        "--steps", type=int_at_least(1), default=80, help="training steps (default: %(default)s)"
+    )
+    p.add_argument(
+        "--every-steps",
+        type=int_at_least(1),
+        default=10,
+        help="save every N steps (default: %(default)s)",
     )
     p.add_argument(
         "--kills",
-        type=int,
+        type=int_at_least(0),
         default=3,
         help="times a random rank is SIGKILLed (default: %(default)s)",
     )
     p.add_argument(
-        "--files", type=int, default=1024, help="images in the made volume (default: %(default)s)"
+        "--files",
+        type=int_at_least(32, " (2 ranks, a batch of 16 each)"),
+        default=1024,
+        help="images in the made volume (default: %(default)s)",
     )
     p.add_argument(
         "--step-seconds",
-        type=float,
+        type=seconds,
         default=0.05,
         help="extra seconds per step, standing in for a larger model (default: %(default)s)",
     )

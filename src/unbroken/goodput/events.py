@@ -102,10 +102,10 @@ class Event:
             raise ValueError("info is not an object")
         return cls(
             kind=doc["kind"],
-            t=_seconds(doc, "t"),
+            t=_moment(doc, "t"),
             n=_integer(doc, "n", -1),
             step=None if doc.get("step") is None else _integer(doc, "step", 0),
-            begin=None if doc.get("begin") is None else _seconds(doc, "begin"),
+            begin=None if doc.get("begin") is None else _moment(doc, "begin"),
             data_wait=_seconds(doc, "data_wait", 0.0),
             info=info,
         )
@@ -118,6 +118,18 @@ def _seconds(doc: dict[str, Any], key: str, default: float | None = None) -> flo
     if not math.isfinite(value):
         raise ValueError(f"{key} is not finite: {value!r}")
     return float(value)
+
+
+LATEST_MOMENT = 1e11
+"""Seconds since the epoch past which an event's time is damage (the year 5138)."""
+
+
+def _moment(doc: dict[str, Any], key: str) -> float:
+    """A wall-clock time: a number the report can print as a date."""
+    value = _seconds(doc, key)
+    if abs(value) > LATEST_MOMENT:
+        raise ValueError(f"{key} is not a time: {value!r}")
+    return value
 
 
 def _integer(doc: dict[str, Any], key: str, default: int) -> int:
