@@ -480,6 +480,15 @@ if case == "repeat":  # Slurm's signal, then torchrun's copy of it, then the sav
     os.kill(os.getpid(), signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)
     m.maybe_save(1, st)
+elif case == "save_in_finally":  # "always save where we got to", after the exit's save
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        m.maybe_save(1, st)
+    finally:
+        m.save(1, st)  # committed already: nothing to do
+        m.save(2, st)  # the process is on its way out: said, not saved
+        m.wait()
+        m.close()
 elif case == "repeat_long_after":
     import unbroken.checkpoint.preemption as p
     p.REPEAT_SECONDS = 0.2
@@ -505,6 +514,7 @@ print("STILL ALIVE")
     "case, returncode",
     [
         ("repeat", EXIT_CODE),  # saved, committed, then ended as preempted
+        ("save_in_finally", EXIT_CODE),  # a RuntimeError (closed) made it exit 1
         ("repeat_long_after", -signal.SIGTERM),  # a second signal: it means it
         ("exception_after_the_signal", -signal.SIGTERM),  # as if no manager were there
         ("users_handler_then_exception", 7),  # the user's handler, once, then the exit
@@ -525,4 +535,4 @@ def test_how_a_process_with_a_signal_ends(tmp_path, case, returncode):
         assert proc.stdout.count("USER HANDLER") == 1, proc.stdout + proc.stderr
     listed = list_checkpoints(ub.open_store(str(tmp_path / "ck")))
     committed = [c.step for c in listed if c.committed]
-    assert committed == ([1] if case == "repeat" else []), committed
+    assert committed == ([1] if case in ("repeat", "save_in_finally") else []), committed

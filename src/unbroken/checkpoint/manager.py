@@ -211,6 +211,8 @@ class CheckpointManager:
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save if ``step`` is due (every_steps / every_seconds); True if a save started."""
         check_step(step)
+        if self._ended_by_preemption(step):
+            return False
         if self._left_newer is not None:  # at once, not at the first due step
             raise OlderStepRestoredError(redact(self.store.url), *self._left_newer)
         self._goodput.step(step)
@@ -249,8 +251,22 @@ class CheckpointManager:
         or, with ``async_save=False``, if the save failed (its failure is warned about;
         a refused save, SaveRefusedError (another job saving to this URL, say), is raised)."""
         check_step(step)
+        if self._ended_by_preemption(step):
+            return False
         self._report_failures(raising=False)
         return self._save(step, state, skip_if_busy=False)
+
+    def _ended_by_preemption(self, step: int | None) -> bool:
+        """Whether the preemption's save closed the manager (``preemption="exit"``): the
+        process is on its way out, and a save or wait in the user's ``finally`` must not
+        raise (exit 1 for a scheduler, where 143 says preempted). A step not committed is
+        said, not saved."""
+        if not (self._closed and self.preempted):
+            return False
+        if step is not None and not self._cadence.has(step):
+            log.warning("preempted: step %d not saved: the process is ending after the "
+                        "preemption's save of step %s", step, self._cadence.last_step)  # fmt: skip
+        return True
 
     def _save(self, step: int, state: Mapping[str, Any], *, skip_if_busy: bool) -> bool:
         if self._closed:
@@ -362,6 +378,8 @@ class CheckpointManager:
         """
         if timeout is not None:
             check_seconds("CheckpointManager.wait: timeout", timeout, zero=True)
+        if self._ended_by_preemption(None):
+            return
         t0 = time.monotonic()
         self._goodput.save_begin(None, wait=True)
         self._pipeline.wait(timeout)
