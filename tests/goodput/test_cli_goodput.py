@@ -144,4 +144,8 @@ def test_a_preempted_job_and_its_requeue_are_one_run_with_a_restart(capsys, tmp_
     assert code == 0 and report["restarts"] == 1 and report["runs"] == 1
     first_att, second_att = report["attempts"]
     assert first_att["clean"] and second_att["restored_step"] == 16
+    assert first_att["preempted"] and not second_att["preempted"]
     assert report["seconds"]["down"] > 0  # the wait for the requeue is the job's time
+    code, out, _ = goodput(capsys, url)
+    ended = [line.split()[-1] for line in out.splitlines() if line.startswith("20")]
+    assert ended == ["preempted", "clean"], out  # it said "clean": the job looked done

@@ -11,7 +11,7 @@ from unbroken.cli import text
 from unbroken.cli.errors import CliError
 from unbroken.cli.stores import add_storage_arguments, open_existing, storage_options
 from unbroken.goodput import jobs
-from unbroken.goodput.breakdown import CATEGORIES, Breakdown, job_breakdown
+from unbroken.goodput.breakdown import CATEGORIES, AttemptSummary, Breakdown, job_breakdown
 from unbroken.goodput.events import PREFIX, read_log
 
 
@@ -108,6 +108,12 @@ def _utc(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
 
 
+def _ending(a: AttemptSummary, live: AttemptSummary | None) -> str:
+    if a.clean:
+        return "preempted" if a.preempted else "clean"
+    return "no end yet" if a is live else "crashed"
+
+
 LIVE_SECONDS = 180.0
 """A newest attempt without an end whose last event is this recent may still be running
 (rank 0 flushes its events every 60 s by default): not called crashed."""
@@ -136,7 +142,7 @@ def render(b: Breakdown, job: str | None = None) -> str:
             f"{a.first_step}-{a.last_step}" if a.steps else "-",
             str(a.wasted_steps),
             "-" if a.restored_step is None else str(a.restored_step),
-            "clean" if a.clean else "no end yet" if a is live else "crashed",
+            _ending(a, live),
         ]
         for a in b.attempts
     ]

@@ -82,6 +82,8 @@ class AttemptSummary:
     """The first attempt, or one after an attempt that finished: not a restart."""
     stand_in_rank: int | None = None
     """This rank left no event in this attempt; the rank whose events prove it."""
+    preempted: bool = False
+    """Ended cleanly by a preemption's save (SIGTERM), the job not done."""
 
     @property
     def goodput(self) -> float:
@@ -103,6 +105,7 @@ class AttemptSummary:
             "restored_step": self.restored_step,
             "new_run": self.new_run,
             "stand_in_rank": self.stand_in_rank,
+            "preempted": self.preempted,
         }
 
 
@@ -240,6 +243,7 @@ def breakdown(
                 restored_step=att.restored_step,
                 new_run=i == 0 or parsed[i - 1].finished,
                 stand_in_rank=(stand_in or {}).get(att.name),
+                preempted=att.clean and not att.finished,
             )
         )
         if nxt is None or att.finished:  # the run ends here
