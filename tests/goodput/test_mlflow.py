@@ -219,3 +219,34 @@ def test_another_job_on_the_same_root_gets_a_run_of_its_own(tmp_path, monkeypatc
     assert client.get_run(first).info.status == "FINISHED"
     tags = [client.get_run(run).data.tags["unbroken.attempt"] for run in (first, second)]
     assert tags[0] != tags[1]
+
+
+def test_a_run_created_by_an_attempt_killed_before_recording_it_is_found_again(
+    tmp_path, monkeypatch
+):
+    """An attempt killed while create_run waited for a slow server's answer left a run
+    it never recorded: the next attempt opened a second one, and the first stayed
+    RUNNING, empty, for ever. Its tags (the job, the root) find it again."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowClient(tracking_uri=uri).search_experiments()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("UNBROKEN_JOB_ID", "job-a")
+    url = str(tmp_path / "ck")
+    with ub.CheckpointManager(url, staging_dir=tmp_path / "st") as mgr:
+        mgr.save(1, {"w": torch.zeros(2)})
+    orphan = saved_run(url)
+    client = MlflowClient(tracking_uri=uri)
+    client.update_run(orphan, status="RUNNING")  # the killed attempt never ended it...
+    ub.open_store(url).delete(RUN_KEY)  # ...nor recorded it
+    monkeypatch.setenv("UNBROKEN_JOB_ID", "job-b")  # another job on the root: its own run
+    with ub.CheckpointManager(url, staging_dir=tmp_path / "st") as mgr:
+        mgr.save(2, {"w": torch.zeros(2)})
+    other = saved_run(url)
+    assert other != orphan
+    ub.open_store(url).delete(RUN_KEY)
+    monkeypatch.setenv("UNBROKEN_JOB_ID", "job-a")  # the killed job's next attempt
+    with ub.CheckpointManager(url, staging_dir=tmp_path / "st") as mgr:
+        mgr.save(3, {"w": torch.zeros(2)})
+    assert saved_run(url) == orphan
+    assert len(client.search_runs(["0"])) == 2
+    assert client.get_run(orphan).info.status == "FINISHED"

@@ -151,10 +151,13 @@ class MlflowSink:
             self.run_id = saved
             self._client.update_run(saved, status="RUNNING")
         else:
-            run = self._client.create_run(
-                _experiment_id(self._client), run_name=_run_name(self.store.url)
+            experiment = _experiment_id(self._client)
+            self.run_id = (
+                self._orphan_run(experiment)
+                or self._client.create_run(
+                    experiment, run_name=_run_name(self.store.url), tags=self._job_tags()
+                ).info.run_id
             )
-            self.run_id = run.info.run_id
         if self.run_id != saved:
             doc = {"run_id": self.run_id, "tracking_uri": self.tracking_uri, "job": job_id()}
             self.store.write_bytes(RUN_KEY, json.dumps(doc).encode())
@@ -165,6 +168,28 @@ class MlflowSink:
         self._earlier = {
             a: ranks[0] for a, ranks in log_so_far.items() if a != self.attempt and 0 in ranks
         }
+
+    def _job_tags(self) -> dict[str, str]:
+        from unbroken.storage.errors import redact
+
+        return {"unbroken.job": job_id() or "", "unbroken.root": redact(self.store.url)}
+
+    def _orphan_run(self, experiment: str) -> str | None:
+        """The run an earlier attempt of this job created but never recorded (killed while
+        create_run waited for its answer), found by its tags: the job keeps one run."""
+        tags = self._job_tags()
+        if not tags["unbroken.job"] or any("'" in v for v in tags.values()):
+            return None  # no job to tell apart, or a value the filter cannot quote
+        try:
+            found = self._client.search_runs(
+                [experiment],
+                filter_string=" and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items()),
+                max_results=1,
+                order_by=["attributes.start_time DESC"],
+            )
+        except Exception:
+            return None
+        return found[0].info.run_id if found else None
 
     def _saved_run(self) -> str | None:
         try:
