@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 import unbroken as ub
 from unbroken.checkpoint.errors import CheckpointCorruptError, NewerFormatError, SaveFailedError
@@ -316,3 +317,22 @@ def test_wait_returns_once_the_saves_retention_is_done(tmp_path):
             committed = sorted(p.parent.name for p in durable.glob("step-*/manifest.json"))
             assert committed == [step_dir(step)]
         assert [c.step for c in mgr.checkpoints()] == [6]
+
+
+def test_an_expanded_view_in_the_state_fails_the_restore_before_anything_changes(tmp_path):
+    """A copy into an expand() view fails: the second pass raised after the model's
+    weights were loaded, and the error blamed the checkpoint ("reading ... failed")."""
+    model = torch.nn.Linear(4, 4)
+    state = {"model": model, "row": torch.ones(1, 4).expand(3, 4)}
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        mgr.save(1, state)
+    with torch.no_grad():
+        model.weight.zero_()
+    refused = pytest.raises(ub.CheckpointMismatchError, match=r"row are views whose elements")
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr, refused:
+        mgr.restore(state)
+    assert not model.weight.any()  # untouched
+    state["row"] = state["row"].clone()
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        assert mgr.restore(state) == 1
+    assert model.weight.any()

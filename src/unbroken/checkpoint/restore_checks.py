@@ -44,6 +44,7 @@ def check_compatible(
         unexpected = sorted(k for k in saved if k.split(".", 1)[0] in entries and k not in mine)
         unexpected += sorted(k for k in saved_values - set(flat.values) if k in entries)
     shapes = []
+    shared = [k for k in sorted(set(mine) & set(saved)) if _elements_share_memory(mine[k])]
     for key in sorted(set(mine) & set(saved)):
         md, value = saved[key], mine[key]
         if isinstance(value, torch.Tensor) != isinstance(md, TensorStorageMetadata):
@@ -54,6 +55,12 @@ def check_compatible(
                 f"{key}: shape {tuple(md.size)} in the checkpoint, "
                 f"{tuple(value.shape)} in the state"
             )
+    if shared:
+        raise CheckpointMismatchError(
+            f"cannot restore checkpoint {where} into the state: {', '.join(shared[:_SHOW])} "
+            "are views whose elements share memory (made by expand()), which nothing can "
+            "be loaded into; give them tensors of their own (.clone()). Nothing was changed"
+        )
     optimizers = {n for n, k in flat.kinds.items() if k == KIND_OPTIMIZER}
     reported = (missing if strict else []) + unexpected
     hyper = [k for k in reported if _is_group_setting(k, optimizers)]
@@ -81,6 +88,14 @@ def check_compatible(
             f"checkpoint {where} does not match the state being restored "
             f"(another model?): " + "; ".join(parts)
         )
+
+
+def _elements_share_memory(value: Any) -> bool:
+    """A tensor with a stride of 0 over more than one element (``t.expand(...)``): a
+    copy into it fails half-way through a restore, after other tensors were loaded."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    return any(st == 0 and n > 1 for st, n in zip(value.stride(), value.shape))
 
 
 def _is_group_setting(key: str, optimizers: set[str]) -> bool:
