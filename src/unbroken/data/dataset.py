@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from unbroken._util.world import require_group
-from unbroken.data.cache.cache import CacheWriteError, LocalCache, default_cache_dir
+from unbroken.data.cache.cache import CacheDirError, CacheWriteError, LocalCache, default_cache_dir
 from unbroken.data.delivery import Delivery
 from unbroken.data.fill_ahead import FillAhead
 from unbroken.data.index import FileIndex, check_max_age, load_or_build_index
@@ -323,7 +323,7 @@ class VolumeDataset(IterableDataset):
         cache.close()  # withdraw this process's access plan: nothing more is coming
 
     def _failed(self, entry: Entry, what: str, exc: BaseException, counters: WorkerCounters):
-        if isinstance(exc, CacheWriteError):  # the local disk, not the file: never skipped
+        if isinstance(exc, (CacheWriteError, CacheDirError)):  # the local disk: never skipped
             raise exc
         message = f"VolumeDataset: cannot {what} {entry.key!r} from {self.url}: {exc}"
         if self.on_error == "raise":

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import select
+import shutil
 import signal
 import threading
 import time
@@ -15,7 +16,12 @@ import pytest
 
 from tests.data._cache_util import FAST_RETRY, disk_bytes, put_files, slow, spawn
 from unbroken import open_store
-from unbroken.data.cache.cache import LocalCache, SourceChangedError, default_cache_dir
+from unbroken.data.cache.cache import (
+    CacheDirError,
+    LocalCache,
+    SourceChangedError,
+    default_cache_dir,
+)
 from unbroken.storage import Entry, LocalStore, ObjectNotFoundError, StoreError
 
 SHARED = ["local", "s3"]  # backends that several processes can reach
@@ -675,6 +681,49 @@ def test_a_cache_without_its_ledger_file_is_recounted_on_open(store, tmp_path):
     os.unlink(os.path.join(cache.cache_dir, "usage"))  # lost, or a restored directory
     again = LocalCache(store, cache.cache_dir)
     assert again.used_bytes == 2100 == disk_bytes(cache.cache_dir)
+
+
+def test_files_removed_from_outside_are_recounted_before_anything_is_evicted(store, tmp_path):
+    """A tmp cleaner (or rm to free space) took the cached files: the ledger still
+    counted them, so a cache under its limit evicted every file it filled, for ever."""
+    entries = put_files(store, 4, size=1000)
+    cache = LocalCache(store, str(tmp_path / "cache"), limit="5000")
+    for e in entries:
+        cache.read(e)
+    objects = os.path.join(cache.cache_dir, "objects")
+    for shard in os.listdir(objects):
+        for name in os.listdir(os.path.join(objects, shard)):
+            os.unlink(os.path.join(objects, shard, name))
+    again = LocalCache(store, cache.cache_dir, limit="5000")
+    for e in entries:
+        assert again.read(e) == store.read_bytes(e.key)
+    for e in entries:
+        again.read(e)
+    s = again.stats.snapshot()
+    assert (s["misses"], s["hits"], s["evictions"]) == (4, 4, 0), s
+    assert again.used_bytes == 4000 == disk_bytes(cache.cache_dir)
+
+
+def test_a_shard_folder_removed_by_a_cleaner_is_made_again(store, tmp_path):
+    """An age-based cleaner removed cached files and their emptied folders: the next
+    fill of that folder failed (CacheWriteError) until the process restarted."""
+    entries = put_files(store, 3, size=300)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    for e in entries:
+        cache.read(e)
+    shutil.rmtree(os.path.join(cache.cache_dir, "objects"))
+    os.makedirs(os.path.join(cache.cache_dir, "objects"))
+    assert [cache.read(e) for e in entries] == [store.read_bytes(e.key) for e in entries]
+    assert all(cache.contains(e) for e in entries)
+
+
+def test_a_cache_removed_under_a_running_job_is_named_not_blamed_on_a_file(store, tmp_path):
+    entries = put_files(store, 2, size=300)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    cache.read(entries[0])
+    shutil.rmtree(cache.cache_dir)
+    with pytest.raises(CacheDirError, match=r"was removed while this process used it"):
+        cache.read(entries[1])
 
 
 def test_files_cached_before_a_restart_are_dropped(store, tmp_path, caplog):

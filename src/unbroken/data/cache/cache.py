@@ -215,12 +215,22 @@ class LocalCache:
                 del self._local_fills[name]
             event.set()
 
+    def _fill_lock(self, name: str) -> int | None:
+        try:
+            return self.layout.try_lock(name)
+        except FileNotFoundError as exc:  # the lock file's directory is gone
+            raise CacheDirError(
+                f"LocalCache: the cache directory {self.cache_dir} was removed while this "
+                "process used it (a tmp cleaner, or rm?): give cache_dir a place that "
+                "nothing cleans while the job runs"
+            ) from exc
+
     def _fill_as_owner(self, entry: Entry, name: str, want: bool) -> bytes | None:
         """Take the node-wide fill lock and fetch, or serve what another process filled."""
         delay = _POLL_MIN
         waited = False
         while True:
-            fd = self.layout.try_lock(name)
+            fd = self._fill_lock(name)
             if fd is None:  # another process fills it: poll for its result
                 waited = True
                 time.sleep(delay)
@@ -382,6 +392,15 @@ class LocalCache:
     def _evict(self, need: int, ledger: Ledger) -> None:
         """Free at least ``need`` bytes if unpinned files allow, counting each in ``ledger``
         as it goes (an error midway leaves the count right for what was removed)."""
+        candidates = self.layout.scan_objects()
+        on_disk = sum(c.size for c in candidates) + self.layout.fillers.live_reserved()
+        if on_disk < ledger.used:  # files removed from outside (a tmp cleaner, rm): the
+            need -= ledger.used - on_disk  # ledger counted them; it thrashed for ever
+            log.info("cache %s: %d bytes counted were no longer on disk (removed from "
+                     "outside); recounted", self.cache_dir, ledger.used - on_disk)  # fmt: skip
+            ledger.used = on_disk
+            if need <= 0:
+                return
         upcoming = next_use(self._plans.load())
         sizes: dict[str, int] = {}
 
@@ -399,7 +418,7 @@ class LocalCache:
             ledger.used -= size
             return True
 
-        evicted = evict_until(self.layout.scan_objects(), upcoming, need, evict)
+        evicted = evict_until(candidates, upcoming, need, evict)
         self._stats.add(evictions=len(evicted), bytes_evicted=sum(sizes.values()))
 
     def _recover(self) -> None:

@@ -131,6 +131,9 @@ class CacheLayout:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
             fd = os.open(path, flags, 0o644)
+        except FileNotFoundError:  # its directory was removed (an age-based cleaner)
+            self._made.discard(os.path.dirname(path))
+            fd = os.open(self.temp_path(name), flags, 0o644)
         except FileExistsError:
             self.crash_seen = True
             self._remove_temps_of(name)  # we hold its lock: every temp of it is stale
