@@ -205,7 +205,7 @@ class NativeStore(Store):
             return forked._list(prefix)
         with self._errors(prefix or "/"):
             found = obstore.list(self._store, prefix=prefix or None).collect()
-            entries = [Entry(m["path"], int(m["size"]), _etag(m)) for m in found]
+            entries = self._files([Entry(m["path"], int(m["size"]), _etag(m)) for m in found])
             if not entries and prefix:  # list() looks under "prefix/"; the key itself?
                 try:
                     entries = [self._info(prefix)]
@@ -225,7 +225,22 @@ class NativeStore(Store):
             return
         with self._errors("/"):  # the root, the big case: its pages as they come
             for page in obstore.list(self._store, prefix=None):
-                yield [Entry(m["path"], int(m["size"]), _etag(m)) for m in page]
+                yield self._files([Entry(m["path"], int(m["size"]), _etag(m)) for m in page])
+
+    def _files(self, listed: list[Entry]) -> list[Entry]:
+        """``listed`` without folder markers: the empty ``images/`` objects that consoles
+        and tools make for a folder are listed without their slash, under a name nothing
+        can read (a dataset failed on it at the same sample every epoch). An empty entry
+        is kept only where its name reads as listed (empty files are few)."""
+        kept = []
+        for entry in listed:
+            if entry.size == 0:
+                try:
+                    self._info(entry.key)
+                except FileNotFoundError:
+                    continue
+            kept.append(entry)
+        return kept
 
     def _delete(self, key: str) -> None:
         if (forked := self._in_fork()) is not None:
