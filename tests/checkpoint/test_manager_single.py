@@ -462,6 +462,10 @@ def test_bad_inputs_are_named(tmp_path):
         opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1)
         with pytest.raises(ValueError, match="no module in the state owns"):
             mgr.save(2, {"optim": opt})
+        model, scale = nn.Linear(2, 2), torch.zeros(1, requires_grad=True)  # CLIP's scale
+        opt = torch.optim.SGD([*model.parameters(), scale], lr=1)
+        with pytest.raises(ValueError, match="1 of the optimizer's parameters belong to no"):
+            mgr.save(2, {"model": model, "scale": scale, "optim": opt})
         with pytest.raises(ValueError, match="non-negative"):
             mgr.save(-1, {"x": 1})
         for bad in ("4", 4.0, True, -2):

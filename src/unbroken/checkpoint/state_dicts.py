@@ -118,6 +118,15 @@ def owner_module(name: str, optim: torch.optim.Optimizer, state: Mapping[str, An
     whole = [o for o in owners if o[2]]
     if len(whole) >= 1:
         return whole[0][1]
+    held = set().union(*({id(p) for p in v.parameters()} for v in state.values()
+                         if isinstance(v, nn.Module)))  # fmt: skip
+    if owners and params - held:
+        raise ValueError(
+            f"checkpoint state entry {name!r}: {len(params - held)} of the optimizer's "
+            "parameters belong to no module in the state (a learnable tensor of its own, "
+            "a logit_scale, say): the optimizer's state is saved by parameter name, so make "
+            "it an nn.Parameter of the model (model.logit_scale = nn.Parameter(...))"
+        )
     if owners:
         names = ", ".join(repr(o[0]) for o in owners)
         raise ValueError(
