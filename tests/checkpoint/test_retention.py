@@ -74,6 +74,18 @@ def test_examples():
     assert plan_deletions(newer, keep_last=2, keep_every_steps=None) == [100, 200, 250, 300]
 
 
+def test_a_step_restore_went_past_is_kept_and_never_counted():
+    """Restore went past step 20 (corrupt) to 10; the run saved 13: with keep_last=1,
+    counting 20 as the newest deleted 13 the moment it committed."""
+    cps = [info(s, True) for s in (10, 13, 20)] + [info(12, False), info(15, False)]
+    assert plan_deletions(cps, keep_last=1, keep_every_steps=10) == [12, 13, 15]  # as it was
+    assert plan_deletions(cps, keep_last=1, keep_every_steps=10, passed_over={20}) == [12]
+    assert plan_deletions(cps, keep_last=1, keep_every_steps=None, passed_over={20}) == [10, 12]
+    # every committed step passed over (the run saved none yet): as without it
+    only = [info(20, True), info(12, False)]
+    assert plan_deletions(only, keep_last=1, keep_every_steps=None, passed_over={20}) == [12]
+
+
 @pytest.mark.parametrize("kw", [{"keep_last": 0}, {"keep_every_steps": 0}, {"keep_last": -1}])
 def test_bad_settings_are_refused(kw):
     args = {"keep_last": None, "keep_every_steps": None, **kw}

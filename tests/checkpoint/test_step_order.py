@@ -32,13 +32,14 @@ def committed(mgr: ub.CheckpointManager) -> list[int]:
 
 def test_a_run_that_starts_behind_the_urls_newest_is_refused_and_the_newest_kept(tmp_path):
     state = make_state()
-    with manager(tmp_path) as first:
+    with manager(tmp_path, keep_last=None) as first:
         train(state, range(1, 3))
+        first.save(10, state)
         first.save(100, state)
     newest = snapshot(state)
     other = make_state(7)
     mgr = manager(tmp_path, keep_last=1)  # no restore: the user forgot it
-    mgr.save(10, other)
+    mgr.save(10, other)  # a step the old run kept too: refused as behind, not warned about
     with pytest.raises(ub.StepBehindError, match="step 10 is older than step 100") as info:
         mgr.wait()
     assert info.value.newest == 100 and "restore(state)" in str(info.value)
@@ -49,7 +50,7 @@ def test_a_run_that_starts_behind_the_urls_newest_is_refused_and_the_newest_kept
         time.sleep(0.02)
     with pytest.raises(ub.StepBehindError, match="step 20 is older than step 100"):
         mgr.maybe_save(21, other)
-    assert committed(mgr) == [100]
+    assert committed(mgr) == [10, 100]
     mgr.close()
     fresh = make_state(3)
     with manager(tmp_path) as again:
@@ -94,4 +95,29 @@ def test_a_run_restored_past_an_unusable_newest_saves_behind_it(tmp_path):
     again = make_state(6)
     with manager(tmp_path) as mgr, pytest.warns(RuntimeWarning, match="falling back"):
         assert mgr.restore(again) == 3
+    assert_same(snapshot(again), saved)
+
+
+def test_the_step_restore_went_past_does_not_crowd_out_the_runs_own(tmp_path):
+    """keep_last=1 counted the corrupt step 20 as the newest: the run's step 13 was
+    deleted as soon as it committed, and every restart went back to step 10."""
+    state = make_state()
+    kw = {"keep_last": 1, "keep_every_steps": 10}
+    with manager(tmp_path, **kw) as mgr:
+        for step in (10, 20):
+            mgr.save(step, state)
+            mgr.wait()
+    for tier in ("durable", "staging"):
+        flip_payload_byte(tmp_path / tier / step_dir(20))
+    with manager(tmp_path, **kw) as mgr:
+        with pytest.warns(RuntimeWarning, match="falling back"):
+            assert mgr.restore(state) == 10
+        train(state, range(11, 14))
+        mgr.save(13, state)
+        mgr.wait()
+        assert committed(mgr) == [10, 13, 20]  # 20 kept to be looked at, never counted
+        saved = snapshot(state)
+    again = make_state(6)
+    with manager(tmp_path, **kw) as mgr, pytest.warns(RuntimeWarning, match="falling back"):
+        assert mgr.restore(again) == 13
     assert_same(snapshot(again), saved)

@@ -9,6 +9,7 @@ the same URL may be saving it, and its checkpoint is never ours to delete.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 from unbroken.checkpoint.durable_index import DurableIndex
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME, step_dir
@@ -20,12 +21,22 @@ log = logging.getLogger(__name__)
 
 
 def prune_durable(
-    durable: Store, index: DurableIndex, *, keep_last: int | None, keep_every_steps: int | None
+    durable: Store,
+    index: DurableIndex,
+    *,
+    keep_last: int | None,
+    keep_every_steps: int | None,
+    passed_over: Collection[int] = (),
 ) -> None:
     """Delete the durable tier's checkpoints retention gives up (coordinator only)."""
     checkpoints = index.checkpoints()
     partial = {c.step for c in checkpoints if not c.committed}
-    doomed = plan_deletions(checkpoints, keep_last=keep_last, keep_every_steps=keep_every_steps)
+    doomed = plan_deletions(
+        checkpoints,
+        keep_last=keep_last,
+        keep_every_steps=keep_every_steps,
+        passed_over=passed_over,
+    )
     for step in doomed:
         name = step_dir(step)
         if step in partial and not _partial_is_ours(durable, step):

@@ -36,7 +36,6 @@ from unbroken.checkpoint.errors import (
     SaveFailedError,
     SaveRefusedError,
     StepBehindError,
-    StepsDisagreeError,
     refusal_from_fields,
 )
 from unbroken.checkpoint.format.manifest import FileRecord, Manifest, committed_by, step_dir
@@ -55,6 +54,7 @@ from unbroken.checkpoint.save_job import (
     drop_frame_locals,
     lend_until_read,
 )
+from unbroken.checkpoint.save_phases import PhaseFailed, agree_to_stage, together
 from unbroken.checkpoint.staging.arena import Arena
 from unbroken.checkpoint.staging.owner import claim_staging_dir
 from unbroken.storage import Store
@@ -68,15 +68,6 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or")
 
 _CLAIM_RETRY = RetryPolicy(max_attempts=2, base_delay=0.05, max_delay=0.05)
-
-
-class _PhaseFailed(Exception):
-    """A phase failed on some rank; ``args[0]`` says where and why, ``conflict`` (the
-    fields of a SaveRefusedError, as every rank got them) that it never heals."""
-
-    def __init__(self, message: str, conflict: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.conflict = conflict
 
 
 @dataclass
@@ -236,7 +227,7 @@ class SavePipeline:
                 return
             try:
                 job.manifest = self._save(job)
-            except _PhaseFailed as e:
+            except PhaseFailed as e:
                 message = f"checkpoint save of step {job.step} failed: {e.args[0]}"
                 if self._exiting:  # its cause is the interpreter's end, not the store
                     message = (
@@ -271,35 +262,6 @@ class SavePipeline:
                     self._pending -= 1
                     self._idle.notify_all()
 
-    def _agree_to_stage(self, step: int, problem: str | None, exc: BaseException | None) -> None:
-        """Raise on every rank if ``problem`` is set on any rank (``exc``: this rank's), or
-        if the ranks are saving different steps."""
-        what = f"staging step {step}"
-        gathered = self._together(
-            what, self.group.all_gather, (step, problem, conflict_fields(exc))
-        )
-        steps = [s for s, _, _ in gathered]
-        if len(set(steps)) > 1:
-            disagree = StepsDisagreeError.of(steps, redact(self.durable.url))
-            raise _PhaseFailed(str(disagree), disagree.fields()) from exc
-        conflict = next((c for _, _, c in gathered if c is not None), None)
-        if conflict is not None:
-            raise _PhaseFailed(conflict["message"], conflict) from exc
-        bad = [f"rank {r}: {p}" for r, (_, p, _) in enumerate(gathered) if p]
-        if bad:
-            raise _PhaseFailed(f"{what} failed: " + "; ".join(bad)) from exc
-
-    @staticmethod
-    def _together(what: str, collective: Callable[[Any], Any], obj: Any) -> Any:
-        """One collective of a save. Its failure (a peer crashed, was killed, or is stuck
-        past the timeout) fails the save like any phase, reported once, no traceback."""
-        try:
-            return collective(obj)
-        except Exception as e:
-            raise _PhaseFailed(
-                f"{what}: the ranks could not agree, a peer is gone or stuck ({describe(e)})"
-            ) from e
-
     def _save(self, job: SaveJob) -> Manifest:
         step, g = job.step, self.group
         name = step_dir(step)
@@ -308,7 +270,11 @@ class SavePipeline:
         problem, exc, claimed = None, None, True
         try:
             job.staged.wait()
-            if g.is_coordinator and step in self.index.committed_steps():
+            # behind first: a run without restore meets the old run's kept steps too
+            if g.is_coordinator and (ahead := self.index.newest_after(step, self.unusable)):
+                exc = StepBehindError.at(step, redact(self.durable.url), ahead)  # ahead > 0
+                problem = str(exc)
+            elif g.is_coordinator and step in self.index.committed_steps():
                 problem = (
                     f"step {step} is already committed at {self.durable.url_for(name)}"
                     f"{committed_by(self.durable, step)}; a committed checkpoint is never "
@@ -316,14 +282,11 @@ class SavePipeline:
                 )
             elif g.is_coordinator and (newer := self.index.newer_format(step)) is not None:
                 problem = newer.problem
-            elif g.is_coordinator and (ahead := self.index.newest_after(step, self.unusable)):
-                exc = StepBehindError.at(step, redact(self.durable.url), ahead)  # ahead > 0
-                problem = str(exc)
             elif g.is_coordinator:
                 claimed = self._claim_quickly(name, step)
         except Exception as e:
             problem, exc = describe(e), e
-        self._agree_to_stage(step, problem, exc)
+        agree_to_stage(self.group, redact(self.durable.url), step, problem, exc)
         self.node.begin(step, self.current_step)
         root = self.node.choose(self.node.bytes_to_write(job.staged.stats), step)
         job.local_root = root
@@ -358,8 +321,8 @@ class SavePipeline:
         except CheckpointException as e:
             if unlike := unlike_copies_in(e):  # the state's fault: every save would fail
                 refused = SaveRefusedError(str(unlike), step=step, url=redact(self.durable.url))
-                raise _PhaseFailed(str(refused), refused.fields()) from e
-            raise _PhaseFailed(
+                raise PhaseFailed(str(refused), refused.fields()) from e
+            raise PhaseFailed(
                 f"writing step {step} to the local staging tier {local_dir} failed: {describe(e)}"
             ) from e
         finally:
@@ -410,7 +373,7 @@ class SavePipeline:
         if root == self.staging_dir:
             self._note_page_cache_writes(writer)
         job.memory_bytes = sum(c.size for c in memory.values() if c.sent_from_memory)
-        gathered = self._together(
+        gathered = together(
             f"uploading step {step}",
             g.all_gather,
             (records, problem, etags, job.values, generator_digests(job.rng), conflict_fields(exc)),
@@ -423,12 +386,12 @@ class SavePipeline:
             outcome = commit_step(
                 self.durable, self.index, step, g.world_size, job.values, gathered
             )
-        outcome = self._together(f"committing step {step}", g.broadcast, outcome)
+        outcome = together(f"committing step {step}", g.broadcast, outcome)
         job.seconds["commit"] = time.monotonic() - t3
         if outcome[0] == "conflict":
-            raise _PhaseFailed(outcome[1]["message"], outcome[1]) from exc
+            raise PhaseFailed(outcome[1]["message"], outcome[1]) from exc
         if outcome[0] != "ok":
-            raise _PhaseFailed(outcome[1]) from exc
+            raise PhaseFailed(outcome[1]) from exc
         manifest = Manifest.from_json(outcome[1], where=self.durable.url_for(name))
         self.node.committed(root, step, outcome[1])
         return manifest
@@ -499,6 +462,7 @@ class SavePipeline:
                     self.index,
                     keep_last=self.config.keep_last,
                     keep_every_steps=self.config.keep_every_steps,
+                    passed_over=self.unusable,
                 )
             except Exception as e:
                 log.warning(

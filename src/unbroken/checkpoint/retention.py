@@ -4,12 +4,13 @@ Retention counts committed checkpoints only, and nothing at or above the newest 
 step is ever returned: an async save above it may still be in flight, and the newest
 committed checkpoint is the one a restart needs. Partial checkpoints older than the newest
 committed one are debris of crashed saves and are returned for deletion. A checkpoint a
-newer unbroken committed (its manifest's format is newer) is neither: it is never returned.
+newer unbroken committed (its manifest's format is newer) is neither: it is never returned,
+nor is one a restore found unusable and went past (kept to be looked at, never counted).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 
@@ -29,12 +30,15 @@ def plan_deletions(
     *,
     keep_last: int | None,
     keep_every_steps: int | None,
+    passed_over: Collection[int] = (),
 ) -> list[int]:
     """Steps to delete, ascending.
 
     ``keep_last``: keep the newest this many committed checkpoints (None: keep all).
     ``keep_every_steps``: also keep every committed checkpoint whose step is a multiple
     of it (e.g. 10_000 keeps a permanent trail). Both must be >= 1 when given.
+    ``passed_over``: committed steps a restore found unusable and went past: kept (to be
+    looked at), but never counted, so they crowd out none of the run's own steps.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -43,6 +47,11 @@ def plan_deletions(
     committed = sorted({c.step for c in checkpoints if c.committed})
     if not committed:
         return []
+    skipped = {s for s in committed if s in passed_over}
+    if len(skipped) < len(committed):
+        committed = [s for s in committed if s not in skipped]
+    else:
+        skipped = set()
     newest = committed[-1]
     keep = {newest}
     if keep_last is None:
