@@ -717,6 +717,28 @@ def test_a_shard_folder_removed_by_a_cleaner_is_made_again(store, tmp_path):
     assert all(cache.contains(e) for e in entries)
 
 
+def test_a_shard_folder_removed_during_a_fill_is_made_again_and_the_fill_redone(store, tmp_path):
+    """The cleaner came while the file was being fetched: the rename into the removed
+    folder failed, and the file was blamed (SampleReadError, or skipped)."""
+    (entry,) = put_files(store, 1, size=300)
+    cache = LocalCache(slow(store, latency=0.3), str(tmp_path / "cache"))
+    shard = os.path.dirname(cache.layout.object_path(cache._name(entry)))
+
+    def cleaner() -> None:
+        deadline = time.monotonic() + 30
+        while not (os.path.isdir(shard) and os.listdir(shard)) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        shutil.rmtree(shard)  # the fill's temp file with it
+
+    thread = threading.Thread(target=cleaner)
+    thread.start()
+    try:
+        assert cache.read(entry) == store.read_bytes(entry.key)
+    finally:
+        thread.join()
+    assert cache.contains(entry) and cache.stats.misses == 1
+
+
 def test_a_cache_removed_under_a_running_job_is_named_not_blamed_on_a_file(store, tmp_path):
     entries = put_files(store, 2, size=300)
     cache = LocalCache(store, str(tmp_path / "cache"))

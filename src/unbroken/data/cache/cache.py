@@ -229,6 +229,7 @@ class LocalCache:
         """Take the node-wide fill lock and fetch, or serve what another process filled."""
         delay = _POLL_MIN
         waited = False
+        removed = 0
         while True:
             fd = self._fill_lock(name)
             if fd is None:  # another process fills it: poll for its result
@@ -245,6 +246,10 @@ class LocalCache:
                 if served is not _ABSENT:
                     return served
                 return self._fetch_and_publish(entry, name, want)
+            except OSError:
+                if removed >= 2 or not self.layout.shard_removed(name):
+                    raise
+                removed += 1  # a cleaner took the folder, the temp with it: fill again
             finally:
                 self.layout.unlock(name, fd)
 

@@ -117,6 +117,15 @@ class CacheLayout:
             self._made.add(directory)
         return directory
 
+    def shard_removed(self, name: str) -> bool:
+        """Whether ``name``'s folder was removed from outside (an age-based cleaner) while
+        the cache itself stands; it is made again at its next use."""
+        directory = os.path.join(self.objects, name[:2])
+        if os.path.isdir(directory) or not os.path.exists(self.fill_locks):
+            return False
+        self._made.discard(directory)
+        return True
+
     def temp_path(self, name: str) -> str:
         """The one temp path of ``name``: only the holder of its fill lock writes it."""
         return os.path.join(self.shard_dir(name), f".{name}{_FILL_SUFFIX}")
