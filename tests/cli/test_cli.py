@@ -368,6 +368,9 @@ def test_plan_prints_a_huge_figure_by_its_exponent(capsys):
         ["demo", "--kills", "-1"],
         ["demo", "--files", "16"],
         ["demo", "--step-seconds", "-1"],
+        ["demo", "--step-seconds", "1e308"],  # an OverflowError inside torchrun's job
+        ["demo", "--steps", "5", "--every-steps", "10"],  # no save before the end
+        ["demo", "--steps", "20", "--every-steps", "10"],  # no room for a kill: "OK" anyway
     ],
 )
 def test_plan_bad_arguments(capsys, argv):

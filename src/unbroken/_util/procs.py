@@ -92,6 +92,20 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it, the deepest seen first (torchrun starts
+    each rank in a session of its own: the launcher's process group is not enough)."""
+    tree, frontier = [], [pid]
+    while frontier:
+        tree.extend(frontier)
+        frontier = [c for p in frontier for c in children(p)]
+    for member in reversed(tree):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 _PR_SET_PDEATHSIG = 1
 
 
