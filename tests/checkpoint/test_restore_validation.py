@@ -328,7 +328,7 @@ def test_an_expanded_view_in_the_state_fails_the_restore_before_anything_changes
         mgr.save(1, state)
     with torch.no_grad():
         model.weight.zero_()
-    refused = pytest.raises(ub.CheckpointMismatchError, match=r"row are views whose elements")
+    refused = pytest.raises(ub.CheckpointMismatchError, match=r"entries row are views whose")
     with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr, refused:
         mgr.restore(state)
     assert not model.weight.any()  # untouched

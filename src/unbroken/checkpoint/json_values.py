@@ -33,13 +33,15 @@ def _check(path: str, value: Any, open_containers: set[int]) -> None:
             f"{path} is a tuple, which would come back from the checkpoint as a list; store a list"
         )
     if not isinstance(value, (list, dict)):
-        hint = ""
-        if type(value).__name__ in ("Tensor", "Parameter"):
+        kind, hint = type(value).__name__, ""
+        if type(value).__module__ == "numpy":
+            kind, hint = f"numpy.{kind}", "; store value.item(), the Python number"
+        elif kind in ("Tensor", "Parameter"):
             hint = (
                 "; a plain value is JSON. Give tensors entries of their own in the state "
                 "(state['ema_weight'] = t), or put them in a module (an EMA as an nn.Module)"
             )
-        raise TypeError(f"{path} is a {type(value).__name__}, which JSON cannot hold{hint}")
+        raise TypeError(f"{path} is a {kind}, which JSON cannot hold{hint}")
     if type(value) not in (list, dict):  # its own behaviour would not come back with it
         base = "list" if isinstance(value, list) else "dict"
         raise TypeError(

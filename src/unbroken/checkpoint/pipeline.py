@@ -270,8 +270,10 @@ class SavePipeline:
         problem, exc, claimed = None, None, True
         try:
             job.staged.wait()
-            # behind first: a run without restore meets the old run's kept steps too
-            if g.is_coordinator and (ahead := self.index.newest_after(step, self.unusable)):
+            if g.is_coordinator and (newer := self.index.newer_format(step)) is not None:
+                problem = newer.problem
+            # before "already committed": a run without restore meets the old run's steps
+            elif g.is_coordinator and (ahead := self.index.newest_after(step, self.unusable)):
                 exc = StepBehindError.at(step, redact(self.durable.url), ahead)  # ahead > 0
                 problem = str(exc)
             elif g.is_coordinator and step in self.index.committed_steps():
@@ -280,8 +282,6 @@ class SavePipeline:
                     f"{committed_by(self.durable, step)}; a committed checkpoint is never "
                     "overwritten"
                 )
-            elif g.is_coordinator and (newer := self.index.newer_format(step)) is not None:
-                problem = newer.problem
             elif g.is_coordinator:
                 claimed = self._claim_quickly(name, step)
         except Exception as e:

@@ -57,9 +57,10 @@ def check_compatible(
             )
     if shared:
         raise CheckpointMismatchError(
-            f"cannot restore checkpoint {where} into the state: {', '.join(shared[:_SHOW])} "
-            "are views whose elements share memory (made by expand()), which nothing can "
-            "be loaded into; give them tensors of their own (.clone()). Nothing was changed"
+            f"cannot restore checkpoint {where} into the state: its entries "
+            f"{', '.join(shared[:_SHOW])} are views whose elements share memory (made by "
+            "expand()), which nothing can be loaded into; give them tensors of their own "
+            "(.clone()). Nothing was changed"
         )
     optimizers = {n for n, k in flat.kinds.items() if k == KIND_OPTIMIZER}
     reported = (missing if strict else []) + unexpected

@@ -79,5 +79,5 @@ def _need(name: str, value: float, ok: Callable[[float], bool], what: str) -> No
 def _finite(name: str, value: float) -> float:
     """A result that overflowed is an error, never an ``inf`` handed on as a figure."""
     if not math.isfinite(value):
-        raise ValueError(f"{name} overflows: the inputs are too large to plan with")
+        raise ValueError(f"{name} overflows: an input is too large, or too small, to plan with")
     return value
