@@ -704,6 +704,16 @@ def test_files_removed_from_outside_are_recounted_before_anything_is_evicted(sto
     assert again.used_bytes == 4000 == disk_bytes(cache.cache_dir)
 
 
+def test_a_lower_limit_evicts_down_to_it_when_the_cache_opens(store, tmp_path):
+    """It evicted nothing until the next fill: a job that only hits kept the old size."""
+    entries = put_files(store, 6, size=1000)
+    cache = LocalCache(store, str(tmp_path / "cache"))
+    for e in entries:
+        cache.read(e)
+    smaller = LocalCache(store, cache.cache_dir, limit="3000")
+    assert smaller.used_bytes <= 3000 and disk_bytes(cache.cache_dir) <= 3000
+
+
 def test_a_shard_folder_removed_by_a_cleaner_is_made_again(store, tmp_path):
     """An age-based cleaner removed cached files and their emptied folders: the next
     fill of that folder failed (CacheWriteError) until the process restarted."""

@@ -83,6 +83,10 @@ class LocalCache:
         self.limit = cache_limit_bytes(limit, self.cache_dir)
         self._setup()
         self.swept = self._sweep()
+        if self.limit is not None:  # a limit lowered since the files were cached
+            with self.layout.ledger() as ledger:
+                if ledger.used > self.limit:
+                    self._evict(ledger.used - self.limit, ledger)
 
     def _sweep(self) -> int:
         """Clean up after crashed fillers; returns how many leftovers were removed.
