@@ -77,6 +77,20 @@ def test_ls_json_has_the_catalog_field_names(capsys, checkpoints):
     assert not doc[2]["committed"] and "no manifest" in doc[2]["problem"]
 
 
+def test_ls_calls_a_commit_record_over_a_missing_shard_damaged_not_partial(
+    capsys, checkpoints, tmp_path
+):
+    """The word "partial" reads as a save cut short; verify calls the same step CORRUPT."""
+    root = tmp_path / "ck"
+    shutil.copytree(checkpoints, root)
+    (root / step_dir(2) / "__0_0.distcp").unlink()
+    code, out, _ = run(capsys, "ls", str(root))
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:]}
+    assert code == 0 and rows == {"2": "damaged", "4": "committed", "6": "partial"}, out
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    assert [d["damaged"] for d in json.loads(out)] == [True, False, False]
+
+
 def test_ls_of_a_hand_edited_manifest_with_no_date_shows_none(capsys, checkpoints, tmp_path):
     """A manifest of the format before its own checksum, ``created`` edited to -inf: ls
     crashed (round(inf)) and ``--json`` printed NaN, which strict JSON refuses."""

@@ -49,6 +49,9 @@ class CheckpointInfo:
     """Its manifest is of a format newer than this unbroken reads (a newer unbroken
     committed it): not committed as far as this version can tell, but never deleted or
     overwritten; ``problem`` says which version wrote it."""
+    damaged: bool = False
+    """It has a commit record, but the record or the files it lists are not whole (a
+    file deleted or cut short, a record edited): damage, not a save cut short."""
 
 
 def list_checkpoints(
@@ -177,13 +180,17 @@ def _describe(store: Store, step: int, sizes: dict[str, int]) -> CheckpointInfo:
         manifest = read_manifest(store, step)
     except CheckpointError as exc:  # a store failure propagates: unknown is not partial
         newer = isinstance(exc, NewerFormatError)
-        return CheckpointInfo(step, False, present, None, None, url, str(exc), newer)
+        return CheckpointInfo(
+            step, False, present, None, None, url, str(exc), newer, damaged=not newer
+        )
     problems = missing_or_short(manifest, sizes)
     if problems:
         why = "incomplete: " + "; ".join(problems[:5])
         if len(problems) > 5:
             why += f"; and {len(problems) - 5} more"
-        return CheckpointInfo(step, False, present, None, manifest.world_size, url, why)
+        return CheckpointInfo(
+            step, False, present, None, manifest.world_size, url, why, damaged=True
+        )
     created = manifest.created if math.isfinite(manifest.created) else None  # hand-edited
     return CheckpointInfo(step, True, manifest.nbytes, created, manifest.world_size, url, None)
 

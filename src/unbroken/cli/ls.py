@@ -7,7 +7,7 @@ import dataclasses
 import json
 import time
 
-from unbroken.checkpoint.catalog import list_checkpoints
+from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
 from unbroken.cli import text
 from unbroken.cli.errors import CliError
 from unbroken.cli.stores import add_storage_arguments, open_existing, storage_options
@@ -26,6 +26,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def _state(info: CheckpointInfo) -> str:
+    if info.committed:
+        return "committed"
+    return "newer" if info.newer_format else "damaged" if info.damaged else "partial"
+
+
 def run(args: argparse.Namespace) -> int:
     store = open_existing(args.url, storage_options(args))
     infos = list_checkpoints(store)
@@ -36,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         rows = [
             [
                 str(i.step),
-                "committed" if i.committed else "partial",
+                _state(i),
                 text.size(i.nbytes),
                 text.age(now - i.created) if i.created is not None else "-",
                 str(i.world_size) if i.world_size is not None else "-",
