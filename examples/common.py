@@ -37,8 +37,8 @@ def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
         "--storage-options",
         type=json.loads,
         default=None,
-        help='JSON given to both stores, e.g. \'{"endpoint_url": "http://..."}\' for S3 '
-        "(default: none)",
+        help="JSON given to the stores that are URLs (s3://...; a local path takes none), "
+        'e.g. \'{"endpoint_url": "http://..."}\' (default: none)',
     )
     parser.add_argument(
         "--steps", type=int, default=200, help="optimizer steps in all (default: %(default)s)"
@@ -62,6 +62,13 @@ def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     if not args.make_data and not (args.data and args.checkpoints):
         parser.error("--data and --checkpoints are required (or --make-data DIR)")
     return args
+
+
+def options_for(url: str, options: dict | None) -> dict | None:
+    """``--storage-options`` for ``url``: a local path takes none (open_store refuses
+    them), so S3 checkpoints beside local data need no second flag."""
+    local = not ("://" in url or "::" in url) or url.startswith("file://")
+    return None if local else options
 
 
 def init_distributed() -> torch.device:

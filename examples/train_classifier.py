@@ -26,7 +26,7 @@ from PIL import Image
 from torch import nn
 
 import unbroken as ub
-from common import RunRecord, init_distributed, parse_args
+from common import RunRecord, init_distributed, options_for, parse_args
 
 CROP = 28  # random 28x28 crops of 32x32 images
 
@@ -80,7 +80,10 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=args.steps)
     # Each rank reads its share of every global batch; the local cache keeps fetched files.
     dataset = ub.VolumeDataset(
-        args.data, decode=decode, seed=1, storage_options=args.storage_options
+        args.data,
+        decode=decode,
+        seed=1,
+        storage_options=options_for(args.data, args.storage_options),
     )
     loader = ub.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers)
 
@@ -95,7 +98,7 @@ def main() -> None:
         staging_dir=args.staging_dir,
         every_steps=args.every_steps,
         keep_last=2,
-        storage_options=args.storage_options,
+        storage_options=options_for(args.checkpoints, args.storage_options),
     )
     step = mgr.restore(state) or 0  # the newest committed checkpoint; None on a first start
     record = RunRecord(device, step, mgr.last_restore)  # says where it started from

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import unbroken as ub
-from common import RunRecord, init_distributed, parse_args
+from common import RunRecord, init_distributed, options_for, parse_args
 
 VOCAB, CONTEXT = 256, 64  # token ids < 256; each file holds CONTEXT + 1 tokens
 
@@ -113,7 +113,10 @@ def main() -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, warmup_cosine(args.steps // 10, args.steps))
     dataset = ub.VolumeDataset(
-        args.data, decode=decode, seed=1, storage_options=args.storage_options
+        args.data,
+        decode=decode,
+        seed=1,
+        storage_options=options_for(args.data, args.storage_options),
     )
     loader = ub.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers)
 
@@ -127,7 +130,7 @@ def main() -> None:
         staging_dir=args.staging_dir,
         every_steps=args.every_steps,
         keep_last=2,
-        storage_options=args.storage_options,
+        storage_options=options_for(args.checkpoints, args.storage_options),
     )
     step = mgr.restore(state) or 0
     record = RunRecord(device, step, mgr.last_restore)  # says where it started from

@@ -494,3 +494,23 @@ def test_a_scheduler_added_since_the_save_is_named_not_called_another_model(tmp_
         assert mgr.restore({"model": fresh, "optim": optim2}, strict=False) == 1
     assert torch.equal(fresh.weight, model.weight)
     assert optim2.param_groups[0]["initial_lr"] == 0.001
+
+
+def test_a_parameter_group_added_since_the_save_is_named_not_blamed_on_a_scheduler(tmp_path):
+    """A no-weight-decay group added: the message blamed an LR scheduler and offered
+    strict=False, which then failed on the groups."""
+    model = torch.nn.Linear(4, 4)
+    with ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st") as mgr:
+        mgr.save(1, {"model": model, "optim": torch.optim.AdamW(model.parameters())})
+    fresh = torch.nn.Linear(4, 4)
+    split = [{"params": [fresh.weight]}, {"params": [fresh.bias], "weight_decay": 0.0}]
+    state = {"model": fresh, "optim": torch.optim.AdamW(split)}
+    with ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st2") as mgr:
+        for strict in (True, False):
+            with pytest.raises(ub.CheckpointMismatchError, match=r"has 2 parameter group\(s\), "
+                               r"the checkpoint's 1") as e:  # fmt: skip
+                mgr.restore(state, strict=strict)
+            assert "scheduler" not in str(e.value)
+    with ub.CheckpointManager(tmp_path / "model-only", staging_dir=tmp_path / "st3") as mgr:
+        mgr.save(1, {"model": model})  # no optimizer at all: strict=False leaves it alone
+        assert mgr.restore(state, strict=False) == 1

@@ -63,6 +63,14 @@ def check_compatible(
             "(.clone()). Nothing was changed"
         )
     optimizers = {n for n, k in flat.kinds.items() if k == KIND_OPTIMIZER}
+    for name in sorted(optimizers):  # a group added or dropped: no scheduler's doing
+        had, has = _groups(name, [*saved, *saved_values]), _groups(name, [*mine, *flat.values])
+        if had and had != has:  # (none: the checkpoint has no such optimizer)
+            raise CheckpointMismatchError(
+                f"checkpoint {where}: the optimizer {name!r} has {has} parameter group(s), "
+                f"the checkpoint's {had} (a no-weight-decay group added or dropped?); build "
+                "the optimizer with the parameter groups of the run that saved it"
+            )
     reported = (missing if strict else []) + unexpected
     hyper = [k for k in reported if _is_group_setting(k, optimizers)]
     if hyper and len(hyper) == len(reported) and not shapes:
@@ -97,6 +105,13 @@ def _elements_share_memory(value: Any) -> bool:
     if not isinstance(value, torch.Tensor):
         return False
     return any(st == 0 and n > 1 for st, n in zip(value.stride(), value.shape))
+
+
+def _groups(optimizer: str, keys: list[str]) -> int:
+    """How many parameter groups ``optimizer``'s keys (``optim.param_groups.N.lr``) hold."""
+    prefix = f"{optimizer}.param_groups."
+    found = {k[len(prefix) :].split(".", 1)[0] for k in keys if k.startswith(prefix)}
+    return len(found)
 
 
 def _is_group_setting(key: str, optimizers: set[str]) -> bool:
