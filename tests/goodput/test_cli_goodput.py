@@ -47,9 +47,9 @@ def test_two_jobs_on_one_root_are_told_apart(capsys, tmp_path):
     ]
     for p in procs:
         p.communicate(timeout=300)  # one may fail: two jobs saving to one URL is refused
-    code, _, err = goodput(capsys, url, "--json")
-    assert code == 2 and "2 jobs" in err and "job-a" in err and "job-b" in err
-    assert "--job" in err
+    code, out, err = goodput(capsys, url, "--json")  # the newest, the others named
+    assert code == 0 and "2 jobs" in err and "job-a" in err and "job-b" in err
+    assert "--job" in err and f"the newest, {json.loads(out)['job']}" in err
     for name in ("job-a", "job-b"):
         code, out, _ = goodput(capsys, url, "--json", "--job", name)
         report = json.loads(out)

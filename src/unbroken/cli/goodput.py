@@ -83,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def pick_job(found: list[jobs.Job], wanted: str | None, url: str) -> jobs.Job:
-    """The job to report: ``--job``'s, or the only one; several and no choice is an error
-    naming them all (their attempts mixed into one figure would mean nothing)."""
+    """The job to report: ``--job``'s, or the newest (the one a user who ran a script
+    twice asks about), the others named (their attempts mixed into one figure would mean
+    nothing)."""
     listing = "; ".join(
         f"{j.name} ({len(j.attempts)} attempt{'' if len(j.attempts) == 1 else 's'}, "
         f"{_utc(j.start)} to {_utc(j.end)} UTC)"
@@ -95,13 +96,14 @@ def pick_job(found: list[jobs.Job], wanted: str | None, url: str) -> jobs.Job:
             if j.name == wanted:
                 return j
         raise CliError(f"no job {wanted!r} wrote under {url}; its jobs: {listing}", code=2)
+    newest = max(found, key=lambda j: j.end)
     if len(found) > 1:
-        raise CliError(
-            f"{len(found)} jobs wrote goodput events under {url}: {listing}; "
-            "pick one with --job NAME",
-            code=2,
+        print(
+            f"note: {len(found)} jobs wrote goodput events under {url}: {listing}; this "
+            f"is the newest, {newest.name}: pick another with --job NAME",
+            file=sys.stderr,
         )
-    return found[0]
+    return newest
 
 
 def _utc(t: float) -> str:
