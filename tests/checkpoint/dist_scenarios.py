@@ -459,6 +459,7 @@ def scenario_retention(a: argparse.Namespace) -> None:
         mgr.wait()
     except ub.SaveRefusedError as e:
         assert "state key 't' is a tensor of shape [3]" in str(e) and "[4]" in str(e), e
+        assert type(e.__cause__).__name__ == "UnlikeCopiesError", repr(e.__cause__)
     else:
         raise AssertionError("a tensor of another shape on each rank was saved")
     del state["t"]

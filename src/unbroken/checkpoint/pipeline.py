@@ -321,7 +321,7 @@ class SavePipeline:
         except CheckpointException as e:
             if unlike := unlike_copies_in(e):  # the state's fault: every save would fail
                 refused = SaveRefusedError(str(unlike), step=step, url=redact(self.durable.url))
-                raise PhaseFailed(str(refused), refused.fields()) from e
+                raise PhaseFailed(str(refused), refused.fields()) from unlike
             raise PhaseFailed(
                 f"writing step {step} to the local staging tier {local_dir} failed: {describe(e)}"
             ) from e

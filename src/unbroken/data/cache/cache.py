@@ -380,7 +380,8 @@ class LocalCache:
             raise SourceChangedError(
                 f"{redact(self.store.url_for(entry.key))}: the remote file has {got} bytes "
                 f"but the index says {entry.size}; it changed since the index was built "
-                f"(rebuild the index)"
+                f"(the next start lists the volume again; with index_max_age set, pass "
+                f"refresh_index=True)"
             )
 
     # -- byte accounting and eviction ---------------------------------------------------
