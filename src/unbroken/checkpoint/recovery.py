@@ -314,7 +314,11 @@ def _fail(
 ) -> None:
     """Record why (step, tier) did not load, naming the copy at fault (a staging attempt
     also reads the durable tier); a durable tier that errors (not corrupt) raises."""
-    where = (durable if in_durable else store).url_for(step_dir(step))
+    if in_durable or not isinstance(store, _NodeTiers):
+        where = (durable if in_durable else store).url_for(step_dir(step))
+    else:  # the file at fault may be a replica's or a peer's: the message names it
+        kinds = ", ".join(dict.fromkeys(kind for kind, _ in store.tiers()))
+        where = f"{step_dir(step)} on this node's copies ({kinds})"
     problems.append(f"{where}: {message}")
     if hard and tier == "durable":
         raise CheckpointError(f"reading checkpoint {where} failed: {message}")
