@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from unbroken._util.procs import signal_tree
+
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("dist_scenarios.py")
 
@@ -30,37 +32,16 @@ def dump_stacks(pid: int, settle: float = 2.0) -> None:
     up on a hung job kills it: the job's output then says where each process waited."""
     import time
 
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGUSR1)
-        except psutil.NoSuchProcess:
-            pass
+    signal_tree(pid, signal.SIGUSR1)
     time.sleep(settle)  # the dumps travel through the pipes before the kill
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a launcher and every process under it (torchrun starts each rank in its own
-    session, so killing the launcher's process group is not enough)."""
+    """SIGKILL a launcher and every process under it, and wait until they are gone."""
     import psutil
 
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=30)
+    killed = set(signal_tree(pid, signal.SIGKILL))
+    psutil.wait_procs([p for p in psutil.process_iter() if p.pid in killed], timeout=30)
 
 
 def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -92,18 +92,25 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process under it, the deepest seen first (torchrun starts
-    each rank in a session of its own: the launcher's process group is not enough)."""
+def signal_tree(pid: int, signum: int) -> list[int]:
+    """Send ``signum`` to ``pid`` and every process under it, the deepest seen first, and
+    return their pids (torchrun starts each rank in a session of its own: the launcher's
+    process group is not enough)."""
     tree, frontier = [], [pid]
     while frontier:
         tree.extend(frontier)
         frontier = [c for p in frontier for c in children(p)]
     for member in reversed(tree):
         try:
-            os.kill(member, signal.SIGKILL)
+            os.kill(member, signum)
         except ProcessLookupError:
             pass
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it."""
+    signal_tree(pid, signal.SIGKILL)
 
 
 _PR_SET_PDEATHSIG = 1

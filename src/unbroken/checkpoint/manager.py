@@ -153,7 +153,6 @@ class CheckpointManager:
             else None
         )
         """The node's memory tier (None: off, or no tmpfs for it)."""
-        self._sized = 0
         self._peers = PeerNetwork.start(
             self._group, self.staging_dir, self.memory_tier, config.replicas
         )
@@ -189,15 +188,8 @@ class CheckpointManager:
                 self.stats.replicas_failed += 1
 
     def _size_memory_tier(self, flat: FlatState) -> None:
-        """Can the tmpfs hold two snapshots of the state? Asked again only when the state
-        grew (an optimizer's state appears at its first step, after a restore)."""
-        if self.memory_tier is None or not self.memory_tier.active:
-            return
-        nbytes = state_bytes(flat)
-        if nbytes <= self._sized:
-            return
-        self.memory_tier.check_fits(nbytes, required=bool(self.config.memory_tier))
-        self._sized = nbytes  # after the check: with memory_tier=True every save raises
+        if self.memory_tier is not None and self.memory_tier.active:
+            self.memory_tier.check_fits(state_bytes(flat), required=bool(self.config.memory_tier))
 
     def _abandon_goodput(self) -> None:
         """The process ends now, without close(): flush what the event log holds."""

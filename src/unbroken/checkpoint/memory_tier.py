@@ -153,6 +153,8 @@ class MemoryTier:
         self.active = True
         """False once the tier turned itself off (a tmpfs too small, a write that failed)."""
         self._told_full = False
+        self._fits = 0
+        """The largest state the tmpfs was found to hold two snapshots of."""
 
     @classmethod
     def open(
@@ -176,13 +178,17 @@ class MemoryTier:
         return tier
 
     def check_fits(self, nbytes: int, *, required: bool) -> bool:
-        """At the start: can the tmpfs hold two snapshots of ``nbytes`` (the committed one
-        and the one being written)? If not, the tier goes off (warned) or, where
-        ``required``, MemoryTierError."""
+        """Can the tmpfs hold two snapshots of ``nbytes`` (the committed one and the one
+        being written)? Asked again only for a larger state (an optimizer's state appears
+        at its first step). If not, the tier goes off (warned) or, where ``required``,
+        MemoryTierError (at every save, until there is room)."""
+        if not self.active or nbytes <= self._fits:
+            return self.active
         os.makedirs(self.path, mode=0o700, exist_ok=True)
         room = space(self.path)
         held = tree_bytes(self.path)
         if room.room_for(2 * nbytes, held=held):
+            self._fits = nbytes
             return True
         message = (
             f"the memory tier at {self.path} needs {format_size(2 * nbytes)} (two snapshots "
