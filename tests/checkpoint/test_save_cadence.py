@@ -59,7 +59,7 @@ def test_every_seconds_counts_from_the_last_start_and_from_a_restore(monkeypatch
     assert not cadence.is_due(1)
     clock.now += 1.0
     assert cadence.is_due(1)
-    cadence.restored(1)
+    cadence.restored(1, [])
     clock.now += 29.0
     assert not cadence.is_due(2) and not cadence.is_due(1)
     clock.now += 1.0

@@ -58,18 +58,66 @@ def test_a_run_that_starts_behind_the_urls_newest_is_refused_and_the_newest_kept
     assert_same(snapshot(fresh), newest)
 
 
-def test_a_step_that_goes_back_within_a_run_is_refused(tmp_path):
+def test_a_step_that_goes_back_within_a_run_is_refused_at_once(tmp_path):
     state = make_state()
     with manager(tmp_path, keep_last=1) as mgr:
         mgr.save(5, state)
         mgr.wait()
-        mgr.save(3, state)
-        with pytest.raises(ub.StepBehindError, match="step 3 is older than step 5"):
-            mgr.wait()
-        assert committed(mgr) == [5]
+        for older in (3, 4):  # 4: once refused, not skipped as "committed" either
+            with pytest.raises(ub.StepBehindError, match=f"step {older} is older than step 5, "
+                               "which this run saved"):  # fmt: skip
+                mgr.save(older, state)
+        assert committed(mgr) == [5] and mgr.stats.skipped_committed == 0
+        assert not mgr.save(5, state)  # the same step: skipped, as ever
         mgr.save(6, state)  # forward again: saved as usual
         mgr.wait()
         assert committed(mgr) == [6]
+
+
+def test_a_step_counted_per_epoch_is_refused_at_the_first_step_of_the_next_epoch(tmp_path):
+    """Epoch 1's steps 4 and 8 were committed by epoch 0 already: they were skipped as
+    "already saved", nothing after epoch 0 was ever saved, and a restart lost the rest."""
+    state = make_state()
+    with manager(tmp_path, every_steps=4) as mgr:
+        for step in range(1, 11):
+            if mgr.maybe_save(step, state):
+                mgr.wait()  # epoch 0's commits land: the old skip came from them
+        with pytest.raises(ub.StepBehindError, match="step 1 is older than step 8, which this "
+                           r"run saved .* not per epoch") as info:  # fmt: skip
+            mgr.maybe_save(1, state)  # not even a due step: at once
+        assert (info.value.step, info.value.newest) == (1, 8)
+        assert committed(mgr) == [4, 8]
+
+
+def test_a_step_behind_the_restored_one_is_refused_at_once(tmp_path):
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        mgr.save(8, state)
+    with manager(tmp_path, every_steps=4) as mgr:
+        assert mgr.restore(state) == 8
+        assert not mgr.maybe_save(8, state)  # the restored step: already saved
+        with pytest.raises(ub.StepBehindError, match="step 4 is older than step 8, which "
+                           "this run restored"):  # fmt: skip
+            mgr.maybe_save(4, state)  # the loop started over at 0 after the restore
+        assert mgr.maybe_save(12, state)
+
+
+def test_a_run_whose_first_save_is_the_urls_newest_step_is_refused_not_warned(tmp_path):
+    """Without restore, a first save at the step the URL already holds was a warning
+    ("never overwritten"), and the run's next saves committed among the old run's."""
+    state = make_state()
+    with manager(tmp_path) as first:
+        first.save(6, state)
+    kept = (tmp_path / "durable" / step_dir(6) / "manifest.json").read_bytes()
+    mgr = manager(tmp_path)  # default options: a refusal is raised all the same
+    mgr.save(6, make_state(7))
+    with pytest.raises(ub.StepBehindError, match="step 6 is already committed at .* this run "
+                       "did not restore it") as info:  # fmt: skip
+        mgr.wait()
+    assert "call restore(state)" in str(info.value) and info.value.newest == 6
+    assert committed(mgr) == [6]
+    mgr.close()
+    assert (tmp_path / "durable" / step_dir(6) / "manifest.json").read_bytes() == kept
 
 
 def test_a_run_restored_past_an_unusable_newest_saves_behind_it(tmp_path):

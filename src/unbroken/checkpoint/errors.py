@@ -153,12 +153,34 @@ class StepBehindError(SaveRefusedError):
 
     @classmethod
     def at(cls, step: int, url: str, newest: int) -> StepBehindError:
+        """``newest``, committed at ``url`` by another run or an earlier attempt of this
+        one, is ``step`` or newer, and this run did not restore it."""
+        if newest == step:
+            why = (f"step {step} is already committed at {url}, and this run did not "
+                   f"restore it: a committed step is never overwritten, and this run's "
+                   f"next saves would mix with that run's steps")  # fmt: skip
+        else:
+            why = (f"step {step} is older than step {newest}, committed at {url}: retention "
+                   f"would remove step {step} as soon as it commits, and a restart would "
+                   f"load step {newest}")  # fmt: skip
+        steps = f"the steps after {step}" if newest > step else f"step {step} and those after"
         return cls(
-            f"step {step} is older than step {newest}, committed at {url}: retention would "
-            f"remove step {step} as soon as it commits, and a restart would load step "
-            f"{newest}. To go on from step {newest}, call restore(state) before the first "
-            f"save; to start a new run, give it a URL of its own (or move steps newer than "
-            f"{step} out of {url})",
+            f"{why}. To go on from step {newest}, call restore(state) before the first "
+            f"save; to start a new run, give it a URL of its own (or move {steps} out of "
+            f"{url})",
+            step=step,
+            url=url,
+            newest=newest,
+        )
+
+    @classmethod
+    def in_run(cls, step: int, url: str, newest: int, how: str) -> StepBehindError:
+        """This run's own step went back: it ``how`` ("saved", "restored") ``newest``."""
+        return cls(
+            f"step {step} is older than step {newest}, which this run {how} at {url}: the "
+            f"steps a run saves must only grow (retention keeps the newest, and a restart "
+            f"would load step {newest}). Count the step over the whole run, not per epoch "
+            f"(epoch * steps_per_epoch + i), and go on from the step restore(state) returns",
             step=step,
             url=url,
             newest=newest,

@@ -143,8 +143,6 @@ class CheckpointManager:
         """The newest save's failure; None once a later save committed."""
         self._warned: SaveFailedError | None = None
         """The newest failure reported by a warning alone (not raised)."""
-        self._left_newer: tuple[int, list[int]] | None = None
-        """After ``restore(step=)`` of an older step: that step and the newer ones."""
         self.memory_tier = (
             MemoryTier.open(
                 self.staging_dir, self._group.global_rank, required=bool(config.memory_tier)
@@ -205,8 +203,7 @@ class CheckpointManager:
         check_step(step)
         if self._ended_by_preemption(step):
             return False
-        if self._left_newer is not None:  # at once, not at the first due step
-            raise OlderStepRestoredError(redact(self.store.url), *self._left_newer)
+        self._cadence.refuse_going_back(step, redact(self.store.url))  # at once, not when due
         self._goodput.step(step)
         self._cadence.time_step(lambda: self._pipeline.in_flight is not None)
         self._report_failures(raising=False)
@@ -263,8 +260,7 @@ class CheckpointManager:
     def _save(self, step: int, state: Mapping[str, Any], *, skip_if_busy: bool) -> bool:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
-        if self._left_newer is not None:
-            raise OlderStepRestoredError(redact(self.store.url), *self._left_newer)
+        self._cadence.refuse_going_back(step, redact(self.store.url))
         self._group.refuse_if_alone("CheckpointManager")
         t0 = time.monotonic()
         self.stats.requested += 1
@@ -450,7 +446,7 @@ class CheckpointManager:
         self._group.refuse_if_alone("CheckpointManager")
         self._pipeline.drain()
         self._report_failures(raising=False)
-        self._left_newer = None  # a restore of the newest step lifts it
+        self._cadence.left_newer = None  # a restore of the newest step lifts it
         self._size_memory_tier(collect(state))
         self._goodput.restore_begin()
         memory = self._pipeline.node.memory_store()
@@ -477,13 +473,12 @@ class CheckpointManager:
             self._goodput.restore_end(restored.step, tier=restored.tier)
         if restored is None:
             return None
-        self._cadence.restored(restored.step)
         self._pipeline.current_step = restored.step  # its local copy is the one to keep
         # newer steps restore went past (unusable) do not hold back this run's saves
         self._pipeline.unusable = set(restored.newer) if step is None else set()
         newer = list(restored.newer) if step is not None else []  # from the agreed listing
+        self._cadence.restored(restored.step, newer)
         if newer:
-            self._left_newer = (restored.step, newer)
             log.warning("%s", OlderStepRestoredError(redact(self.store.url), restored.step, newer))
         return restored.step
 

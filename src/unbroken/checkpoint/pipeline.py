@@ -262,6 +262,11 @@ class SavePipeline:
                     self._pending -= 1
                     self._idle.notify_all()
 
+    def _ahead_of(self, step: int) -> int | None:
+        """The newest committed step a restart would load, if it is ``step`` or newer: a
+        step this run never restored (its own saves of one are skipped before here)."""
+        return self.index.newest_after(step - 1, self.unusable)
+
     def _save(self, job: SaveJob) -> Manifest:
         step, g = job.step, self.group
         name = step_dir(step)
@@ -272,11 +277,11 @@ class SavePipeline:
             job.staged.wait()
             if g.is_coordinator and (newer := self.index.newer_format(step)) is not None:
                 problem = newer.problem
-            # before "already committed": a run without restore meets the old run's steps
-            elif g.is_coordinator and (ahead := self.index.newest_after(step, self.unusable)):
-                exc = StepBehindError.at(step, redact(self.durable.url), ahead)  # ahead > 0
+            # a run without restore meets the old run's steps: at this one, or after it
+            elif g.is_coordinator and (ahead := self._ahead_of(step)) is not None:
+                exc = StepBehindError.at(step, redact(self.durable.url), ahead)
                 problem = str(exc)
-            elif g.is_coordinator and step in self.index.committed_steps():
+            elif g.is_coordinator and step in self.index.committed_steps():  # an unusable one
                 problem = (
                     f"step {step} is already committed at {self.durable.url_for(name)}"
                     f"{committed_by(self.durable, step)}; a committed checkpoint is never "

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from unbroken.checkpoint.config import CheckpointConfig
+from unbroken.checkpoint.errors import OlderStepRestoredError, StepBehindError
 from unbroken.goodput.autopilot import Autopilot
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ class SaveCadence:
         """The step of the newest save started (or restored); None after it failed."""
         self.last_start = time.monotonic()
         self.committed: set[int] = set()
+        self.newest: tuple[int, str] | None = None
+        """The newest step this run saved or restored, and which ("saved", "restored"):
+        the steps it saves after only grow."""
+        self.left_newer: tuple[int, list[int]] | None = None
+        """After a restore of an older step than the URL's newest: it, and the newer ones."""
         self._last_call: float | None = None
 
     def has(self, step: int) -> bool:
@@ -73,6 +79,19 @@ class SaveCadence:
         hand-off, so that a save failing at once can still be tried again."""
         with self._lock:
             self.last_step, self.last_start = step, time.monotonic()
+        if self.newest is None or step > self.newest[0]:
+            self.newest = (step, "saved")
+
+    def refuse_going_back(self, step: int, url: str) -> None:
+        """Raise if saving ``step`` would go back: behind an older step restored on
+        purpose (:attr:`left_newer`), or behind a step this run saved or restored (its
+        counter went back, one counted per epoch, say). Every rank reads the same here at
+        the same call, unlike :attr:`committed`, which each rank's commit fills in its own
+        time."""
+        if self.left_newer is not None:
+            raise OlderStepRestoredError(url, *self.left_newer)
+        if self.newest is not None and step < self.newest[0]:
+            raise StepBehindError.in_run(step, url, *self.newest)
 
     def blocked(self, seconds: float) -> None:
         """The loop was blocked ``seconds`` by the save it just made."""
@@ -90,11 +109,14 @@ class SaveCadence:
         if self.autopilot is not None:
             self.autopilot.committed(seconds)
 
-    def restored(self, step: int) -> None:
-        """The run goes on from ``step``: it counts as saved, and the clock starts now."""
+    def restored(self, step: int, newer: list[int]) -> None:
+        """The run goes on from ``step``: it counts as saved, and the clock starts now.
+        ``newer``: steps committed after it, which hold back every save."""
         self.committed.add(step)
         with self._lock:
             self.last_step, self.last_start = step, time.monotonic()
+        self.newest = (step, "restored")
+        self.left_newer = (step, newer) if newer else None
 
     def _interval(self) -> float | None:
         if self.autopilot is None:
