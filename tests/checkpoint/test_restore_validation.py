@@ -102,12 +102,13 @@ def test_a_checkpoint_from_a_newer_unbroken_is_refused_and_never_deleted_or_over
         assert not listed[4].committed and listed[4].newer_format
         assert re.search(refusal, listed[4].problem)
         # A run that starts over anyway: retention (keep_last=1) and the clean-up of
-        # partial steps below the newest commit leave step 4 alone, and saving step 4
-        # is refused.
+        # partial steps below the newest commit leave step 4 alone, and a later run's
+        # save of step 4 is refused.
         for step in (6, 8):
             train(fresh, [step])
             mgr.save(step, fresh)
             mgr.wait()
+    with manager(tmp_path, keep_last=1) as mgr:
         mgr.save(4, fresh)
         with pytest.raises(SaveFailedError, match=refusal):
             mgr.wait()

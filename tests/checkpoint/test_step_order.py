@@ -111,8 +111,8 @@ def test_a_run_whose_first_save_is_the_urls_newest_step_is_refused_not_warned(tm
     kept = (tmp_path / "durable" / step_dir(6) / "manifest.json").read_bytes()
     mgr = manager(tmp_path)  # default options: a refusal is raised all the same
     mgr.save(6, make_state(7))
-    with pytest.raises(ub.StepBehindError, match="step 6 is already committed at .* this run "
-                       "did not restore it") as info:  # fmt: skip
+    with pytest.raises(ub.StepBehindError, match=r"step 6 is already committed at .* this run "
+                       r"did not restore it") as info:  # fmt: skip
         mgr.wait()
     assert "call restore(state)" in str(info.value) and info.value.newest == 6
     assert committed(mgr) == [6]

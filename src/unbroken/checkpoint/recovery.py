@@ -43,7 +43,6 @@ from unbroken.checkpoint.errors import (
 )
 from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
-    METADATA_JSON,
     Manifest,
     read_manifest,
     step_dir,
@@ -55,7 +54,9 @@ from unbroken.checkpoint.restore_agreement import agree_on_step, agreed_listing
 from unbroken.checkpoint.restore_checks import (
     check_compatible,
     check_generators,
+    other_optimizers,
     read_rng,
+    refuse_other_optimizers,
     saved_values,
 )
 from unbroken.checkpoint.save_job import describe, rng_file
@@ -65,6 +66,7 @@ from unbroken.checkpoint.state_dicts import (
     fit_to_saved,
     load_generator_through_dcp,
     restore_into,
+    without_entries,
 )
 from unbroken.state.rng import RngState, apply_rng_state
 from unbroken.storage import Store
@@ -420,13 +422,16 @@ def _prepare(
             check_generators(flat, dataclasses.replace(rank0, generators=shared), False,
                               where=durable.url_for(f"{name}/{rng_file(0)}"))  # fmt: skip
     flat = _generators_of_older_checkpoints(flat, metadata.state_dict_metadata)
+    other = other_optimizers(flat, metadata, manifest)
+    refuse_other_optimizers(other, strict=strict, where=durable.url_for(name))
+    flat = without_entries(flat, other)
     flat = fit_to_saved(flat, metadata.state_dict_metadata)  # the optimizers' state as saved
     check_compatible(
         flat,
         metadata,
         manifest,
         strict=strict,
-        where=reader.source(METADATA_JSON).url_for(name),
+        where=durable.url_for(name),
     )
     rng_url = durable.url_for(f"{name}/{rng_file(group.global_rank)}")
     check_generators(flat, rng, strict, where=rng_url)

@@ -93,10 +93,58 @@ def check_compatible(
     if missing and not strict:
         parts = [p for p in parts if not p.startswith("missing")]
     if parts:
+        hint = ""
+        if missing and strict and not unexpected and not shapes:  # only added to the state
+            hint = (". Entries added since the save (an EMA, a scheduler): restore with "
+                    "strict=False to load what the checkpoint has, keep those as is")  # fmt: skip
         raise CheckpointMismatchError(
             f"checkpoint {where} does not match the state being restored "
-            f"(another model?): " + "; ".join(parts)
+            f"(another model?): " + "; ".join(parts) + hint
         )
+
+
+def other_optimizers(flat: FlatState, metadata: Metadata, manifest: Manifest) -> dict[str, str]:
+    """The state's optimizers that are not of the kind that saved the checkpoint, each
+    with what tells it (SGD saved, AdamW now): their groups' settings differ both ways.
+    A scheduler only adds settings (or, removed, only leaves the saved ones), so one
+    added or dropped never differs both ways; another optimizer's state loads into none.
+    """
+    saved = [*metadata.state_dict_metadata, *manifest.extra.get("values", {})]
+    mine = [*flat.tensors, *flat.values]
+    other = {}
+    for name in sorted(n for n, k in flat.kinds.items() if k == KIND_OPTIMIZER):
+        had, has = _settings(name, saved), _settings(name, mine)
+        if had - has and has - had:
+            other[name] = (
+                f"its parameter groups hold {', '.join(sorted(has - had)[:_SHOW])}, the "
+                f"checkpoint's {', '.join(sorted(had - has)[:_SHOW])}"
+            )
+    return other
+
+
+def refuse_other_optimizers(other: dict[str, str], *, strict: bool, where: str) -> None:
+    """Raise CheckpointMismatchError (strict), or warn that they are left as they are."""
+    if not other:
+        return
+    said = "; ".join(f"{name!r}: {why}" for name, why in other.items())
+    if strict:
+        raise CheckpointMismatchError(
+            f"checkpoint {where}: the optimizer is not of the kind that saved it ({said}): "
+            "an optimizer's state loads only into one of its kind. Build the optimizer "
+            "the saving run used, or, to change optimizers, restore with strict=False (it "
+            "leaves this one as it is) or without it in the state. Nothing was changed"
+        )
+    warnings.warn(
+        f"checkpoint {where}: left as it is, not of the kind that saved the checkpoint: {said}",
+        RuntimeWarning,
+        stacklevel=6,
+    )
+
+
+def _settings(optimizer: str, keys: list[str]) -> set[str]:
+    """The names of ``optimizer``'s group settings (``lr`` of ``optim.param_groups.0.lr``)."""
+    prefix = f"{optimizer}.param_groups."
+    return {k.rsplit(".", 1)[1] for k in keys if k.startswith(prefix) and k.count(".") == 3}
 
 
 def _elements_share_memory(value: Any) -> bool:

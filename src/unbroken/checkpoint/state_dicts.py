@@ -27,9 +27,10 @@ checkpoint (:func:`fit_to_saved`). Nothing here runs an optimizer step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import threading
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -314,6 +315,20 @@ def _set(node: Any, key: str | int, value: Any) -> None:
         while len(node) <= key:  # type: ignore[operator]
             node.append(None)
     node[key] = value
+
+
+def without_entries(flat: FlatState, names: Collection[str]) -> FlatState:
+    """``flat`` less the entries ``names``: a restore leaves them as they are."""
+    if not names:
+        return flat
+    keys = {k for k, path in flat.paths.items() if path[0] in names}
+    return dataclasses.replace(
+        flat,
+        tensors={k: v for k, v in flat.tensors.items() if k not in keys},
+        kinds={n: k for n, k in flat.kinds.items() if n not in names},
+        paths={k: p for k, p in flat.paths.items() if k not in keys},
+        nested={n: v for n, v in flat.nested.items() if n not in names},
+    )
 
 
 def fit_to_saved(flat: FlatState, saved: Mapping[str, Any]) -> FlatState:
