@@ -54,12 +54,13 @@ def _fit(
     module: type = Regressor,
     accumulate: int = 1,
     more: tuple = (),
+    epochs: int | None = None,
     **module_args,
 ) -> tuple[str, dict, int]:
     """One fit in this process, resumed from ``tmp_path/ckpt`` if anything is committed;
     the digest of the weights and optimizer state, the samples of each step (its last
     micro-batch's), and the epoch Lightning counts at the end. ``more``: callbacks after
-    ours."""
+    ours; ``epochs``: max_epochs (with ``steps=-1``, a fit Lightning counts in epochs)."""
     L.seed_everything(0, verbose=False)
     model, seen = module(**module_args), {}
     model.seen = lambda step, ids: seen.__setitem__(step, ids)
@@ -73,7 +74,8 @@ def _fit(
         )
         callbacks.insert(0, theirs_cb)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, plugins=[io], callbacks=callbacks,
+        accelerator="cpu", devices=1, max_steps=steps, max_epochs=epochs, plugins=[io],
+        callbacks=callbacks,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=tmp_path, limit_train_batches=limit, accumulate_grad_batches=accumulate,
     )  # fmt: skip
@@ -131,6 +133,37 @@ def test_a_fit_with_limit_train_batches_resumed_from_an_epochs_last_batch_goes_o
     assert resumed == reference and resumed_epoch == epoch
     epochs = [sorted(i for s in range(e * 3 + 1, e * 3 + 4) for i in seen[s]) for e in range(3)]
     assert epochs[1] != epochs[0] and epochs[2] != epochs[1]  # each a new epoch's first batches
+
+
+class _Crash(Exception):
+    pass
+
+
+class _CrashAt(L.pytorch.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise _Crash(self.step)
+
+
+def test_a_fit_in_epochs_resumed_from_a_save_at_an_epochs_end_serves_the_next_epoch(tmp_path):
+    """A ModelCheckpoint's save at epoch 0's end, then a crash: Lightning counts that
+    epoch finished and did not load the loader's state, so the resumed fit served
+    epoch 0's order again as epoch 1, and every epoch after was one behind."""
+    volume = toy_volume(tmp_path, files=FILES)
+
+    def fit(root: Path, *crash: L.pytorch.Callback) -> tuple[str, dict, int]:
+        at_epoch_end = L.pytorch.callbacks.ModelCheckpoint(root / "theirs", every_n_epochs=1)
+        return _fit(root, volume, -1, every=1000, epochs=3, more=(at_epoch_end, *crash))
+
+    reference, seen, epoch = fit(tmp_path / "reference")
+    with pytest.raises(_Crash):
+        fit(tmp_path / "job", _CrashAt(STEPS_PER_EPOCH + 2))
+    resumed, rest, resumed_epoch = fit(tmp_path / "job")
+    assert min(rest) == STEPS_PER_EPOCH + 1 and rest == {s: seen[s] for s in rest}
+    assert resumed == reference and resumed_epoch == epoch
 
 
 class _Samples(torch.utils.data.Dataset):

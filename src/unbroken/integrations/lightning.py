@@ -44,7 +44,6 @@ try:
     from lightning.pytorch.callbacks.callback import Callback
     from lightning.pytorch.strategies import Strategy
     from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
-    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError(
         "unbroken.integrations.lightning needs lightning: pip install 'unbroken[lightning]'"
@@ -58,8 +57,12 @@ from unbroken.checkpoint.config import check_option_names
 from unbroken.checkpoint.errors import NoCheckpointError
 from unbroken.checkpoint.format.manifest import manifest_key, parse_step_dir, read_manifest
 from unbroken.checkpoint.manager import CheckpointManager, SaveStats
-from unbroken.data.loader import DataLoader
 from unbroken.integrations import checkpoint_dict, checkpoint_paths
+from unbroken.integrations.lightning_epochs import (
+    end_epoch_of,
+    load_positions_lightning_left,
+    pulls_batches,
+)
 from unbroken.integrations.live_state import LiveState
 from unbroken.state.rng import capture_rng_state, restore_rng_state
 from unbroken.storage import LocalStore, Store, open_store
@@ -352,14 +355,15 @@ class UnbrokenCallback(OnExceptionCheckpoint):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._last_step = trainer.global_step  # as restored
+        load_positions_lightning_left(trainer.fit_loop)
         if self.io.options.get("preemption", "exit") != "off":
             _take_sigterm_from_lightning(trainer)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
-        if idx + 1 >= trainer.num_training_batches and not _pulls_batches(pl_module):
+        if idx + 1 >= trainer.num_training_batches and not pulls_batches(pl_module):
             # Lightning ends its epoch at this batch, so does every save in it (ours, a
             # ModelCheckpoint's, in whatever order Lightning runs the callbacks)
-            _end_epoch_of(trainer.train_dataloader)
+            end_epoch_of(trainer.train_dataloader)
         rng, self.io._restored_rng = self.io._restored_rng, None
         if rng is not None:
             restore_rng_state(rng)
@@ -367,10 +371,10 @@ class UnbrokenCallback(OnExceptionCheckpoint):
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
     ) -> None:
-        if idx + 1 >= trainer.num_training_batches and _pulls_batches(pl_module):
+        if idx + 1 >= trainer.num_training_batches and pulls_batches(pl_module):
             # a training_step(dataloader_iter) fetched its batches in the step, and idx
             # is the last it fetched (a ModelCheckpoint before us saved mid-epoch then)
-            _end_epoch_of(trainer.train_dataloader)
+            end_epoch_of(trainer.train_dataloader)
         stepped, self._last_step = trainer.global_step != self._last_step, trainer.global_step
         if not stepped:  # mid-accumulation: a save (SIGTERM's too) waits for the step
             return
@@ -393,25 +397,6 @@ class UnbrokenCallback(OnExceptionCheckpoint):
 
     def teardown(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         pass
-
-
-def _pulls_batches(pl_module: Any) -> bool:
-    """A ``training_step(self, dataloader_iter)``: Lightning hands it the iterator."""
-    return is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True)
-
-
-def _end_epoch_of(loaders: Any) -> None:
-    """Tell each ``ub.DataLoader`` among ``loaders`` that Lightning takes no more of its
-    epoch (``limit_train_batches``): a save at this batch then resumes at the next epoch,
-    as the uninterrupted fit goes on. A loader served to its end is not changed."""
-    if isinstance(loaders, DataLoader):
-        loaders.end_epoch()
-    elif isinstance(loaders, Mapping):
-        for loader in loaders.values():
-            _end_epoch_of(loader)
-    elif isinstance(loaders, (list, tuple)):
-        for loader in loaders:
-            _end_epoch_of(loader)
 
 
 def _dump(trainer: Any) -> dict[str, Any]:

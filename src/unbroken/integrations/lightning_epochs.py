@@ -1,0 +1,54 @@
+"""Where a ``ub.DataLoader`` stands around Lightning's epochs.
+
+Lightning ends an epoch at ``num_training_batches`` (``limit_train_batches``), not where
+the loader runs out, and on a resume counts an epoch saved at its end as finished,
+leaving the loaders' saved states unloaded: both would put the loader's position one
+epoch off the uninterrupted fit's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+from unbroken.data.loader import DataLoader
+
+
+def pulls_batches(pl_module: Any) -> bool:
+    """A ``training_step(self, dataloader_iter)``: Lightning hands it the iterator."""
+    return is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True)
+
+
+def load_positions_lightning_left(fit_loop: Any) -> None:
+    """The data position of a step saved at an epoch's end (a ``ModelCheckpoint`` after
+    validation): Lightning counts that epoch finished, so it is not restarting, and it
+    leaves the loaders' saved states unloaded. A ``ub.DataLoader`` would then serve
+    epoch 0's order again; it gets its state (the next epoch, from its start) here."""
+    states = getattr(fit_loop, "_combined_loader_states_to_load", None)
+    combined = getattr(fit_loop, "_combined_loader", None)
+    if not states or combined is None:
+        return
+    stateful = [loader for loader in combined.flattened if isinstance(loader, _Stateful)]
+    if len(stateful) != len(states):
+        return  # Lightning's own check refuses this where it loads them
+    for loader, state in zip(stateful, states):
+        if isinstance(loader, DataLoader):
+            loader.load_state_dict(state)
+    fit_loop._combined_loader_states_to_load = []
+
+
+def end_epoch_of(loaders: Any) -> None:
+    """Tell each ``ub.DataLoader`` among ``loaders`` that Lightning takes no more of its
+    epoch (``limit_train_batches``): a save at this batch then resumes at the next epoch,
+    as the uninterrupted fit goes on. A loader served to its end is not changed."""
+    if isinstance(loaders, DataLoader):
+        loaders.end_epoch()
+    elif isinstance(loaders, Mapping):
+        for loader in loaders.values():
+            end_epoch_of(loader)
+    elif isinstance(loaders, (list, tuple)):
+        for loader in loaders:
+            end_epoch_of(loader)
