@@ -64,10 +64,12 @@ def _train(
     """One train() in this process, resumed from ``out/ckpt`` if anything is committed."""
     model, seen = gpt2(), {}
     options = {"staging_dir": out / "stage", "when_busy": "wait", **(options or {})}
+    eval_dataset = overrides.pop("eval_dataset", None)
     trainer = Recording(
         model=model,
         args=training_args(str(out), steps, ddp_backend=None, **overrides),  # one process
         train_dataset=ub.VolumeDataset(volume, decode=decode, seed=0),
+        eval_dataset=eval_dataset,
         callbacks=[_StopAt(stop_at), UnbrokenCallback(out / "ckpt", **options)],
     )
     trainer.seen = lambda step, ids: seen.__setitem__(step, ids)
@@ -92,6 +94,29 @@ def test_a_run_stopped_mid_epoch_and_resumed_equals_an_uninterrupted_one(tmp_pat
     assert more == {} and again == reference and trainer.state.global_step == 12
     for run in ("reference", "job"):  # save_steps=4 would have written checkpoint-4, ...
         assert list((tmp_path / run / "hf-output").iterdir()) == []
+
+
+def test_a_run_resumed_from_a_save_at_an_evaluation_step_equals_an_uninterrupted_one(tmp_path):
+    """eval_steps == save_steps: the save was made before the Trainer's evaluation, whose
+    DataLoader draws its seed from the global RNG. The resumed run, which does not
+    evaluate that step again, drew one number less: other dropout masks from there on,
+    and the step's logs were missing from log_history."""
+    volume = toy_volume(tmp_path, files=FILES)
+    evals = {"eval_strategy": "steps", "eval_steps": 4, "logging_steps": 2}
+    run = functools.partial(_train, volume=volume, steps=10, eval_dataset=_Tokens(), **evals)
+    reference, seen, done = run(tmp_path / "reference")
+    _, first, _ = run(tmp_path / "job", stop_at=4)  # saved at 4, an evaluation step
+    resumed, rest, trainer = run(tmp_path / "job")
+    assert min(rest) == 5 and {**first, **rest} == seen
+    assert resumed == reference
+    logs = _untimed(trainer.state.log_history)  # the last, train_loss, is the run's own
+    assert logs[:-1] == _untimed(done.state.log_history)[:-1] and len(logs) == 9
+
+
+def _untimed(logs: list[dict]) -> list[dict]:
+    """log_history less its clock readings (runtimes, rates)."""
+    clock = ("runtime", "per_second")
+    return [{k: v for k, v in e.items() if not any(c in k for c in clock)} for e in logs]
 
 
 def test_the_trainers_save_strategy_sets_the_cadence_when_no_every_steps_is_given(tmp_path):

@@ -3,8 +3,9 @@
 - :class:`UnbrokenCallback`: ``Trainer(..., callbacks=[UnbrokenCallback("s3://b/run")])``.
   ``on_train_begin`` restores the newest committed checkpoint (model, optimizer,
   scheduler, loss scaler, the Trainer's own counters, every rank's RNG and, with our
-  loader, the data position); ``on_step_end`` calls ``maybe_save``, so the manager's
-  cadence, preemption (SIGTERM), goodput and MLflow work as in a loop of one's own.
+  loader, the data position); each step's ``maybe_save`` comes once the Trainer has
+  logged and evaluated the step, so the manager's cadence, preemption (SIGTERM),
+  goodput and MLflow work as in a loop of one's own.
 - :class:`Trainer`: ``transformers.Trainer`` that serves a :class:`~unbroken.VolumeDataset`
   through :class:`~unbroken.DataLoader` (the exact global data position) instead of a
   torch DataLoader that accelerate re-shards and a resume fast-forwards batch by batch.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 try:
@@ -102,6 +103,10 @@ class UnbrokenCallback(TrainerCallback):
         self._entries: dict[str, Any] = {}
         self._loader: DataLoader | None = None
         self._save_at_epoch_end = False
+        self._load_best = False
+        self._pending: tuple[Callable[[], None], str] | None = None
+        """A save put off until the Trainer has logged and evaluated the step, and the
+        hook ("trainer", "evaluate", "log") that makes it."""
 
     # -- the Trainer's events --------------------------------------------------------
 
@@ -124,6 +129,7 @@ class UnbrokenCallback(TrainerCallback):
     ) -> None:
         """Restore the newest committed checkpoint into the Trainer's objects."""
         self._check_arguments(args)
+        self._load_best = bool(args.load_best_model_at_end)
         if state.global_step > 0:  # the Trainer loaded a checkpoint-N of its own
             raise RuntimeError(
                 f"transformers.Trainer resumed its own checkpoint (step {state.global_step}) "
@@ -164,13 +170,41 @@ class UnbrokenCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """``maybe_save`` after each optimizer step (the Trainer's state is built only when
-        a save is due); the Trainer's own checkpoint is skipped unless kept."""
+        """``maybe_save`` after each optimizer step, once the Trainer has logged and
+        evaluated it (the Trainer's state is built only when a save is due); the Trainer's
+        own checkpoint is skipped unless kept."""
         if self._loader is not None:
             state.epoch = _loader_epoch(self._loader)  # the Trainer counts from its restart
-        self._maybe_save(state)
+        self._after_logs(lambda: self._maybe_save(state), control)
         if not self.keep_trainer_checkpoints:
             control.should_save = False
+
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """A save put off to a hook that did not come (a callback after this one switched
+        the log or evaluation off) is dropped: the next step's batches are fetched by now,
+        and a save of this position would skip them."""
+        if self._pending is not None:
+            log.warning(
+                "UnbrokenCallback: the save due at step %d was not made: the Trainer neither "
+                "logged nor evaluated after it, as its control said",
+                state.global_step,
+            )
+            self._pending = None
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self._save_put_off("log")
 
     def on_evaluate(
         self,
@@ -182,6 +216,7 @@ class UnbrokenCallback(TrainerCallback):
         """With ``load_best_model_at_end``, an evaluation may end the training (early
         stopping), and the Trainer then writes the best model's weights in place: the
         save in flight finishes its copy of them first (its upload goes on)."""
+        self._save_put_off("evaluate")
         if args.load_best_model_at_end:
             step_gate.wait_for_copies()
 
@@ -196,11 +231,16 @@ class UnbrokenCallback(TrainerCallback):
         At the training's last step, its save, waited for: the Trainer's end may then
         write the model in place (``load_best_model_at_end``)."""
         assert self.manager is not None, "on_train_begin did not run"
+        manager = self.manager
         last = control.should_training_stop or state.global_step >= state.max_steps
+
+        def save() -> None:
+            manager.save(state.global_step, self._live(state))
+            if last:
+                manager.wait()
+
         if last or (self._save_at_epoch_end and control.should_save):
-            self.manager.save(state.global_step, self._live(state))
-        if last:
-            self.manager.wait()
+            self._after_logs(save, control)
         if not self.keep_trainer_checkpoints:
             control.should_save = False
 
@@ -214,6 +254,7 @@ class UnbrokenCallback(TrainerCallback):
         """Save the last step (a no-op if it is committed already) and wait for it; not
         once the Trainer loaded the best model: those weights are not the last step's."""
         assert self.manager is not None
+        self._save_put_off(None)  # no batch was fetched since: its position still holds
         if not args.load_best_model_at_end:
             self.manager.save(state.global_step, self._live(state))
         if self._owns_manager:
@@ -263,6 +304,29 @@ class UnbrokenCallback(TrainerCallback):
 
     def _live(self, state: TrainerState) -> LiveState:
         return LiveState(self._entries, {"trainer_state": lambda: _trainer_state(state)})
+
+    def _after_logs(self, save: Callable[[], None], control: TrainerControl) -> None:
+        """``save`` once the Trainer has logged and evaluated this step, as the next step
+        starts from: an evaluation draws from the global RNG (its DataLoader's seed), the
+        logs go into ``log_history``, and a resumed run repeats neither. With
+        :class:`Trainer`, after all of it; with the Trainer of transformers, at the last
+        hook the control says will come (``on_evaluate``, or ``on_log``)."""
+        if self.trainer is not None:
+            self._pending = (save, "trainer")
+        elif control.should_evaluate:
+            self._pending = (save, "evaluate")
+        elif control.should_log:
+            self._pending = (save, "log")
+        else:
+            save()
+
+    def _save_put_off(self, hook: str | None) -> None:
+        """Make the save put off to ``hook`` (None: whichever)."""
+        if self._pending is not None and hook in (None, self._pending[1]):
+            save, self._pending = self._pending[0], None
+            save()
+            if self._load_best:  # the training may end here (early stopping), and the
+                step_gate.wait_for_copies()  # Trainer then writes the best model in place
 
     def _maybe_save(self, state: TrainerState) -> None:
         assert self.manager is not None, "on_train_begin did not run"
@@ -331,6 +395,14 @@ class Trainer(transformers.Trainer):
             )
         _check_accumulation(self._unbroken_loader, self.args.gradient_accumulation_steps)
         return self._unbroken_loader
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's logs, evaluation and best metric of the step, then the callback's
+        save: the state the next step starts from."""
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, UnbrokenCallback):
+                callback._save_put_off("trainer")
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
         """No batch once ``max_steps`` is reached: the Trainer decides to stop only after a
