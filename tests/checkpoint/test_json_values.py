@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter, OrderedDict, UserList, defaultdict
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -64,6 +66,12 @@ def test_non_finite_floats_are_tagged():
     assert value["best"] == math.inf  # encode copies, the caller's value is untouched
 
 
+@dataclasses.dataclass
+class _Point:
+    x: int
+    y: int
+
+
 @pytest.mark.parametrize(
     "value, match",
     [
@@ -72,11 +80,14 @@ def test_non_finite_floats_are_tagged():
         ({3: "x"}, r"state\['v'\] has the key 3 \(int\), which would come back .* as a string"),
         ({"a": {None: 1}}, r"state\['v'\]\['a'\] has the key None"),
         ({FLOAT_TAG: "inf"}, r"only key is '__float__'"),
-        ([object()], r"state\['v'\]\[0\] is a object, which JSON cannot hold"),
+        ([object()], r"state\['v'\]\[0\] is an object, which JSON cannot hold"),
         ({"s": {1, 2}}, r"state\['v'\]\['s'\] is a set"),
         (defaultdict(int), r"is a defaultdict, which would come back .* as a plain dict"),
         ({"c": Counter("ab")}, r"state\['v'\]\['c'\] is a Counter.* dict\(value\)"),
-        (OrderedDict(a=1), r"is a OrderedDict"),
+        (OrderedDict(a=1), r"is an OrderedDict"),
+        (np.float32(1), r"is a numpy.float32, which JSON cannot hold; store value.item\(\)"),
+        (np.zeros(2), r"is a numpy.ndarray, .*; store value.tolist\(\), or a tensor"),
+        (_Point(1, 2), r"is a _Point, .*; store dataclasses.asdict\(value\)"),
         (UserList([1]), r"is a UserList, which JSON cannot hold"),
         ([ListOf([1])], r"state\['v'\]\[0\] is a ListOf, .* as a plain list"),
     ],

@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 import unbroken as ub
 from unbroken.checkpoint.format.manifest import step_dir
@@ -169,3 +171,36 @@ def test_the_step_restore_went_past_does_not_crowd_out_the_runs_own(tmp_path):
     with manager(tmp_path, **kw) as mgr, pytest.warns(RuntimeWarning, match="falling back"):
         assert mgr.restore(again) == 13
     assert_same(snapshot(again), saved)
+
+
+class _Tracker:
+    """A metric tracker whose state_dict holds a numpy scalar (common: np.min of losses)."""
+
+    def __init__(self) -> None:
+        self.best = np.float32(np.inf)
+
+    def state_dict(self) -> dict:
+        return {"best": self.best}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.best = sd["best"]
+
+
+def test_a_value_inside_an_object_that_cannot_load_back_is_refused_at_the_save(tmp_path):
+    """Every save of it failed in the background and was only warned about: a job with
+    default options trained on with nothing committed."""
+    state = {**make_state(), "tracker": _Tracker()}
+    with manager(tmp_path, every_steps=1) as mgr:
+        with pytest.raises(TypeError, match=r"item .tracker.best. is a numpy.float32, "
+                           r"which a checkpoint cannot give back .*value.item\(\)"):  # fmt: skip
+            mgr.maybe_save(1, state)
+        assert mgr.stats.started == 0
+        state["tracker"].best = float(state["tracker"].best)  # the fix the message names
+        assert mgr.maybe_save(2, state)
+        mgr.wait()
+        assert committed(mgr) == [2]
+
+
+def test_a_sparse_tensor_is_refused_with_the_way_out(tmp_path):
+    with manager(tmp_path) as mgr, pytest.raises(TypeError, match=r"to_dense\(\)"):
+        mgr.save(1, {"t": torch.eye(3).to_sparse()})

@@ -33,20 +33,18 @@ def _check(path: str, value: Any, open_containers: set[int]) -> None:
             f"{path} is a tuple, which would come back from the checkpoint as a list; store a list"
         )
     if not isinstance(value, (list, dict)):
-        kind, hint = type(value).__name__, ""
-        if type(value).__module__ == "numpy":
-            kind, hint = f"numpy.{kind}", "; store value.item(), the Python number"
-        elif kind in ("Tensor", "Parameter"):
+        kind, hint = how_to_store(value)
+        if type(value).__name__ in ("Tensor", "Parameter"):
             hint = (
                 "; a plain value is JSON. Give tensors entries of their own in the state "
                 "(state['ema_weight'] = t), or put them in a module (an EMA as an nn.Module)"
             )
-        raise TypeError(f"{path} is a {kind}, which JSON cannot hold{hint}")
+        raise TypeError(f"{path} is {_a(kind)}, which JSON cannot hold{hint}")
     if type(value) not in (list, dict):  # its own behaviour would not come back with it
         base = "list" if isinstance(value, list) else "dict"
         raise TypeError(
-            f"{path} is a {type(value).__name__}, which would come back from the checkpoint "
-            f"as a plain {base}; store {base}(value) and rebuild it after restore"
+            f"{path} is {_a(type(value).__name__)}, which would come back from the "
+            f"checkpoint as a plain {base}; store {base}(value) and rebuild it after restore"
         )
     if id(value) in open_containers:
         raise TypeError(f"{path} contains itself")
@@ -68,6 +66,25 @@ def _check(path: str, value: Any, open_containers: set[int]) -> None:
                 )
             _check(f"{path}[{key!r}]", item, open_containers)
     open_containers.discard(id(value))
+
+
+def how_to_store(value: Any) -> tuple[str, str]:
+    """What ``value`` is, and how to store it instead ("; store ...", or "")."""
+    import dataclasses
+
+    kind = type(value).__name__
+    if type(value).__module__ == "numpy":
+        if kind == "ndarray":
+            return "numpy.ndarray", "; store value.tolist(), or a tensor (torch.from_numpy)"
+        return f"numpy.{kind}", "; store value.item(), the Python number"
+    if dataclasses.is_dataclass(value):
+        return kind, "; store dataclasses.asdict(value) and rebuild it after restore"
+    return kind, ""
+
+
+def _a(noun: str) -> str:
+    """"an OrderedDict", "a UserList" (a U, as in most type names, sounds "you")."""
+    return f"{'an' if noun[:1] in 'AEIOaeio' else 'a'} {noun}"
 
 
 def encode(value: Any) -> Any:

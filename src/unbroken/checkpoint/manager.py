@@ -32,6 +32,7 @@ from unbroken.checkpoint.config import (
 from unbroken.checkpoint.elastic_env import warn_if_restarts_may_hang
 from unbroken.checkpoint.errors import OlderStepRestoredError, SaveFailedError, SaveRefusedError
 from unbroken.checkpoint.format.manifest import check_step
+from unbroken.checkpoint.format.values import check_items
 from unbroken.checkpoint.memory_tier import MemoryTier
 from unbroken.checkpoint.peers.network import PeerNetwork, replica_stores
 from unbroken.checkpoint.peers.replicator import Replicator
@@ -272,6 +273,7 @@ class CheckpointManager:
             log.info("checkpoint step %d skipped: the previous save is still in flight", step)
             return False
         flat = collect(state)
+        check_items(flat.tensors)  # at once: in the background every save would fail
         self._size_memory_tier(flat)
         self._goodput.save_begin(step)
         busy, began = self._stager.busy, time.monotonic()

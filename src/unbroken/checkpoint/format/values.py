@@ -1,16 +1,20 @@
 """Non-tensor values: only what ``torch.load(weights_only=True)`` accepts is ever loaded.
 
-The writer checks every value this way when it saves (a value that could not be restored
-safely fails the save, not the restart), and the reader loads them only this way.
+A save checks every value of the state's objects this way before it starts
+(``check_loadable``: a value that could not be restored safely is refused at once, naming
+it), the writer again as it writes, and the reader loads them only this way.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+from collections import OrderedDict
 from typing import Any
 
 import torch
+
+from unbroken.checkpoint.json_values import how_to_store
 
 
 class UnsafeValueError(ValueError):
@@ -30,5 +34,43 @@ def _reason(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     for ln in lines:
         if "GLOBAL" in ln or "nsupported" in ln:  # names the global it refused
-            return ln
+            return ln.split(". Please use")[0]  # not the allowlist advice: a reader must trust
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def check_items(items: dict[str, Any]) -> None:
+    """``check_loadable`` on every item of a flat state that is not a tensor."""
+    for key, value in items.items():
+        if not isinstance(value, torch.Tensor):
+            check_loadable(key, value)
+
+
+def check_loadable(key: str, value: Any) -> None:
+    """Raise TypeError naming ``key`` if ``value`` (a non-tensor item of the state's
+    objects, an optimizer setting or a ``state_dict()`` entry) would not load back with
+    ``weights_only=True``: every save of it would fail in the background, never heal."""
+    if _plain(value):
+        return
+    data = io.BytesIO()
+    torch.save(value, data)
+    try:
+        load_weights_only(data.getbuffer())
+    except UnsafeValueError as exc:
+        raise TypeError(
+            f"state item {key!r} is a {how_to_store(value)[0]}, which a checkpoint cannot "
+            f"give back without unpickling code ({exc}){how_to_store(value)[1]}"
+        ) from None
+
+
+def _plain(value: Any) -> bool:
+    """Primitives and the containers of them that always load: the common case, at once."""
+    if type(value) in _PLAIN:
+        return True
+    if type(value) in (list, tuple):
+        return all(_plain(v) for v in value)
+    if type(value) in (dict, OrderedDict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return False

@@ -160,7 +160,10 @@ def _check_tensor(name: str, value: torch.Tensor, t: torch.Tensor) -> None:
     if t is value and type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"state dict key {name!r}: cannot stage tensor type {type(t).__name__}")
     if t.layout != torch.strided:
-        raise TypeError(f"state dict key {name!r}: cannot stage a {t.layout} tensor")
+        raise TypeError(
+            f"state dict key {name!r}: cannot stage a {t.layout} tensor; store "
+            "value.to_dense() (and .to_sparse() it after restore)"
+        )
     if t.is_meta:
         raise ValueError(f"state dict key {name!r} is a meta tensor with no data to stage")
 
