@@ -10,6 +10,7 @@ import sys
 
 import unbroken as ub
 from unbroken.goodput import events as ev
+from unbroken.goodput.salvage import salvage_local_logs
 
 
 def dead_pid() -> int:
@@ -58,12 +59,12 @@ def test_the_next_attempt_uploads_what_a_dead_one_left_locally(tmp_path):
         log.append(ev.Event(ev.STEP, 100.0 + n, n, step=n, begin=99.0 + n))
     log.flush(durable=False, beat=106.0)  # the seconds before the crash: local only
     assert len(ev.read_log(store)["a1"][0]) == 1
-    assert ev.salvage_local_logs(store, staging) == 1
+    assert salvage_local_logs(store, staging) == 1
     got = ev.read_log(store)["a1"][0]
     assert [e.n for e in got if e.n >= 0] == [0, 1, 2, 3, 4, 5]
     assert got[-1].kind == ev.BEAT and got[-1].t == 106.0
     assert not os.path.exists(log.local_path)
-    assert ev.salvage_local_logs(store, staging) == 0  # nothing twice
+    assert salvage_local_logs(store, staging) == 0  # nothing twice
 
 
 def test_a_live_process_log_is_left_alone(tmp_path):
@@ -71,7 +72,7 @@ def test_a_live_process_log_is_left_alone(tmp_path):
     log = ev.EventLog(store, str(tmp_path / "st"), "a1", 0)
     log.append(start_event("a1", os.getpid()))
     log.flush(durable=False)
-    assert ev.salvage_local_logs(store, str(tmp_path / "st")) == 0
+    assert salvage_local_logs(store, str(tmp_path / "st")) == 0
     assert os.path.exists(log.local_path)
 
 
@@ -100,7 +101,7 @@ def test_a_log_of_an_earlier_process_with_our_pid_is_salvaged(tmp_path):
     log.append(ev.Event(ev.START, head.t, 0, info={**head.info, "started": "1"}))
     log.append(ev.Event(ev.STEP, 101.0, 1, step=1, begin=100.5))
     log.flush(durable=False, beat=101.5)
-    assert ev.salvage_local_logs(store, staging) == 1
+    assert salvage_local_logs(store, staging) == 1
     assert [e.n for e in ev.read_log(store)["a1"][0] if e.n >= 0] == [0, 1]
 
 
@@ -113,7 +114,7 @@ def test_our_own_log_with_our_start_time_is_left_alone(tmp_path):
     started = process_start_ticks(os.getpid())
     log.append(ev.Event(ev.START, head.t, 0, info={**head.info, "started": started}))
     log.flush(durable=False)
-    assert ev.salvage_local_logs(store, str(tmp_path / "st")) == 0
+    assert salvage_local_logs(store, str(tmp_path / "st")) == 0
 
 
 def test_the_start_is_written_when_the_log_starts(tmp_path):
@@ -149,3 +150,33 @@ def test_bad_lines_are_skipped_with_a_warning_naming_the_source(caplog):
     [record] = caplog.records
     assert "some/key.jsonl" in record.getMessage() and "line 1" in record.getMessage()
     assert f"and {len(BAD_LINES) - 1} more" in record.getMessage()
+
+
+def test_a_rank_that_writes_durably_at_its_end_holds_no_step_of_a_long_job_in_memory(tmp_path):
+    """Ranks other than 0 write their log durably only at the end: every step of the
+    attempt stayed in memory (about 300 bytes each: 300 MB a million steps)."""
+    store = ub.open_store(tmp_path / "ck")
+    log = ev.EventLog(store, str(tmp_path / "st"), "a1", 1, durable_seconds=float("inf"))
+    log.append(start_event("a1", os.getpid()))
+    assert log.flush(durable=True)
+    steps = 3 * ev.MEMORY_EVENTS
+    for n in range(1, steps + 1):
+        log.append(ev.Event(ev.STEP, 100.0 + n, n, step=n, begin=99.0 + n))
+        if n % 1000 == 0:
+            assert log.flush(durable=False, beat=100.5 + n)
+            assert len(log._unsent) <= ev.MEMORY_EVENTS
+    assert log.close(beat=200000.0, remove_local=True)
+    got = ev.read_log(store)["a1"][1]
+    assert [e.n for e in got if e.n >= 0] == list(range(steps + 1))  # nothing lost
+    assert got[-1].kind == ev.BEAT and got[-1].t == 200000.0
+
+
+def test_a_local_copy_gone_while_it_holds_the_unsent_events_never_stops_the_job(tmp_path):
+    store = ub.open_store(tmp_path / "ck")
+    log = ev.EventLog(store, str(tmp_path / "st"), "a1", 1, durable_seconds=float("inf"))
+    log.append(start_event("a1", os.getpid()))
+    for n in range(1, ev.MEMORY_EVENTS + 10):
+        log.append(ev.Event(ev.STEP, 100.0 + n, n, step=n, begin=99.0 + n))
+    assert log.flush(durable=False)
+    os.unlink(log.local_path)  # the staging dir wiped under the job
+    assert log.close(beat=200000.0, remove_local=True)  # no exception; those events lost

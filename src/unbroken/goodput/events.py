@@ -27,17 +27,19 @@ import json
 import logging
 import math
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from unbroken._util.procs import process_alive, process_start_ticks
 from unbroken.storage import Store
 
 log = logging.getLogger(__name__)
+
+MEMORY_EVENTS = 4096
+"""Events not yet in the durable tier that a log holds in memory; beyond, it reads them
+back from its local copy when it writes them."""
 
 PREFIX = "_goodput"
 """Top-level folder of the event log in the durable tier (and in the staging tier)."""
@@ -229,12 +231,19 @@ class EventLog:
         self.durable_seconds = durable_seconds
         self.compact_every = compact_every
         self.clock = clock
-        self._written: list[tuple[str, list[Event]]] = []
-        """Objects written since the last compaction, with their events."""
+        self._written: list[str] = []
+        """Objects written since the last compaction (read back to compact them)."""
         self.local_dir = os.path.join(staging_dir, PREFIX)
         self.local_path = os.path.join(self.local_dir, f"attempt-{attempt}-rank-{rank}.jsonl")
         self._queue: collections.deque[Event | tuple] = collections.deque()
         self._unsent: list[Event] = []
+        """Numbered events not in the durable tier yet, while they are few: past
+        ``MEMORY_EVENTS`` they are read back from the local copy (``_unsent_at``) instead,
+        so a rank that writes durably only at its end holds no step of a long job."""
+        self._unsent_at: int | None = None
+        """The local copy's offset where the first event not in the durable tier begins."""
+        self._spilled = False
+        self._local_bytes = 0
         self.history: list[Event] | None = None
         """Every event so far, when a sink asked for it (``keep_history``)."""
         self._beat: Event | None = None
@@ -271,23 +280,50 @@ class EventLog:
                 batch.append(item if isinstance(item, Event) else Event(*item))
             if beat is not None:
                 batch.append(Event(BEAT, beat))
+            at = self._local_bytes
             self._write_local(batch)
-            self._unsent.extend(e for e in batch if e.n >= 0)
+            numbered = [e for e in batch if e.n >= 0]
+            if numbered and not self._unsent and not self._spilled:
+                self._unsent_at = at
+            if self._spilled and self._local_failed:  # the local copy stopped: in memory
+                self._unsent, self._spilled = [*self._read_unsent(), *numbered], False
+            elif self._spilled:
+                pass  # in the local copy already
+            elif len(self._unsent) + len(numbered) > MEMORY_EVENTS and not self._local_failed:
+                self._unsent, self._spilled = [], True
+            else:
+                self._unsent.extend(numbered)
             if self.history is not None:
                 self.history.extend(batch)
             if beat is not None:
                 self._beat = batch[-1]
-            if not durable or not self._unsent:
+            if not durable:
                 return True
-            key = object_key(self.attempt, self.rank, self._unsent[0].n)
-            if not self._write_durable(key, self._unsent):
+            unsent = self._read_unsent() if self._spilled else self._unsent
+            if not unsent:
+                return True
+            key = object_key(self.attempt, self.rank, unsent[0].n)
+            if not self._write_durable(key, unsent):
                 return False
-            self._written.append((key, self._unsent))
-            self._unsent = []
+            self._written.append(key)
+            self._unsent, self._spilled, self._unsent_at = [], False, None
             self._last_durable = time.monotonic()
             if len(self._written) >= self.compact_every:
                 self._compact()
             return True
+
+    def _read_unsent(self) -> list[Event]:
+        """The numbered events of the local copy from ``_unsent_at`` on (none if it is
+        gone: the staging dir wiped under the job loses them, never the job)."""
+        try:
+            with open(self.local_path, "rb") as f:
+                f.seek(self._unsent_at or 0)
+                text = f.read().decode("utf-8", "replace")
+        except OSError as exc:
+            log.warning("goodput: events since the last durable write lost: %s", exc)
+            self._spilled, self._unsent_at = False, None
+            return []
+        return [e for e in parse_lines(text, self.local_path) if e.n >= 0]
 
     def _write_durable(self, key: str, events: list[Event]) -> bool:
         tail = [self._beat] if self._beat is not None else []
@@ -306,11 +342,22 @@ class EventLog:
         them all, then delete them: a long job keeps a few objects per hour in the
         durable tier, not one per flush. A crash in between leaves duplicates, which a
         reader drops by number."""
-        events = [e for _, evs in self._written for e in evs]
+        try:
+            events = [
+                e
+                for old in self._written
+                for e in parse_lines(self.store.read_bytes(old).decode("utf-8", "replace"), old)
+                if e.n >= 0
+            ]
+        except Exception as exc:  # tried again at the next durable flush
+            log.debug("goodput: compaction put off: %s", exc)
+            return
+        if not events:
+            return
         key = f"{rank_prefix(self.attempt, self.rank)}/{events[0].n:09d}-{events[-1].n:09d}.jsonl"
         if not self._write_durable(key, events):
             return
-        for old, _ in self._written:
+        for old in self._written:
             try:
                 self.store.delete(old)
             except Exception as exc:
@@ -337,7 +384,7 @@ class EventLog:
         last compaction, which a sink asking at the start covers whole."""
         with self._io:
             if self.history is None:
-                self.history = [*(e for _, evs in self._written for e in evs), *self._unsent]
+                self.history = self._read_local() if self._local is not None else []
 
     def events_so_far(self) -> list[Event]:
         """What was flushed so far (``keep_history`` first), plus what is queued."""
@@ -345,15 +392,22 @@ class EventLog:
             queued = [e if isinstance(e, Event) else Event(*e) for e in list(self._queue)]
             return [*(self.history or []), *queued]
 
+    def _read_local(self) -> list[Event]:
+        with open(self.local_path, "rb") as f:
+            return parse_lines(f.read().decode("utf-8", "replace"), self.local_path)
+
     def _write_local(self, batch: list[Event]) -> None:
         if self._local_failed or not batch:
             return
         try:
             if self._local is None:
                 os.makedirs(self.local_dir, exist_ok=True)
-                self._local = open(self.local_path, "a", encoding="utf-8")  # noqa: SIM115
-            self._local.write("".join(e.to_json() + "\n" for e in batch))
+                self._local = open(self.local_path, "ab")  # noqa: SIM115
+                self._local_bytes = self._local.tell()
+            data = "".join(e.to_json() + "\n" for e in batch).encode()
+            self._local.write(data)
             self._local.flush()  # to the page cache: survives the process, not the node
+            self._local_bytes += len(data)
         except (OSError, ValueError) as exc:
             log.warning("goodput: no local copy of the event log (%s)", exc)
             self._local, self._local_failed = None, True
@@ -368,84 +422,6 @@ class EventLog:
                 self.flush(durable=due, beat=self.clock())
             except Exception:  # never let accounting kill the job
                 log.exception("goodput: event log flush failed")
-
-
-def salvage_local_logs(store: Store, staging_dir: str) -> int:
-    """Upload what earlier, dead attempts on this node wrote locally but not durably.
-
-    Each file is claimed by an atomic rename first, so ranks sharing the staging dir do
-    not upload it twice. Returns the number of files salvaged.
-    """
-    local_dir = os.path.join(staging_dir, PREFIX)
-    try:
-        names = sorted(os.listdir(local_dir))
-    except OSError:
-        return 0
-    salvaged = 0
-    for name in names:
-        path = os.path.join(local_dir, name)
-        if not name.endswith(".jsonl") or not name.startswith("attempt-"):
-            if ".claimed-" in name and not process_alive(*_claimer(name)):
-                os.replace(path, path.split(".claimed-")[0])  # a salvager died: retry it
-            continue
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                events = parse_lines(f.read(), path)
-        except OSError:
-            continue
-        head = next((e for e in events if e.kind == START), None)
-        if head is None:
-            continue
-        pid, host = head.info.get("pid"), head.info.get("host")
-        if (
-            host == socket.gethostname()
-            and isinstance(pid, int)
-            and process_alive(pid, head.info.get("started"))
-        ):
-            continue  # a live process's own log (not one that reuses its pid)
-        claimed = f"{path}.claimed-{os.getpid()}-{process_start_ticks(os.getpid())}"
-        try:
-            os.rename(path, claimed)
-        except OSError:
-            continue  # another rank took it
-        attempt, rank = head.info.get("attempt"), head.info.get("rank")
-        if not isinstance(attempt, str) or not isinstance(rank, int):
-            os.unlink(claimed)
-            continue
-        try:
-            _upload_missing(store, attempt, rank, events)
-        except Exception as exc:
-            log.warning("goodput: could not salvage %s: %s", path, exc)
-            os.replace(claimed, path)
-            continue
-        os.unlink(claimed)
-        salvaged += 1
-    return salvaged
-
-
-def _upload_missing(store: Store, attempt: str, rank: int, local: list[Event]) -> None:
-    durable: list[Event] = []
-    for entry in store.list(rank_prefix(attempt, rank)):
-        text = store.read_bytes(entry.key).decode("utf-8", "replace")
-        durable.extend(parse_lines(text, store.url_for(entry.key)))
-    have = max((e.n for e in durable), default=-1)
-    last_beat = max((e.t for e in durable), default=0.0)
-    missing = [e for e in local if e.n > have]
-    beats = [e for e in local if e.kind == BEAT and e.t > last_beat]
-    if beats:
-        missing.append(max(beats, key=lambda e: e.t))
-    if missing:
-        data = "".join(e.to_json() + "\n" for e in missing).encode()
-        store.write_bytes(object_key(attempt, rank, have + 1), data)
-
-
-def _claimer(name: str) -> tuple[int, str | None]:
-    """The (pid, start ticks) a claimed file's name records."""
-    pid, _, started = name.rsplit(".claimed-", 1)[1].partition("-")
-    try:
-        return int(pid), started if started not in ("", "None") else None
-    except ValueError:
-        return -1, None
 
 
 def _remove_local(path: str, local_dir: str) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from unbroken._util.job import job_id
 from unbroken._util.procs import process_start_ticks
 from unbroken.goodput import events as ev
+from unbroken.goodput.salvage import salvage_local_logs
 from unbroken.storage import Store
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ def start(
     attempt = group.broadcast(proposal)
     rank = getattr(group, "global_rank", 0)
     try:
-        ev.salvage_local_logs(store, staging_dir)
+        salvage_local_logs(store, staging_dir)
     except Exception as exc:
         log.warning("goodput: salvaging earlier local event logs failed: %s", exc)
     event_log = ev.EventLog(
