@@ -96,6 +96,36 @@ def test_augmentation_identical_across_resume(make_volume):
     assert len({s[1] for s in resumed.values()}) == len(resumed)  # draws differ per sample
 
 
+def _mixup(items: list) -> tuple:
+    """A batch-level augmentation: a mixup's draws, one from each global RNG."""
+    return items, torch.rand(()).item(), float(np.random.rand()), random.random()
+
+
+def test_collate_draws_are_the_same_across_resume_and_worker_counts(make_volume):
+    """A resumed run's workers started their RNG streams over: batch 5's mixup drew what
+    batch 0's had, batch 6 what batch 1's had."""
+    vol = make_volume(24)
+
+    def loader(workers: int):
+        return vol.loader(batch_size=2, num_workers=workers, seed=3, collate_fn=_mixup)
+
+    full = list(loader(2))
+    first = loader(2)
+    it = iter(first)
+    head = [next(it) for _ in range(5)]
+    state = first.state_dict()
+    del it
+    resumed = loader(1)
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == full
+    assert len({b[1] for b in full}) == len(full)  # each batch draws its own
+    torch.manual_seed(0)
+    expected = torch.rand(2)
+    torch.manual_seed(0)
+    assert list(loader(0)) == full  # in the training process: the same draws,
+    assert torch.equal(torch.rand(2), expected)  # and the loop's RNG left where it was
+
+
 def test_state_at_epoch_end_resumes_at_next_epoch(make_volume):
     vol = make_volume(12)
     ld = vol.loader(batch_size=4, num_workers=1, seed=1)

@@ -29,7 +29,7 @@ from unbroken.data.metrics import WorkerCounters
 from unbroken.data.order import epoch_order
 from unbroken.data.partition import Partition, worker_batches
 from unbroken.data.prefetch import Prefetcher
-from unbroken.data.seeding import preserved_rngs, sample_seed, seed_rngs
+from unbroken.data.seeding import batch_seed, preserved_rngs, sample_seed, seed_rngs
 from unbroken.storage import Entry, RetryPolicy, Store, open_store
 from unbroken.storage.errors import redact
 
@@ -233,15 +233,19 @@ class VolumeDataset(IterableDataset):
         counters = local.counters
         samples = self._decoded(epoch, np.concatenate([b for _, b in batches] or [[]]), counters)
         for k, indices in batches:
+            position = part.position_after(k)
             with preserved_rngs():  # decode reseeds them per sample; put them back
                 items = [s for s in (next(samples) for _ in indices) if s is not _SKIP]
+                if items:  # a batch-level augmentation draws as in an uninterrupted run
+                    seed_rngs(batch_seed(self.seed, epoch, position, self.rank))
+                    batch = collate_fn(items)
             if in_step and not items and len(indices) and self.world_size > 1:
                 raise SampleReadError(self._whole_batch_skipped(epoch, k))
             yield Delivery(
-                batch=collate_fn(items) if items else None,
+                batch=batch if items else None,
                 epoch=epoch,
                 batch_id=k,
-                position=part.position_after(k),
+                position=position,
                 generation=generation,
                 stats=counters.take(local.cache_snapshot()),
             )

@@ -1,4 +1,5 @@
-"""Per-sample RNG: decode and its augmentations draw from (seed, epoch, sample index).
+"""Per-sample RNG: decode and its augmentations draw from (seed, epoch, sample index);
+``collate_fn`` (a batch's mixup) from (seed, epoch, the batch's position, rank).
 
 While a sample is decoded, the global ``random``, ``numpy`` and ``torch`` (CPU) RNGs
 are seeded from that triple; around each batch they are saved and put back. A random
@@ -22,6 +23,13 @@ import torch
 from unbroken.data.order import mix_seed
 
 _SAMPLE_DOMAIN = 0x5A3B1E  # keeps sample seeds apart from the epoch-order key
+_BATCH_DOMAIN = 0x5A3B1F
+
+
+def batch_seed(seed: int, epoch: int, position: int, rank: int) -> int:
+    """The 64-bit seed of one rank's collate of the global batch that ends at ``position``
+    of ``epoch`` (a mixup's draws): the same whatever the worker count or restarts."""
+    return mix_seed(_BATCH_DOMAIN, seed, epoch, position, rank)
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
