@@ -42,7 +42,7 @@ from unbroken.checkpoint.format.manifest import FileRecord, Manifest, committed_
 from unbroken.checkpoint.format.planners import PinnedSavePlanner, unlike_copies_in
 from unbroken.checkpoint.format.shard_layout import TensorLayout
 from unbroken.checkpoint.format.writer import TierWriter
-from unbroken.checkpoint.format.writers import claim_step
+from unbroken.checkpoint.format.writers import claim_step, live_committer
 from unbroken.checkpoint.local_writes import LOCAL_LOAN, LocalWrites
 from unbroken.checkpoint.memory_tier import MemoryTier
 from unbroken.checkpoint.node_copies import NodeCopies
@@ -279,7 +279,9 @@ class SavePipeline:
                 problem = newer.problem
             # a run without restore meets the old run's steps: at this one, or after it
             elif g.is_coordinator and (ahead := self._ahead_of(step)) is not None:
-                exc = StepBehindError.at(step, redact(self.durable.url), ahead)
+                exc = live_committer(self.durable, ahead) or StepBehindError.at(
+                    step, redact(self.durable.url), ahead
+                )
                 problem = str(exc)
             elif g.is_coordinator and step in self.index.committed_steps():  # an unusable one
                 problem = (

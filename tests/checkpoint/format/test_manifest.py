@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from unbroken import __version__, open_store
 from unbroken.checkpoint.errors import CheckpointCorruptError, NewerFormatError, NoCheckpointError
+from unbroken.checkpoint.format import manifest as manifest_module
 from unbroken.checkpoint.format.manifest import (
     SELF_CHECKSUM,
     FileRecord,
@@ -22,8 +23,10 @@ from unbroken.checkpoint.format.manifest import (
     parse_step_dir,
     read_manifest,
     step_dir,
+    verify_committed_files,
     write_manifest,
 )
+from unbroken.storage import ObjectNotFoundError
 
 
 def sample(step: int = 1200) -> Manifest:
@@ -203,3 +206,60 @@ def test_new_manifest_stamps_versions_and_refuses_conflicting_reports():
         new_manifest(5, 2, [a, FileRecord("__0_0.distcp", 11, 1)])
     with pytest.raises(ValueError, match="must not list itself"):
         new_manifest(5, 2, [FileRecord("manifest.json", 1, 1)])
+
+
+def _committed_step(tmp_path):
+    store = open_store(tmp_path / "d")
+    m = sample(3)
+    for name, rec in m.files.items():
+        store.write_bytes(f"{step_dir(3)}/{name}", b"x" * rec.size)
+    write_manifest(store, m)
+    return store, m
+
+
+def _failing_once(store, error: Exception):
+    info, failed = store.info, []
+
+    def flaky(key):
+        if not failed:
+            failed.append(key)
+            raise error
+        return info(key)
+
+    store.info = flaky
+    return failed
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OSError("HTTP 500 after 5 retries"), ObjectNotFoundError("404 from a proxy")],
+    ids=["a-look-that-fails", "a-404-that-heals"],
+)
+def test_a_look_after_the_commit_that_fails_once_leaves_the_commit_standing(
+    tmp_path, error, monkeypatch
+):
+    """A failed look failed the committed step's save ('unexpected error'); a single 404
+    un-committed it and stopped the job with OtherJobError, one job running."""
+    monkeypatch.setattr(manifest_module, "GONE_RECHECK_SECONDS", 0.0)
+    store, m = _committed_step(tmp_path)
+    failed = _failing_once(store, error)
+    assert verify_committed_files(store, m, {}) == [] and failed
+
+
+def test_a_file_deleted_after_the_commit_is_found_gone(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest_module, "GONE_RECHECK_SECONDS", 0.0)
+    store, m = _committed_step(tmp_path)
+    store.delete(f"{step_dir(3)}/__0_0.distcp")  # another job's clean-up, say
+    assert verify_committed_files(store, m, {}) == ["__0_0.distcp (gone)"]
+
+
+def test_no_thread_at_the_interpreters_shutdown_leaves_the_commit_standing(tmp_path, monkeypatch):
+    """The loop raised while a save was in flight: the look's thread pool could not
+    start, and the committed step was reported as failed and its node copy dropped."""
+
+    def shut(*args, **kwargs):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    store, m = _committed_step(tmp_path)
+    monkeypatch.setattr(manifest_module, "ThreadPoolExecutor", shut)
+    assert verify_committed_files(store, m, {}) == []

@@ -186,3 +186,28 @@ def _refusal(
         step=step,
         url=url,
     )
+
+
+def live_committer(store: Store, step: int) -> OtherJobError | None:
+    """An OtherJobError when ``step``, committed at the URL, was written by another process
+    alive on this host: two jobs on one URL, not a run to go on from (restore) or an
+    earlier one (a URL of its own); None when that cannot be told."""
+    from unbroken.checkpoint.format.manifest import read_manifest, step_dir  # imports this
+
+    try:
+        writer = read_manifest(store, step).extra.get("writer")
+    except Exception:
+        return None
+    mine = writer_identity()
+    if judge_claim(writer, mine) != LIVE:
+        return None
+    holder, me = describe_writer(writer), describe_writer(mine)
+    return OtherJobError(
+        f"two jobs are saving to {store.url_for('')}: step {step} was committed by {holder}, "
+        f"which is alive (its process runs on this host); this job is {me}. Each skips the "
+        "other's steps and would restore the other's checkpoints: give each job its own URL.",
+        step=step,
+        url=store.url_for(step_dir(step)),
+        this_job=me,
+        other_job=holder,
+    )
