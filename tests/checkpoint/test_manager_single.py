@@ -234,6 +234,29 @@ def test_a_full_staging_disk_is_named_as_such(tmp_path, small_tmpfs):
         mgr.close()
 
 
+def test_a_staging_disk_with_room_for_one_copy_drops_the_committed_one_for_the_next(
+    tmp_path, small_tmpfs, caplog
+):
+    """Every save after the first failed with ENOSPC for the rest of the run: the only
+    thing on the disk was this node's copy of a step the durable tier holds."""
+    model = nn.Linear(2048, 2048)  # 16 MiB: two copies cannot fit in 24
+    subprocess.run(["mount", "-o", "remount,size=24m", str(small_tmpfs)], check=True)
+    with ub.CheckpointManager(
+        str(tmp_path / "durable"), staging_dir=str(small_tmpfs / "st"), memory_tier=False
+    ) as mgr:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            mgr.save(step, {"model": model})
+            mgr.wait()
+        assert [c.step for c in mgr.checkpoints() if c.committed] == [1, 2, 3]
+    assert "dropped that copy" in caplog.text
+    fresh = nn.Linear(2048, 2048)
+    with ub.CheckpointManager(str(tmp_path / "durable"), staging_dir=str(tmp_path / "st2")) as m:
+        assert m.restore({"model": fresh}) == 3
+    assert torch.equal(fresh.weight, model.weight)
+
+
 def test_corrupt_newest_falls_back_to_previous(tmp_path):
     state = make_state()
     with manager(tmp_path, keep_last=3, when_busy="wait") as mgr:

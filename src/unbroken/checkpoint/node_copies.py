@@ -58,6 +58,7 @@ class NodeCopies:
         self.arenas = RankArenas(memory.path, rank) if memory and stage_in_place else None
         """This rank's files of the memory tier that saves stage straight into."""
         self.layout: TensorLayout | None = None
+        self._said_room = False
         """This rank's shard as the last save wrote it to the memory tier."""
         self._shard_bytes: int | None = None
         """The size of this rank's shard as the last save wrote it, to either tier."""
@@ -133,6 +134,15 @@ class NodeCopies:
             except OSError as e:
                 memory.active = False
                 log.warning("memory tier %s is off: %s", memory.path, describe(e))
+        if staging_tier.free_bytes(self.staging_dir) < nbytes:  # the older copy makes room
+            dropped = staging_tier.drop_copies(self.staging_dir, keep=step)
+            if dropped:
+                said, self._said_room = self._said_room, True
+                (log.info if said else log.warning)(
+                    "staging tier %s: too little room for step %s beside %s; dropped that "
+                    "copy (the durable tier holds it: a restart reads it from there)",
+                    self.staging_dir, name, ", ".join(dropped),
+                )  # fmt: skip
         with contextlib.suppress(OSError):
             os.makedirs(os.path.join(self.staging_dir, name), exist_ok=True)
         return self.staging_dir

@@ -105,3 +105,27 @@ def remove_unfinished(staging_dir: str, step: int) -> None:
     path = os.path.join(staging_dir, step_dir(step))
     if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
         shutil.rmtree(path, ignore_errors=True)
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on ``path``'s file system (unknown: as good as unlimited)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 2**62
+
+
+def drop_copies(staging_dir: str, *, keep: int) -> list[str]:
+    """Remove every step's copy but ``keep``'s (un-committed first); the names removed.
+    A disk with room for one copy would otherwise fail every save after the first: the
+    copy of the step committed before it takes the room."""
+    dropped = []
+    for entry in sorted(os.listdir(staging_dir)) if os.path.isdir(staging_dir) else []:
+        step = parse_step_dir(entry)
+        if step is None or step == keep:
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(staging_dir, entry, MANIFEST_NAME))
+        shutil.rmtree(os.path.join(staging_dir, entry), ignore_errors=True)
+        dropped.append(entry)
+    return dropped
