@@ -144,8 +144,12 @@ def test_a_live_claim_on_a_staging_dir_is_refused_by_pid(tmp_path):
         folder = tmp_path / ".staging.owners"
         folder.mkdir(parents=True)
         (folder / "rank-00000").write_text(json.dumps({"pid": other.pid, "purpose": "job A"}))
-        with pytest.raises(StagingDirInUseError, match=f"pid {other.pid}.*job A"):
+        with pytest.raises(StagingDirInUseError, match=f"pid {other.pid}.*job A") as e:
             claim_staging_dir(str(tmp_path / "staging"), 0, "job B")
+        # Another URL: its own URL is no help, its own staging_dir is
+        assert "with URLs of their own. Give each job its own staging_dir" in str(e.value)
+        with pytest.raises(StagingDirInUseError, match="saving to one URL .* its own URL"):
+            claim_staging_dir(str(tmp_path / "staging"), 0, "job A")
     finally:
         other.kill()
         other.wait()

@@ -37,6 +37,24 @@ def _alive(doc: dict) -> bool:
     return process_alive(pid, doc.get("started"))
 
 
+def _in_use(staging_dir: str, rank: int, other: dict, purpose: str) -> str:
+    theirs = other.get("purpose", "?")
+    said = (
+        f"staging_dir {staging_dir} is in use by pid {other['pid']} ({theirs}), rank "
+        f"{rank}: two jobs share it"
+    )
+    if theirs == purpose:  # one URL: the default staging_dir is the URL's
+        return (
+            f"{said}, saving to one URL (the default staging_dir is derived from the URL). "
+            "Give each job its own URL, and its own staging_dir"
+        )
+    return (
+        f"{said}, with URLs of their own. Give each job its own staging_dir, or leave it "
+        "unset (the default is one per URL); a job that only restores (an evaluation "
+        "beside the training) needs one of its own too"
+    )
+
+
 def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[], None]:
     """Claim ``staging_dir`` for ``rank`` of this process; returns the release function.
 
@@ -57,13 +75,7 @@ def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[],
             except FileExistsError:
                 other = _holder(path)
                 if other is not None and _alive(other):
-                    raise StagingDirInUseError(
-                        f"staging_dir {staging_dir} is in use by pid {other['pid']} "
-                        f"({other.get('purpose', '?')}), rank {rank}: two jobs share it "
-                        "(the default staging_dir is derived from the URL, so two jobs "
-                        "saving to one URL on one machine do). Give each job its own "
-                        "staging_dir, and its own URL."
-                    ) from None
+                    raise StagingDirInUseError(_in_use(staging_dir, rank, other, purpose)) from None
                 try:  # its owner is gone: take over
                     os.unlink(path)
                 except FileNotFoundError:
