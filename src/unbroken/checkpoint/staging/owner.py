@@ -46,7 +46,7 @@ def _in_use(staging_dir: str, rank: int, other: dict, purpose: str) -> str:
     if theirs == purpose:  # one URL: the default staging_dir is the URL's
         return (
             f"{said}, saving to one URL (the default staging_dir is derived from the URL). "
-            "Give each job its own URL, and its own staging_dir"
+            "Give each job its own staging_dir, and its own URL"
         )
     return (
         f"{said}, with URLs of their own. Give each job its own staging_dir, or leave it "
