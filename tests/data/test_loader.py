@@ -407,3 +407,27 @@ def test_a_bad_epoch_is_refused_by_name(make_volume):
             ds.epoch = bad
     ds.epoch = np.int64(2)
     assert ds.epoch == 2
+
+
+def test_a_resume_at_another_global_batch_says_how_many_samples_its_tail_drops(
+    make_volume, caplog
+):
+    """40 files, stopped at 28 with a global batch of 4, resumed with one of 8: the 12
+    left fill one batch of 8, and 4 samples of the epoch were never served, unsaid."""
+    vol = make_volume(40)
+    first = vol.loader(batch_size=4, seed=1)
+    it = iter(first)
+    for _ in range(7):
+        next(it)
+    state = first.state_dict()
+    del it
+    again = vol.ranks(2, batch_size=4, seed=1)
+    with caplog.at_level("WARNING", logger="unbroken.data.loader"):
+        for ld in again:
+            ld.load_state_dict(state)
+    assert "position 28 of the epoch with a global batch of 8" in caplog.text
+    assert "last 4 samples do not fill a batch" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="unbroken.data.loader"):
+        vol.loader(batch_size=4, seed=1).load_state_dict(state)  # the same shape: no word
+    assert "do not fill" not in caplog.text

@@ -384,10 +384,27 @@ class DataLoader(torch.utils.data.DataLoader):
         """Continue from ``state``; mid-iteration, the workers restart at that position."""
         check_state(state, self.volume)
         self._next_start = (int(state["epoch"]), int(state["position"]))
+        self._warn_if_tail_lost(self._next_start[1])
         if self._active is not None:
             self._restart_requested = True
         else:
             self.epoch = self._next_start[0]
+
+
+    def _warn_if_tail_lost(self, position: int) -> None:
+        """A position saved at another global batch size (world size, batch size): the
+        rest of its epoch may not fill whole batches of this one, and ``drop_last``
+        drops what is left over, samples the epoch never serves."""
+        batch = self.batch_size * self.volume.world_size
+        lost = (len(self.volume) - position) % batch
+        if self.drop_last and position % batch and lost:
+            log.warning(
+                "unbroken.DataLoader: resuming at position %d of the epoch with a global "
+                "batch of %d, which does not divide it (saved at another world size or "
+                "batch size): the epoch's last %d samples do not fill a batch and are "
+                "dropped (drop_last), served again from the next epoch on",
+                position, batch, lost,
+            )  # fmt: skip
 
 
 class _PlannedStream(IterableDataset):
