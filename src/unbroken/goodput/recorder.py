@@ -208,10 +208,7 @@ def start(
     proposal = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(started))}-{secrets.token_hex(3)}"
     attempt = group.broadcast(proposal)
     rank = getattr(group, "global_rank", 0)
-    try:
-        salvage_local_logs(store, staging_dir)
-    except Exception as exc:
-        log.warning("goodput: salvaging earlier local event logs failed: %s", exc)
+    _salvage_in_the_background(store, staging_dir)
     event_log = ev.EventLog(
         store, staging_dir, attempt, rank, durable_seconds=_durable_seconds(rank)
     )
@@ -241,6 +238,24 @@ def start(
     _current = rec
     weakref.finalize(owner, rec.abandon)
     return rec
+
+
+SALVAGE_WAIT_SECONDS = 2.0
+"""How long a new manager waits for the salvage of dead attempts' local logs: the
+readers of the log (the autopilot, MLflow) then see those attempts' tails; a store
+that is down (each upload riding out its retries) does not hold the job's start."""
+
+
+def _salvage_in_the_background(store: Store, staging_dir: str) -> None:
+    def run() -> None:
+        try:
+            salvage_local_logs(store, staging_dir)
+        except Exception as exc:
+            log.warning("goodput: salvaging earlier local event logs failed: %s", exc)
+
+    thread = threading.Thread(target=run, name="unbroken-goodput-salvage", daemon=True)
+    thread.start()
+    thread.join(SALVAGE_WAIT_SECONDS)
 
 
 def _durable_seconds(rank: int) -> float:
