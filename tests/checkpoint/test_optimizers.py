@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -557,3 +558,31 @@ def test_an_entry_added_since_the_save_is_refused_with_the_way_out(tmp_path):
         assert str(tmp_path / "ck" / "step-") in str(e.value)  # the URL, not a staging copy
         assert mgr.restore(state, strict=False) == 1
     assert torch.equal(state["model"].weight, model.weight) and not ema.any()
+
+
+def test_a_scheduler_switched_on_resume_is_not_taken_for_another_optimizer(tmp_path):
+    """OneCycleLR saved, SWALR now: their settings in the groups differ both ways, which
+    was taken for another kind of optimizer, and strict=False left the momentum out."""
+    from torch.optim.swa_utils import SWALR
+
+    model = torch.nn.Linear(4, 4)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cycle = lr_scheduler.OneCycleLR(sgd, max_lr=0.1, total_steps=10)
+    model(torch.ones(1, 4)).sum().backward()
+    sgd.step()
+    cycle.step()
+    with ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st") as mgr:
+        mgr.save(1, {"model": model, "optim": sgd})
+    fresh = torch.nn.Linear(4, 4)
+    sgd2 = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    SWALR(sgd2, swa_lr=0.05)
+    state = {"model": fresh, "optim": sgd2}
+    with ub.CheckpointManager(tmp_path / "ck", staging_dir=tmp_path / "st2") as mgr:
+        with pytest.raises(ub.CheckpointMismatchError, match="LR scheduler added or removed"):
+            mgr.restore(state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # nothing left as it is
+            assert mgr.restore(state, strict=False) == 1
+    momentum = [sgd2.state[p]["momentum_buffer"] for p in fresh.parameters()]
+    assert all(torch.equal(a, sgd.state[p]["momentum_buffer"])
+               for a, p in zip(momentum, model.parameters()))  # fmt: skip

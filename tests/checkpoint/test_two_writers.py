@@ -148,7 +148,8 @@ def test_a_live_claim_on_a_staging_dir_is_refused_by_pid(tmp_path):
             claim_staging_dir(str(tmp_path / "staging"), 0, "job B")
         # Another URL: its own URL is no help, its own staging_dir is
         assert "with URLs of their own. Give each job its own staging_dir" in str(e.value)
-        with pytest.raises(StagingDirInUseError, match="saving to one URL .* its own staging_dir, and its own URL"):
+        one_url = r"saving to one URL .* its own staging_dir, and its own URL"
+        with pytest.raises(StagingDirInUseError, match=one_url):
             claim_staging_dir(str(tmp_path / "staging"), 0, "job A")
     finally:
         other.kill()

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Collection, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +66,6 @@ from unbroken.checkpoint.state_dicts import (
     fit_to_saved,
     load_generator_through_dcp,
     restore_into,
-    without_entries,
 )
 from unbroken.state.rng import RngState, apply_rng_state
 from unbroken.storage import Store
@@ -424,7 +423,7 @@ def _prepare(
     flat = _generators_of_older_checkpoints(flat, metadata.state_dict_metadata)
     other = other_optimizers(flat, metadata, manifest)
     refuse_other_optimizers(other, strict=strict, where=durable.url_for(name))
-    flat = without_entries(flat, other)
+    flat = _without_entries(flat, other)
     flat = fit_to_saved(flat, metadata.state_dict_metadata)  # the optimizers' state as saved
     check_compatible(
         flat,
@@ -436,6 +435,20 @@ def _prepare(
     rng_url = durable.url_for(f"{name}/{rng_file(group.global_rank)}")
     check_generators(flat, rng, strict, where=rng_url)
     return _Prepared(manifest, reader, rng, values, flat, shared)
+
+
+def _without_entries(flat: FlatState, names: Collection[str]) -> FlatState:
+    """``flat`` less the entries ``names``: a restore leaves them as they are."""
+    if not names:
+        return flat
+    keys = {k for k, path in flat.paths.items() if path[0] in names}
+    return dataclasses.replace(
+        flat,
+        tensors={k: v for k, v in flat.tensors.items() if k not in keys},
+        kinds={n: k for n, k in flat.kinds.items() if n not in names},
+        paths={k: p for k, p in flat.paths.items() if k not in keys},
+        nested={n: v for n, v in flat.nested.items() if n not in names},
+    )
 
 
 def _shared_generators(manifest: Manifest, flat: FlatState) -> list[str]:

@@ -104,20 +104,22 @@ def check_compatible(
 
 
 def other_optimizers(flat: FlatState, metadata: Metadata, manifest: Manifest) -> dict[str, str]:
-    """The state's optimizers that are not of the kind that saved the checkpoint, each
-    with what tells it (SGD saved, AdamW now): their groups' settings differ both ways.
-    A scheduler only adds settings (or, removed, only leaves the saved ones), so one
-    added or dropped never differs both ways; another optimizer's state loads into none.
-    """
+    """The state's optimizers that are not of the kind that saved the checkpoint (SGD
+    saved, AdamW now), each with what tells it: the checkpoint's groups lack settings of
+    this kind's own (its numeric ``defaults``: AdamW's betas and eps). A scheduler only
+    adds settings (OneCycleLR's max_lr, SWALR's swa_lr), and switches (``foreach``,
+    ``fused``) come and go with torch versions: neither tells a kind."""
     saved = [*metadata.state_dict_metadata, *manifest.extra.get("values", {})]
-    mine = [*flat.tensors, *flat.values]
     other = {}
     for name in sorted(n for n, k in flat.kinds.items() if k == KIND_OPTIMIZER):
-        had, has = _settings(name, saved), _settings(name, mine)
-        if had - has and has - had:
+        had = _settings(name, saved)
+        lacking = flat.settings.get(name, set()) - had
+        if had and lacking:  # (none: the checkpoint has no such optimizer)
+            theirs = had - _settings(name, [*flat.tensors, *flat.values])
             other[name] = (
-                f"its parameter groups hold {', '.join(sorted(has - had)[:_SHOW])}, the "
-                f"checkpoint's {', '.join(sorted(had - has)[:_SHOW])}"
+                f"its parameter groups hold {', '.join(sorted(lacking)[:_SHOW])}, the "
+                f"checkpoint's do not (they hold {', '.join(sorted(theirs)[:_SHOW]) or 'none'}"
+                " instead)"
             )
     return other
 

@@ -27,10 +27,9 @@ checkpoint (:func:`fit_to_saved`). Nothing here runs an optimizer step.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +79,8 @@ class FlatState:
     """Optimizer entry -> the module in ``state`` that owns its parameters."""
     params: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """Optimizer entry -> {parameter FQN as its state dict names it: the parameter}."""
+    settings: dict[str, set[str]] = field(default_factory=dict)
+    """Optimizer entry -> its kind's numeric ``defaults``: another kind's groups lack some."""
 
 
 def entry_kind(name: str, value: Any) -> str:
@@ -162,15 +163,11 @@ def _without_optimizer_steps() -> Iterator[None]:
         if original is None:  # a torch without that step
             yield
             return
-        dsd._init_optim_state = _leave_state_as_it_is
+        dsd._init_optim_state = lambda optim: None  # leave its state as it is
         try:
             yield
         finally:
             dsd._init_optim_state = original
-
-
-def _leave_state_as_it_is(optim: torch.optim.Optimizer) -> None:
-    del optim
 
 
 def _nested_state(flat: FlatState, name: str, value: Any, kind: str, state: Mapping) -> Any:
@@ -186,6 +183,7 @@ def _nested_state(flat: FlatState, name: str, value: Any, kind: str, state: Mapp
         with _without_optimizer_steps():
             osd = get_optimizer_state_dict(owner, value)
         flat.owners[name] = owner
+        flat.settings[name] = {k for k, v in value.defaults.items() if _number(v)}
         fqns = [fqn for group in osd["param_groups"] for fqn in group["params"]]
         params = [p for group in value.param_groups for p in group["params"]]
         flat.params[name] = dict(zip(fqns, params)) if len(fqns) == len(params) else {}
@@ -195,6 +193,13 @@ def _nested_state(flat: FlatState, name: str, value: Any, kind: str, state: Mapp
     if kind == KIND_GENERATOR:
         return value.get_state()
     return value.state_dict()
+
+
+def _number(v: Any) -> bool:
+    """A number, or numbers (betas): not a switch (a bool, None)."""
+    if isinstance(v, (tuple, list)):
+        return bool(v) and all(map(_number, v))
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def collect(state: Mapping[str, Any]) -> FlatState:
@@ -315,20 +320,6 @@ def _set(node: Any, key: str | int, value: Any) -> None:
         while len(node) <= key:  # type: ignore[operator]
             node.append(None)
     node[key] = value
-
-
-def without_entries(flat: FlatState, names: Collection[str]) -> FlatState:
-    """``flat`` less the entries ``names``: a restore leaves them as they are."""
-    if not names:
-        return flat
-    keys = {k for k, path in flat.paths.items() if path[0] in names}
-    return dataclasses.replace(
-        flat,
-        tensors={k: v for k, v in flat.tensors.items() if k not in keys},
-        kinds={n: k for n, k in flat.kinds.items() if n not in names},
-        paths={k: p for k, p in flat.paths.items() if k not in keys},
-        nested={n: v for n, v in flat.nested.items() if n not in names},
-    )
 
 
 def fit_to_saved(flat: FlatState, saved: Mapping[str, Any]) -> FlatState:
