@@ -107,7 +107,7 @@ class NodeCopies:
             own = staged - in_place
         else:
             own = max(0.0, self._shard_bytes - in_place) + stats.get("bytes_new", staged)
-        return int(own) * (self.memory.ranks() if self.memory is not None else 1)
+        return int(own) * (self.memory.ranks() if self.memory is not None else _local_ranks())
 
     def choose(self, nbytes: int, step: int) -> str:
         """Where ``step``'s local copy goes: the memory tier while it has room for
@@ -222,3 +222,11 @@ class NodeCopies:
             self.replicator.close(timeout=replica_seconds)
         if self.arenas is not None:
             self.arenas.close()
+
+
+def _local_ranks() -> int:
+    """The ranks of this node (torchrun's LOCAL_WORLD_SIZE), which share its staging disk."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1

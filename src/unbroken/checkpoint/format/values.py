@@ -55,13 +55,18 @@ def check_loadable(key: str, value: Any) -> None:
     if _plain(value):
         return
     data = io.BytesIO()
-    torch.save(value, data)
     try:
+        torch.save(value, data)
         load_weights_only(data.getbuffer())
     except UnsafeValueError as exc:
         raise TypeError(
             f"state item {key!r} is a {how_to_store(value)[0]}, which a checkpoint cannot "
             f"give back without unpickling code ({exc}){how_to_store(value)[1]}"
+        ) from None
+    except Exception as exc:  # torch.save refused it (a module inside, say)
+        raise TypeError(
+            f"state item {key!r} is a {how_to_store(value)[0]}, which a checkpoint cannot "
+            f"hold ({type(exc).__name__}: {exc}){how_to_store(value)[1]}"
         ) from None
 
 
@@ -69,7 +74,7 @@ def _plain(value: Any) -> bool:
     """Primitives and the containers of them that always load: the common case, at once."""
     if type(value) in _PLAIN:
         return True
-    if type(value) in (list, tuple):
+    if type(value) in (list, tuple, set):
         return all(_plain(v) for v in value)
     if type(value) in (dict, OrderedDict):
         return all(_plain(k) and _plain(v) for k, v in value.items())
