@@ -337,3 +337,23 @@ def test_an_expanded_view_in_the_state_fails_the_restore_before_anything_changes
     with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
         assert mgr.restore(state) == 1
     assert model.weight.any()
+
+
+def test_a_durable_tier_that_cannot_be_listed_fails_the_restore_as_a_checkpoint_error(tmp_path):
+    """Rank 0 (the one listing) raised the store's bare RetriesExhaustedError, the other
+    ranks the CheckpointError troubleshooting.md names: one error on every rank now."""
+    import socket
+
+    from unbroken.storage import RetriesExhaustedError, RetryPolicy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nobody listens there once it is closed
+    retry = RetryPolicy(max_attempts=2, base_delay=0.0, max_delay=0.0)
+    mgr = ub.CheckpointManager(
+        f"http://127.0.0.1:{port}/run", staging_dir=tmp_path / "st", retry=retry,
+        memory_tier=False, goodput=False,
+    )  # fmt: skip
+    with mgr, pytest.raises(ub.CheckpointError, match=r"listing checkpoints at .* failed") as e:
+        mgr.restore(make_state())
+    assert isinstance(e.value.__cause__, RetriesExhaustedError)

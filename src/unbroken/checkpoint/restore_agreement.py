@@ -43,10 +43,10 @@ def agreed_listing(durable: Store, group: Group) -> dict[int, dict[str, int]]:
         except Exception as e:
             error, payload = e, ("error", describe(e))
     payload = group.broadcast(payload)
-    if error is not None:
-        raise error
-    if payload[0] != "ok":
-        raise CheckpointError(f"listing checkpoints at {durable.url} failed: {payload[1]}")
+    if payload[0] != "ok":  # the same error on every rank, the cause chained where it is
+        raise CheckpointError(
+            f"listing checkpoints at {durable.url} failed: {payload[1]}"
+        ) from error
     return payload[1]
 
 
