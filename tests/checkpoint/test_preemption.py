@@ -211,6 +211,14 @@ elif case == "second_signal_after_flag":
     assert [c.step for c in m.checkpoints()] == [1], m.checkpoints()
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5)
+elif case == "failed_preemption_save":
+    from unbroken.storage import RetryPolicy
+    open(f"{d}/outage", "w").close()  # the store is down
+    opts = {"latency": 0, "bandwidth": None, "outage_file": f"{d}/outage"}
+    m = ub.CheckpointManager(f"emulated::{d}/a", staging_dir=f"{d}/s-a", storage_options=opts,
+                             retry=RetryPolicy(max_attempts=1), goodput=False)
+    os.kill(os.getpid(), signal.SIGTERM)
+    m.maybe_save(1, st)  # the preemption's save fails: raised out of the script
 elif case in ("leaked_manager_then_a_handled_save", "closed_beneath_then_a_handled_save"):
     beneath = mgr("beneath")  # must NOT end the process: left open, or closed out of order
     m = mgr("a", every_steps=3)
@@ -241,6 +249,18 @@ def test_a_signal_no_save_takes_up_still_ends_the_process(tmp_path, case):
     )  # fmt: skip
     assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
     assert "STILL ALIVE" not in proc.stdout
+
+
+def test_a_preemption_save_that_fails_is_said_as_such_as_the_process_ends(tmp_path):
+    """It was said 'the process is ending before a save took it up'."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _NOT_SWALLOWED, str(tmp_path), "failed_preemption_save"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    assert "SIGTERM received; its save of step 1 failed: ending by the signal" in proc.stderr
+    assert "before a save took it up" not in proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -224,10 +224,11 @@ class CheckpointManager:
         """Every rank, at the same call: save ``step`` (after the save in flight), wait for
         the commit, then end the process or set ``preempted``."""
         log.warning("preempted: saving step %d and waiting for its commit", step)
+        assert self._preemption is not None
+        self._preemption.tried = step
         saved = self._save(step, state, skip_if_busy=False)
         self.wait()  # raises if the save failed: the process must not end quietly then
         self.preempted = True  # (wait gave the step's replica REPLICA_WAIT_SECONDS at most)
-        assert self._preemption is not None
         self._preemption.handled = True  # one save; a later signal goes on as usual
         if self.config.preemption == "exit":
             log.warning("preempted: step %d is committed; ending the process", step)

@@ -85,6 +85,8 @@ class PreemptionWatch:
         """The signal this process received, if any."""
         self._received_at = 0.0
         self.handled = False
+        self.tried: int | None = None
+        """The step whose preemption save was started (and did not commit, unless handled)."""
         """The preemption save was made: later signals go on to the earlier handler."""
         self.acting = False
         """A maybe_save took the signal up (its save may take a while: no watchdog then)."""
@@ -304,8 +306,13 @@ def _end_by_the_signal_at_exit() -> None:
         if watch.received is None:  # one that comes during the teardown acts at once
             watch._put_back_handlers()
             continue
-        log.warning("%s received and the process is ending before a save took it up: "
-                    "ending by the signal", signal.Signals(watch.received).name)  # fmt: skip
+        name = signal.Signals(watch.received).name
+        if watch.tried is not None:
+            log.warning("%s received; its save of step %d failed: ending by the signal",
+                        name, watch.tried)  # fmt: skip
+        else:
+            log.warning("%s received and the process is ending before a save took it up: "
+                        "ending by the signal", name)  # fmt: skip
         if watch.on_give_up is not None:
             watch.on_give_up()
         watch._forward = True

@@ -41,7 +41,7 @@ def agree_to_stage(
 ) -> None:
     """Raise on every rank if ``problem`` is set on any rank (``exc``: this rank's), or if
     the ranks are saving different steps."""
-    what = f"staging step {step}"
+    what = f"starting the save of step {step}"  # staged, checked, claimed
     gathered = together(what, group.all_gather, (step, problem, conflict_fields(exc)))
     steps = [s for s, _, _ in gathered]
     if len(set(steps)) > 1:
