@@ -318,6 +318,34 @@ def scenario_generators_save(a: argparse.Namespace) -> None:
     log("generators save ok")
 
 
+class _Position:
+    """A loader-like object whose state_dict() holds this rank's own position."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+
+
+def scenario_unlike_values(a: argparse.Namespace) -> None:
+    """Items DCP saves once for every rank holding them, per-rank values inside: said by
+    key, once. A DDP model and a value alike on every rank are not."""
+    rank = dist.get_rank()
+    model = nn.parallel.DistributedDataParallel(make_model(0))
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=None)
+    state = {"model": model, "it": _Position(100 + rank), "seen": torch.full((3,), rank),
+             "same": _Position(7)}  # fmt: skip
+    for step in (1, 2):
+        mgr.save(step, state)
+        mgr.wait()
+    mgr.close()
+    log("unlike values saved")
+
+
 def scenario_generators_load(a: argparse.Namespace) -> None:
     """Restore on M ranks: a rank the checkpoint saved gets its own generator back; a rank
     it did not keeps its own, with a warning naming the generator."""
@@ -707,6 +735,7 @@ SCENARIOS = {
     "generators_save": scenario_generators_save,
     "peer_dies_mid_save": scenario_peer_dies_mid_save,
     "generators_load": scenario_generators_load,
+    "unlike_values": scenario_unlike_values,
     "train": scenario_train,
     "tight_tier": scenario_tight_tier,
     "node_room": scenario_node_room,

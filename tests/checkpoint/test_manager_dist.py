@@ -72,6 +72,18 @@ def test_each_rank_restores_its_own_generator_and_values_on_any_world_size(tmp_p
     assert out3.count("generators load on 3 ok") == 3
 
 
+def test_per_rank_values_inside_a_state_dict_are_said_once_by_key(tmp_path):
+    """A per-rank position inside an object's state_dict (or a per-rank tensor of one
+    shape) came back from another rank, without a word."""
+    out = check(torchrun(2, "unlike_values", "--url", str(tmp_path / "d"),
+                         "--staging", str(tmp_path / "s")))  # fmt: skip
+    assert out.count("unlike values saved") == 2
+    said = [ln for ln in out.splitlines() if "hold other values on other ranks" in ln]
+    assert len(said) == 1, out  # once, not once per save
+    assert "'it.pos' (ranks 0 and 1)" in said[0] and "'seen' (ranks 0 and 1)" in said[0]
+    assert "same" not in said[0] and "model" not in said[0]
+
+
 def test_a_peer_dying_mid_save_fails_the_save_without_a_worker_traceback(tmp_path):
     """Issue 29.18: the survivor's checkpoint worker logged "unexpected error" with a
     traceback when a peer died during a save; it is a failed save like any other."""

@@ -321,7 +321,7 @@ class SavePipeline:
             dcp.save(
                 job.staged.state_dict,
                 storage_writer=writer,
-                planner=PinnedSavePlanner(job.pinned),
+                planner=PinnedSavePlanner(job.pinned, job.staged.checksums),
                 process_group=g.pg,
                 no_dist=g.pg is None,
             )
