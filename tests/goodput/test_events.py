@@ -180,3 +180,22 @@ def test_a_local_copy_gone_while_it_holds_the_unsent_events_never_stops_the_job(
     assert log.flush(durable=False)
     os.unlink(log.local_path)  # the staging dir wiped under the job
     assert log.close(beat=200000.0, remove_local=True)  # no exception; those events lost
+
+
+def test_the_ends_of_a_long_log_are_read_in_two_objects_a_rank(tmp_path):
+    """every_seconds='auto' read every step of every attempt at each start (13 s of CPU
+    at a million steps) for each attempt's span and ending."""
+    store = ub.open_store(tmp_path / "ck")
+    log = ev.EventLog(store, str(tmp_path / "st"), "a1", 0)
+    log.append(start_event("a1", os.getpid()))
+    for n in range(1, 6):
+        log.append(ev.Event(ev.STEP, 100.0 + n, n, step=n, begin=99.0 + n))
+        assert log.flush(durable=True, beat=100.5 + n)
+    log.append(ev.Event(ev.END, 106.0, 6))
+    assert log.close(beat=107.0, remove_local=True)
+    whole = ev.read_log(store)["a1"][0]
+    ends = ev.read_log(store, ends_only=True)["a1"][0]
+    steps = [e.step for e in ends if e.kind == ev.STEP]
+    assert steps == [1] and ends[0].kind == ev.START  # the first object's, not the middle
+    assert [e.kind for e in ends][-2:] == [ev.END, ev.BEAT]
+    assert ends[0] == whole[0] and ends[-1].t == whole[-1].t == 107.0

@@ -128,7 +128,8 @@ def past_failures(store: Store, current_attempt: str | None) -> tuple[float, int
     from unbroken.goodput.events import read_log
 
     try:
-        attempts = job_breakdown(jobs.of_attempt(read_log(store), current_attempt), 0).attempts
+        ends = read_log(store, ends_only=True)  # spans and endings, not every step
+        attempts = job_breakdown(jobs.of_attempt(ends, current_attempt), 0).attempts
     except Exception as exc:  # a log we cannot read must not stop the job
         log.warning("every_seconds='auto': the event log could not be read (%s)", exc)
         return 0.0, 0

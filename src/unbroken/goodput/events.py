@@ -182,9 +182,13 @@ def object_key(attempt: str, rank: int, first: int) -> str:
     return f"{rank_prefix(attempt, rank)}/{first:09d}.jsonl"
 
 
-def read_log(store: Store) -> dict[str, dict[int, list[Event]]]:
-    """Every attempt's events in the durable tier: ``{attempt: {rank: events}}``."""
-    by_rank: dict[tuple[str, int], list[Event]] = collections.defaultdict(list)
+def read_log(store: Store, *, ends_only: bool = False) -> dict[str, dict[int, list[Event]]]:
+    """Every attempt's events in the durable tier: ``{attempt: {rank: events}}``.
+
+    ``ends_only``: of each rank's objects only the first (its START) and the last (its
+    END, its last beat): enough for each attempt's span and ending, read in two GETs a
+    rank rather than every step of a long job."""
+    keys: dict[tuple[str, int], list[str]] = collections.defaultdict(list)
     for entry in store.list(PREFIX):
         parts = entry.key.split("/")
         if (
@@ -197,11 +201,16 @@ def read_log(store: Store) -> dict[str, dict[int, list[Event]]]:
             rank = int(parts[2].removeprefix("rank-"))
         except ValueError:
             continue
-        text = store.read_bytes(entry.key).decode("utf-8", "replace")
-        events = parse_lines(text, store.url_for(entry.key))
-        by_rank[(parts[1].removeprefix("attempt-"), rank)].extend(events)
+        keys[(parts[1].removeprefix("attempt-"), rank)].append(entry.key)
     out: dict[str, dict[int, list[Event]]] = {}
-    for (attempt, rank), events in sorted(by_rank.items()):
+    for (attempt, rank), names in sorted(keys.items()):
+        names.sort()  # by first event number (zero-padded)
+        if ends_only and len(names) > 2:
+            names = [names[0], names[-1]]
+        events: list[Event] = []
+        for key in names:
+            text = store.read_bytes(key).decode("utf-8", "replace")
+            events.extend(parse_lines(text, store.url_for(key)))
         out.setdefault(attempt, {})[rank] = merge(events)
     return out
 
