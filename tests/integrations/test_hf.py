@@ -119,6 +119,22 @@ def _untimed(logs: list[dict]) -> list[dict]:
     return [{k: v for k, v in e.items() if not any(c in k for c in clock)} for e in logs]
 
 
+@pytest.mark.parametrize("strategy", ["eval_strategy", "logging_strategy"])
+def test_a_run_resumed_from_an_epochs_last_step_equals_an_uninterrupted_one(tmp_path, strategy):
+    """eval_strategy="epoch": the Trainer evaluates (or logs) the epoch after on_epoch_end,
+    after the step's own logs: a save at the epoch's last step came before it."""
+    volume = toy_volume(tmp_path, files=16)  # one rank: 8 steps an epoch
+    per_epoch = {strategy: "epoch", "logging_steps": 1000}
+    run = functools.partial(_train, volume=volume, steps=12, eval_dataset=_Tokens(), **per_epoch)
+    reference, seen, done = run(tmp_path / "reference")
+    _, first, _ = run(tmp_path / "job", stop_at=8)  # saved at 8, the epoch's last step
+    resumed, rest, trainer = run(tmp_path / "job")
+    assert min(rest) == 9 and {**first, **rest} == seen
+    assert resumed == reference
+    logs = _untimed(trainer.state.log_history)
+    assert logs[:-1] == _untimed(done.state.log_history)[:-1]
+
+
 def test_the_trainers_save_strategy_sets_the_cadence_when_no_every_steps_is_given(tmp_path):
     volume = toy_volume(tmp_path, files=FILES)  # one rank: 32 steps an epoch
     keep = {"keep_last": None}

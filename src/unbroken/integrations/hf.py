@@ -104,9 +104,9 @@ class UnbrokenCallback(TrainerCallback):
         self._loader: DataLoader | None = None
         self._save_at_epoch_end = False
         self._load_best = False
-        self._pending: tuple[Callable[[], None], str] | None = None
-        """A save put off until the Trainer has logged and evaluated the step, and the
-        hook ("trainer", "evaluate", "log") that makes it."""
+        self._pending: list[tuple[Callable[[], None], str]] = []
+        """Saves put off until the Trainer has logged and evaluated the step, each with
+        the hook that makes it ("trainer", "evaluate", "log", "epoch_end")."""
 
     # -- the Trainer's events --------------------------------------------------------
 
@@ -173,9 +173,16 @@ class UnbrokenCallback(TrainerCallback):
         """``maybe_save`` after each optimizer step, once the Trainer has logged and
         evaluated it (the Trainer's state is built only when a save is due); the Trainer's
         own checkpoint is skipped unless kept."""
+        # The epoch's last step: the Trainer logs and evaluates the epoch after on_epoch_end
+        ended = state.epoch > 0 and abs(state.epoch - round(state.epoch)) < 1e-9
         if self._loader is not None:
             state.epoch = _loader_epoch(self._loader)  # the Trainer counts from its restart
-        self._after_logs(lambda: self._maybe_save(state), control)
+            ended = state.epoch == int(state.epoch)  # served to its end
+        save = lambda: self._maybe_save(state)  # noqa: E731
+        if ended or control.should_training_stop or control.should_epoch_stop:
+            self._pending.append((save, "epoch_end"))
+        else:
+            self._after_logs(save, control)
         if not self.keep_trainer_checkpoints:
             control.should_save = False
 
@@ -189,13 +196,13 @@ class UnbrokenCallback(TrainerCallback):
         """A save put off to a hook that did not come (a callback after this one switched
         the log or evaluation off) is dropped: the next step's batches are fetched by now,
         and a save of this position would skip them."""
-        if self._pending is not None:
+        if self._pending:
             log.warning(
                 "UnbrokenCallback: the save due at step %d was not made: the Trainer neither "
                 "logged nor evaluated after it, as its control said",
                 state.global_step,
             )
-            self._pending = None
+            self._pending = []
 
     def on_log(
         self,
@@ -204,6 +211,11 @@ class UnbrokenCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
+        for i, (save, hook) in enumerate(self._pending):  # the evaluation switched off,
+            if hook == "evaluate" and not control.should_evaluate:  # or on, since
+                self._pending[i] = (save, "log")
+            elif hook == "log" and control.should_evaluate:
+                self._pending[i] = (save, "evaluate")
         self._save_put_off("log")
 
     def on_evaluate(
@@ -239,6 +251,10 @@ class UnbrokenCallback(TrainerCallback):
             if last:
                 manager.wait()
 
+        epoch_end = [s for s, hook in self._pending if hook == "epoch_end"]
+        self._pending = [(s, hook) for s, hook in self._pending if hook != "epoch_end"]
+        for put_off in epoch_end:  # the last step's: after the epoch's logs, evaluation
+            self._after_logs(put_off, control)
         if last or (self._save_at_epoch_end and control.should_save):
             self._after_logs(save, control)
         if not self.keep_trainer_checkpoints:
@@ -312,21 +328,22 @@ class UnbrokenCallback(TrainerCallback):
         :class:`Trainer`, after all of it; with the Trainer of transformers, at the last
         hook the control says will come (``on_evaluate``, or ``on_log``)."""
         if self.trainer is not None:
-            self._pending = (save, "trainer")
+            self._pending.append((save, "trainer"))
         elif control.should_evaluate:
-            self._pending = (save, "evaluate")
+            self._pending.append((save, "evaluate"))
         elif control.should_log:
-            self._pending = (save, "log")
+            self._pending.append((save, "log"))
         else:
             save()
 
     def _save_put_off(self, hook: str | None) -> None:
         """Make the save put off to ``hook`` (None: whichever)."""
-        if self._pending is not None and hook in (None, self._pending[1]):
-            save, self._pending = self._pending[0], None
+        due = [s for s, h in self._pending if hook is None or h == hook]
+        self._pending = [(s, h) for s, h in self._pending if not (hook is None or h == hook)]
+        for save in due:
             save()
-            if self._load_best:  # the training may end here (early stopping), and the
-                step_gate.wait_for_copies()  # Trainer then writes the best model in place
+        if due and self._load_best:  # the training may end here (early stopping), and
+            step_gate.wait_for_copies()  # the Trainer then writes the best model in place
 
     def _maybe_save(self, state: TrainerState) -> None:
         assert self.manager is not None, "on_train_begin did not run"
