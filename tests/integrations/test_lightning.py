@@ -55,6 +55,7 @@ def _fit(
     accumulate: int = 1,
     more: tuple = (),
     epochs: int | None = None,
+    data: type = Volume,
     **module_args,
 ) -> tuple[str, dict, int]:
     """One fit in this process, resumed from ``tmp_path/ckpt`` if anything is committed;
@@ -83,7 +84,7 @@ def _fit(
         loader = torch.utils.data.DataLoader(_Samples(), batch_size=4, shuffle=True)
         trainer.fit(model, train_dataloaders=loader, ckpt_path="last")
     else:
-        trainer.fit(model, datamodule=Volume(str(volume), batch_size=4), ckpt_path="last")
+        trainer.fit(model, datamodule=data(str(volume), batch_size=4), ckpt_path="last")
     return digest(model, trainer.optimizers[0]), seen, trainer.current_epoch
 
 
@@ -164,6 +165,46 @@ def test_a_fit_in_epochs_resumed_from_a_save_at_an_epochs_end_serves_the_next_ep
     resumed, rest, resumed_epoch = fit(tmp_path / "job")
     assert min(rest) == STEPS_PER_EPOCH + 1 and rest == {s: seen[s] for s in rest}
     assert resumed == reference and resumed_epoch == epoch
+
+
+class _Validated(Regressor):
+    def validation_step(self, x, idx):
+        loss = (self.net(x / 255).squeeze(1) - (x / 255).mean(1)).square().mean()
+        self.log("val_loss", loss)
+
+
+class _ValidatedVolume(Volume):
+    """Validation at each epoch's end, through a torch DataLoader: its iterator draws a
+    seed from the global RNG, and dropout draws after it."""
+
+    def val_dataloader(self):
+        fixed = torch.arange(128, dtype=torch.float32).reshape(8, 16)
+        return torch.utils.data.DataLoader(fixed, batch_size=4)
+
+
+def test_a_save_at_an_epochs_last_step_comes_after_its_validation(tmp_path):
+    """The cadence saved the epoch's last step before validation: the ModelCheckpoint's
+    own save there became an alias of that state (its scores of before), and a resumed fit
+    never validated the epoch and drew one number less."""
+    volume = toy_volume(tmp_path, files=FILES)
+
+    def fit(root: Path, *crash: L.pytorch.Callback) -> tuple[str, dict, dict]:
+        best = L.pytorch.callbacks.ModelCheckpoint(root / "mc", monitor="val_loss", save_top_k=2)
+        out = _fit(root, volume, -1, every=5, epochs=3, module=_Validated, limit=10,
+                   data=_ValidatedVolume, more=(best, *crash))  # fmt: skip
+        return out[0], out[1], {Path(k).name: float(v) for k, v in best.best_k_models.items()}
+
+    reference, seen, best = fit(tmp_path / "reference")
+    with pytest.raises(_Crash):
+        fit(tmp_path / "job", _CrashAt(12))  # 10 batches an epoch: 10 saved, validated
+    io = UnbrokenCheckpointIO(tmp_path / "job" / "ckpt", staging_dir=tmp_path / "look")
+    saved = io.load_checkpoint(str(tmp_path / "job" / "ckpt" / "step-000000000010"))
+    io.teardown()
+    kept = [v["best_k_models"] for k, v in saved["callbacks"].items() if "ModelCheckpoint" in k]
+    assert [len(k) for k in kept] == [1]  # the epoch's validation was in it
+    resumed, rest, resumed_best = fit(tmp_path / "job")
+    assert min(rest) == 11 and rest == {s: seen[s] for s in rest}
+    assert resumed == reference and resumed_best == best
 
 
 class _Samples(torch.utils.data.Dataset):

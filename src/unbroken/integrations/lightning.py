@@ -332,6 +332,7 @@ class UnbrokenCallback(OnExceptionCheckpoint):
         self.trainer: Any = None
         self.dirpath, self.filename = io.url, "last"
         self._last_step: int | None = None  # global_step at the last batch end
+        self._at_epoch_end = False  # the epoch's last step, saved as the next one starts
 
     @property
     def ckpt_path(self) -> str:  # type: ignore[override]
@@ -383,7 +384,19 @@ class UnbrokenCallback(OnExceptionCheckpoint):
             # counted the epoch done, and a longer fit resumed from that state would start
             # the next epoch (current_epoch one ahead of an uninterrupted run).
             self.io.manager.save(trainer.global_step, self.io._state(_dump(trainer), None))
+        elif idx + 1 >= trainer.num_training_batches:  # after the epoch's validation
+            self._at_epoch_end = True  # (and its callbacks)
         else:
+            self.io.maybe_save(trainer.global_step, lambda: _dump(trainer))
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """The last epoch's last step, once its validation and every callback's epoch end
+        ran (a ModelCheckpoint's save there is the step's, and this one is skipped),
+        before the new epoch fetches a batch: a save before them held the callbacks'
+        state of before, and a resume from it never validated the epoch. The fit's last
+        epoch has its save at on_train_end."""
+        if self._at_epoch_end:
+            self._at_epoch_end = False
             self.io.maybe_save(trainer.global_step, lambda: _dump(trainer))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
