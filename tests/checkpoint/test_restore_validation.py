@@ -354,6 +354,7 @@ def test_a_durable_tier_that_cannot_be_listed_fails_the_restore_as_a_checkpoint_
         f"http://127.0.0.1:{port}/run", staging_dir=tmp_path / "st", retry=retry,
         memory_tier=False, goodput=False,
     )  # fmt: skip
-    with mgr, pytest.raises(ub.CheckpointError, match=r"listing checkpoints at .* failed") as e:
+    with mgr, pytest.raises(ub.ListingFailedError, match=r"listing checkpoints at .* failed") as e:
         mgr.restore(make_state())
     assert isinstance(e.value.__cause__, RetriesExhaustedError)
+    assert isinstance(e.value, ub.CheckpointError) and isinstance(e.value, ub.StoreError)

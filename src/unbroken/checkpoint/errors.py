@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from unbroken.storage.errors import StoreError
+
 
 class CheckpointError(Exception):
     """Base class for every checkpoint failure."""
@@ -55,6 +57,11 @@ class CheckpointMismatchError(CheckpointError):
 
 class NoCheckpointError(CheckpointError):
     """No (committed) checkpoint where one was required."""
+
+
+class ListingFailedError(CheckpointError, StoreError):
+    """A restore could not list the durable tier (not a corrupt checkpoint): the same
+    error on every rank, a StoreError too (its cause, the store's, is chained)."""
 
 
 class OlderStepRestoredError(CheckpointError):

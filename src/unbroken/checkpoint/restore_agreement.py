@@ -11,7 +11,7 @@ from typing import Any
 
 from unbroken.checkpoint.catalog import step_files
 from unbroken.checkpoint.collectives import Group
-from unbroken.checkpoint.errors import CheckpointError
+from unbroken.checkpoint.errors import CheckpointError, ListingFailedError
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME
 from unbroken.checkpoint.save_job import describe
 from unbroken.storage import Store
@@ -44,8 +44,8 @@ def agreed_listing(durable: Store, group: Group) -> dict[int, dict[str, int]]:
             error, payload = e, ("error", describe(e))
     payload = group.broadcast(payload)
     if payload[0] != "ok":  # the same error on every rank, the cause chained where it is
-        raise CheckpointError(
-            f"listing checkpoints at {durable.url} failed: {payload[1]}"
+        raise ListingFailedError(
+            f"listing checkpoints at {durable.url} failed: {payload[1]}", op="list", url=durable.url
         ) from error
     return payload[1]
 
