@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 import unbroken as ub
 from unbroken.checkpoint.catalog import verify_checkpoint
@@ -225,3 +226,38 @@ def test_a_second_job_on_one_url_is_raised_from_maybe_save_naming_both(tmp_path)
     for step in range(1, 9):
         if store.exists(f"step-{step:012d}/manifest.json"):
             assert verify_checkpoint(store, step, deep=True) == [], (step, told)
+
+
+_COMMIT_AND_STAY = """
+import sys, time, torch, unbroken as ub
+mgr = ub.CheckpointManager(sys.argv[1], staging_dir=sys.argv[2], memory_tier=False)
+mgr.save(10, {"w": torch.zeros(4)})
+mgr.wait()
+print("COMMITTED", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_job_behind_a_live_jobs_newer_step_is_told_two_jobs_share_the_url(tmp_path):
+    """A job that restored, then met the newer step of another job alive on this host,
+    was told StepBehindError's 'call restore(state)'."""
+    url = str(tmp_path / "durable")
+    other = subprocess.Popen(
+        [sys.executable, "-c", _COMMIT_AND_STAY, url, str(tmp_path / "st-a")],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, UNBROKEN_JOB_ID="job-a"),
+    )  # fmt: skip
+    try:
+        assert other.stdout.readline().strip() == "COMMITTED"
+        mgr = ub.CheckpointManager(url, staging_dir=tmp_path / "st-b", memory_tier=False)
+        mgr.save(5, {"w": torch.ones(4)})
+        with pytest.raises(ub.OtherJobError, match=r"step 10 was committed by .* alive"):
+            mgr.wait()
+        mgr.close()
+    finally:
+        other.kill()
+        other.wait()
+    mgr = ub.CheckpointManager(url, staging_dir=tmp_path / "st-b", memory_tier=False)
+    mgr.save(5, {"w": torch.ones(4)})  # that job is gone: an earlier run's step
+    with pytest.raises(ub.StepBehindError, match="call restore"):
+        mgr.wait()
+    mgr.close()
