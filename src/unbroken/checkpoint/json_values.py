@@ -83,7 +83,8 @@ def how_to_store(value: Any) -> tuple[str, str]:
 
 
 def _a(noun: str) -> str:
-    """"an OrderedDict", "a UserList" (a U, as in most type names, sounds "you")."""
+    """The noun with its article: an OrderedDict, a UserList (a U, in type names, sounds
+    "you")."""
     return f"{'an' if noun[:1] in 'AEIOaeio' else 'a'} {noun}"
 
 

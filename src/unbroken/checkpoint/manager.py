@@ -142,6 +142,7 @@ class CheckpointManager:
         """What the last restore() loaded (step, tier, url, seconds), or None."""
         self._last_error: SaveFailedError | None = None
         """The newest save's failure; None once a later save committed."""
+        self._checked: dict[str, type] = {}  # the state's values found loadable
         self._warned: SaveFailedError | None = None
         """The newest failure reported by a warning alone (not raised)."""
         self.memory_tier = (
@@ -274,7 +275,7 @@ class CheckpointManager:
             log.info("checkpoint step %d skipped: the previous save is still in flight", step)
             return False
         flat = collect(state)
-        check_items(flat.tensors)  # at once: in the background every save would fail
+        check_items(flat.tensors, self._checked)  # at once: every save would fail
         self._size_memory_tier(flat)
         self._goodput.save_begin(step)
         busy, began = self._stager.busy, time.monotonic()

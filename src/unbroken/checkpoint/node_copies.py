@@ -58,10 +58,11 @@ class NodeCopies:
         self.arenas = RankArenas(memory.path, rank) if memory and stage_in_place else None
         """This rank's files of the memory tier that saves stage straight into."""
         self.layout: TensorLayout | None = None
-        self._said_room = False
         """This rank's shard as the last save wrote it to the memory tier."""
         self._shard_bytes: int | None = None
         """The size of this rank's shard as the last save wrote it, to either tier."""
+        self._said_room = False
+        """Whether dropping an older copy for room was warned about (once, then info)."""
         self._on_arena = on_arena
         """Told, before an arena of a layout is made, that the next saves stage its
         tensors there (the stager drops its own buffers of them)."""

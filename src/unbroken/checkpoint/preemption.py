@@ -85,9 +85,9 @@ class PreemptionWatch:
         """The signal this process received, if any."""
         self._received_at = 0.0
         self.handled = False
+        """The preemption save was made: later signals go on to the earlier handler."""
         self.tried: int | None = None
         """The step whose preemption save was started (and did not commit, unless handled)."""
-        """The preemption save was made: later signals go on to the earlier handler."""
         self.acting = False
         """A maybe_save took the signal up (its save may take a while: no watchdog then)."""
         self._closed = False

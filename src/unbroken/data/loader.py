@@ -390,7 +390,6 @@ class DataLoader(torch.utils.data.DataLoader):
         else:
             self.epoch = self._next_start[0]
 
-
     def _warn_if_tail_lost(self, position: int) -> None:
         """A position saved at another global batch size (world size, batch size): the
         rest of its epoch may not fill whole batches of this one, and ``drop_last``

@@ -325,14 +325,11 @@ class EventLog:
         """The numbered events of the local copy from ``_unsent_at`` on (none if it is
         gone: the staging dir wiped under the job loses them, never the job)."""
         try:
-            with open(self.local_path, "rb") as f:
-                f.seek(self._unsent_at or 0)
-                text = f.read().decode("utf-8", "replace")
+            return [e for e in self._read_local(self._unsent_at or 0) if e.n >= 0]
         except OSError as exc:
             log.warning("goodput: events since the last durable write lost: %s", exc)
             self._spilled, self._unsent_at = False, None
             return []
-        return [e for e in parse_lines(text, self.local_path) if e.n >= 0]
 
     def _write_durable(self, key: str, events: list[Event]) -> bool:
         tail = [self._beat] if self._beat is not None else []
@@ -401,8 +398,10 @@ class EventLog:
             queued = [e if isinstance(e, Event) else Event(*e) for e in list(self._queue)]
             return [*(self.history or []), *queued]
 
-    def _read_local(self) -> list[Event]:
+    def _read_local(self, at: int = 0) -> list[Event]:
+        """The local copy's events from byte ``at`` on."""
         with open(self.local_path, "rb") as f:
+            f.seek(at)
             return parse_lines(f.read().decode("utf-8", "replace"), self.local_path)
 
     def _write_local(self, batch: list[Event]) -> None:

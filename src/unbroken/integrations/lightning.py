@@ -390,11 +390,11 @@ class UnbrokenCallback(OnExceptionCheckpoint):
             self.io.maybe_save(trainer.global_step, lambda: _dump(trainer))
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        """The last epoch's last step, once its validation and every callback's epoch end
-        ran (a ModelCheckpoint's save there is the step's, and this one is skipped),
-        before the new epoch fetches a batch: a save before them held the callbacks'
-        state of before, and a resume from it never validated the epoch. The fit's last
-        epoch has its save at on_train_end."""
+        """The step that ended the epoch before, once that epoch's validation and every
+        callback's epoch end ran (a ModelCheckpoint's save there is the step's, and this
+        one is skipped), before the new epoch fetches a batch: a save before them held
+        the callbacks' state of before, and a resume from it never validated the epoch.
+        The fit's last epoch has its save at on_train_end."""
         if self._at_epoch_end:
             self._at_epoch_end = False
             self.io.maybe_save(trainer.global_step, lambda: _dump(trainer))

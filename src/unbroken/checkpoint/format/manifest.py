@@ -382,10 +382,8 @@ def verify_committed_files(
         return []
     if any(c.endswith(" (gone)") for c in found):  # one 404 may be the store's hiccup:
         time.sleep(GONE_RECHECK_SECONDS)  # a file deleted by another job stays gone
-        again = [
-            changed((n, manifest.files[n])) for n in (c.removesuffix(" (gone)") for c in found)
-        ]
-        found = [c for c in again if c is not None]
+        looked = [(n, manifest.files[n]) for n in (c.split(" (gone)")[0] for c in found)]
+        found = [c for c in map(changed, looked) if c is not None]
     return found
 
 

@@ -41,11 +41,16 @@ def _reason(exc: BaseException) -> str:
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
-def check_items(items: dict[str, Any]) -> None:
-    """``check_loadable`` on every item of a flat state that is not a tensor."""
+def check_items(items: dict[str, Any], checked: dict[str, type]) -> None:
+    """``check_loadable`` on every item of a flat state that is not a tensor, on the
+    training thread: once per key and type (``checked`` records them), so a large list
+    in a sampler's state is walked at the first save, not at every one. A value that
+    changes inside later is still checked as the writer writes it."""
     for key, value in items.items():
-        if not isinstance(value, torch.Tensor):
-            check_loadable(key, value)
+        if isinstance(value, torch.Tensor) or checked.get(key) is type(value):
+            continue
+        check_loadable(key, value)
+        checked[key] = type(value)
 
 
 def check_loadable(key: str, value: Any) -> None:
