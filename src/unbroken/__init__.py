@@ -25,6 +25,7 @@ _LAZY = {
     "CheckpointInfo": "unbroken.checkpoint",
     "VolumeDataset": "unbroken.data",
     "DataLoader": "unbroken.data",
+    "load": "unbroken.checkpoint.read_only",
     # The errors users meet (docs/troubleshooting.md), importable from one place.
     **dict.fromkeys(
         [
@@ -92,6 +93,7 @@ __all__ = [
     "TornSnapshotError",
     "VolumeDataset",
     "__version__",
+    "load",
     "open_store",
 ]
 

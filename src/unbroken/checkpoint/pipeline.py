@@ -16,7 +16,6 @@ import os
 import queue
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,9 +62,6 @@ from unbroken.storage.in_memory import FileInMemory
 from unbroken.storage.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
-
-# DCP says so on every single-process save and load; no group is our normal case there.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or")
 
 _CLAIM_RETRY = RetryPolicy(max_attempts=2, base_delay=0.05, max_delay=0.05)
 

@@ -137,7 +137,7 @@ def restore(
     state: MutableMapping[str, Any],
     *,
     durable: Store,
-    staging: Store,
+    staging: Store | None,
     group: Group,
     step: int | None = None,
     strict: bool = True,
@@ -146,7 +146,8 @@ def restore(
     peers: Sequence[PeerStore] = (),
 ) -> Restored | None:
     """Load the newest loadable committed checkpoint into ``state``; None if none exists.
-    ``memory``: the node's memory tier, read before the disk tier ``staging``;
+    ``memory``: the node's memory tier, read before the disk tier ``staging`` (None: the
+    durable tier alone, as a job that only reads it);
     ``replicas``: other ranks' copies this node's memory holds (``peers/``); ``peers``:
     other nodes' memory tiers, read after the node's own tiers, before ``durable``."""
     began = time.monotonic()
@@ -167,9 +168,12 @@ def restore(
     if not steps:
         return None
     problems: list[str] = []
+    attempts: list[tuple[str, Store | _NodeTiers]] = [("durable", durable)]
+    if node.tiers():
+        attempts.insert(0, ("staging", node))
     for s in steps:
         reuse: _Prepared | None = None
-        for tier, store in (("staging", node), ("durable", durable)):
+        for tier, store in attempts:
             loaded = _try(
                 state, flat, s, tier, store, durable, group, strict, problems, listed[s], reuse
             )
@@ -333,7 +337,7 @@ class _NodeTiers:
     other nodes' memory), the rest from the durable tier."""
 
     memory: Store | None
-    disk: Store
+    disk: Store | None
     replicas: tuple[Store, ...] = ()
     peers: tuple[PeerStore, ...] = ()
 
@@ -342,12 +346,12 @@ class _NodeTiers:
         return [
             *own,
             *(("replica", r) for r in self.replicas),
-            ("staging", self.disk),
+            *([("staging", self.disk)] if self.disk is not None else []),
             *(("peer", p) for p in self.peers),
         ]
 
     def url_for(self, key: str) -> str:
-        return (self.memory or self.disk).url_for(key)
+        return self.tiers()[0][1].url_for(key)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import dataclasses
 import io
 import logging
 import pickle
+import warnings
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -28,6 +29,9 @@ from unbroken.checkpoint.errors import CheckpointCorruptError
 from unbroken.checkpoint.staging.copy import buffer_key
 
 log = logging.getLogger(__name__)
+
+# DCP says so on every single-process save and load; no group is our normal case there.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or")
 
 _PRINTS = "unbroken-fingerprints"
 _PRINT_BYTES = 1 << 20

@@ -45,13 +45,15 @@ def _in_use(staging_dir: str, rank: int, other: dict, purpose: str) -> str:
     )
     if theirs == purpose:  # one URL: the default staging_dir is the URL's
         return (
-            f"{said}, saving to one URL (the default staging_dir is derived from the URL). "
-            "Give each job its own staging_dir, and its own URL"
+            f"{said}, on one URL (the default staging_dir is derived from the URL). A job "
+            "that only reads this URL (an evaluation beside the training) loads with "
+            "unbroken.load(url, state), which needs no staging_dir; two jobs that save need "
+            "a URL each"
         )
     return (
         f"{said}, with URLs of their own. Give each job its own staging_dir, or leave it "
-        "unset (the default is one per URL); a job that only restores (an evaluation "
-        "beside the training) needs one of its own too"
+        "unset (the default is one per URL); a job that only reads checkpoints loads "
+        "with unbroken.load(url, state), which needs none"
     )
 
 
