@@ -1039,12 +1039,9 @@ def test_an_unreadable_step_folder_fails_restore_naming_it_and_a_users_folder_do
     assert f"checkpoint folder {ck / step_dir(2)} cannot be read" in run.stdout, run.stdout
 
 
-def test_a_step_an_earlier_attempt_committed_after_the_restored_one_is_named_so(
-    tmp_path, monkeypatch
-):
-    """A run whose restore passed over the newest step (corrupt) reaches that step: it is
-    never overwritten, and the message says it is this job's, not another job's."""
-    monkeypatch.setenv("UNBROKEN_JOB_ID", "job-x")
+def steps_2_and_4_by_another_process(tmp_path: Path) -> tuple[str, str]:
+    """A run (another process, now ended) that committed steps 2 and 4 of ``{"w": ...}``:
+    its durable URL and staging dir."""
     first = (
         "import sys, torch, unbroken as ub\n"
         "with ub.CheckpointManager(sys.argv[1], staging_dir=sys.argv[2]) as m:\n"
@@ -1053,6 +1050,16 @@ def test_a_step_an_earlier_attempt_committed_after_the_restored_one_is_named_so(
     )
     url, staging = str(tmp_path / "d"), str(tmp_path / "s")
     subprocess.run([sys.executable, "-c", first, url, staging], check=True, timeout=120)
+    return url, staging
+
+
+def test_a_step_an_earlier_attempt_committed_after_the_restored_one_is_named_so(
+    tmp_path, monkeypatch
+):
+    """A run whose restore passed over the newest step (corrupt) reaches that step: it is
+    never overwritten, and the message says it is this job's, not another job's."""
+    monkeypatch.setenv("UNBROKEN_JOB_ID", "job-x")
+    url, staging = steps_2_and_4_by_another_process(tmp_path)
     flip_payload_byte(tmp_path / "d" / step_dir(4), key="w")
     state = {"w": torch.zeros(4)}
     with (
@@ -1066,3 +1073,27 @@ def test_a_step_an_earlier_attempt_committed_after_the_restored_one_is_named_so(
     message = str(info.value)
     assert "by an earlier attempt of this job" in message and "two jobs" not in message
     assert "never overwritten" in message
+
+
+def test_a_damaged_step_reached_again_is_named_damaged_and_left_as_it_is(tmp_path):
+    """A step whose manifest outlived one of its files (deleted by hand, a partial
+    ``aws s3 rm``): the restore passes over it; reaching it again, the run is told the
+    step is damaged (not "already committed" by another writer) and saves the next one."""
+    url, staging = steps_2_and_4_by_another_process(tmp_path)
+    damaged = tmp_path / "d" / step_dir(4)
+    (damaged / "__0_0.distcp").unlink()
+    left = sorted(p.name for p in damaged.iterdir())
+    state = {"w": torch.zeros(4)}
+    with ub.CheckpointManager(url, staging_dir=staging) as mgr:
+        with pytest.warns(RuntimeWarning, match="not usable"):
+            assert mgr.restore(state) == 2
+        mgr.save(4, state)
+        with pytest.raises(SaveFailedError) as info:
+            mgr.wait()
+        mgr.save(6, state)
+        mgr.wait()
+    message = str(info.value)
+    assert "damaged" in message and "__0_0.distcp" in message, message
+    assert "claim" not in message and "already committed" not in message, message
+    assert sorted(p.name for p in damaged.iterdir()) == left
+    assert [c.step for c in mgr.checkpoints() if c.committed] == [2, 6]

@@ -26,6 +26,8 @@ class DurableIndex:
         self._committed: dict[int, CheckpointInfo] | None = None
         self._newer: dict[int, CheckpointInfo] = {}
         """Steps whose manifest is of a newer format than this unbroken reads."""
+        self._damaged: dict[int, CheckpointInfo] = {}
+        """Steps with a manifest but not whole (a file gone, cut short, or corrupt)."""
         self._first_claims: frozenset[int] | None = None
         """Steps that held a claim at the first look."""
 
@@ -63,6 +65,13 @@ class DurableIndex:
             self._reload()
         return self._newer.get(step)
 
+    def damaged(self, step: int) -> CheckpointInfo | None:
+        """The entry of ``step`` if it has a manifest but is not whole (``problem`` says
+        why): never saved over, for the missing bytes may yet be found."""
+        if self._committed is None:
+            self._reload()
+        return self._damaged.get(step)
+
     def claimed_before(self, step: int) -> bool:
         """Whether ``step`` held a claim when this index first looked (True if it has not
         looked yet: nothing is proven then)."""
@@ -78,12 +87,11 @@ class DurableIndex:
             return self._reload()
         files = step_files(self.store, include_temp=True)  # a crash may leave only temps
         manifests = {step for step, names in files.items() if MANIFEST_NAME in names}
-        if manifests - set(self._committed) - set(self._newer):
+        if manifests - set(self._committed) - set(self._newer) - set(self._damaged):
             return self._reload()  # someone else committed here: read it properly
-        for gone in set(self._committed) - manifests:
-            del self._committed[gone]
-        for gone in set(self._newer) - manifests:
-            del self._newer[gone]
+        for known in (self._committed, self._newer, self._damaged):
+            for gone in set(known) - manifests:
+                del known[gone]
         by_step = {step: sum(names.values()) for step, names in files.items()}
         return [
             self._committed.get(step)
@@ -107,4 +115,5 @@ class DurableIndex:
             self._first_claims = frozenset(s for s, names in files.items() if WRITER_NAME in names)
         self._committed = {c.step: c for c in infos if c.committed}
         self._newer = {c.step: c for c in infos if c.newer_format}
+        self._damaged = {c.step: c for c in infos if c.damaged}
         return infos

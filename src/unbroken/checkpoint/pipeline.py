@@ -285,6 +285,12 @@ class SavePipeline:
                     f"{committed_by(self.durable, step)}; a committed checkpoint is never "
                     "overwritten"
                 )
+            elif g.is_coordinator and (damaged := self.index.damaged(step)) is not None:
+                problem = (
+                    f"step {step} at {self.durable.url_for(name)} holds a damaged checkpoint "
+                    f"({damaged.problem}), never overwritten: this step is not saved (delete "
+                    "that directory to save it again)"
+                )
             elif g.is_coordinator:
                 claimed = self._claim_quickly(name, step)
         except Exception as e:
