@@ -276,6 +276,27 @@ def test_verify_fails_a_manifest_whose_format_field_has_a_flipped_bit(
     assert problem.startswith("manifest.json: ") and "checksum" in problem
 
 
+def test_verify_says_which_steps_a_newer_unbroken_wrote_and_checks_the_rest(
+    capsys, checkpoints, tmp_path
+):
+    """A step of a newer format (its own checksum sound) is named as not checked, never
+    passed over in silence nor called partial; alone, it is no pass."""
+    from tests.checkpoint.manager_util import reseal
+
+    ck = copy_tree(checkpoints, tmp_path / "ck")
+    reseal(ck / step_dir(4), edit=lambda doc: doc.update(format=2))
+    code, out, _ = run(capsys, "verify", str(ck), "--no-progress")
+    assert code == 0, out
+    assert f"ok      {ck / step_dir(2)}" in out
+    assert f"newer   {ck / step_dir(4)}: not checked: " in out and "format 2" in out, out
+    code, out, err = run(capsys, "verify", str(ck), "--step", "4", "--no-progress")
+    assert code == 1 and "PARTIAL" not in out, out
+    assert "step 4 cannot be checked by unbroken" in err and "format 2" in err, err
+    shutil.rmtree(ck / step_dir(2))
+    code, _, err = run(capsys, "verify", str(ck), "--no-progress")
+    assert code == 1 and "1 written by a newer unbroken" in err, err
+
+
 @pytest.mark.parametrize("verb", ["ls", "verify", "goodput"])
 def test_an_empty_directory_is_a_clear_error(capsys, tmp_path, verb):
     code, _out, err = run(capsys, verb, str(tmp_path))

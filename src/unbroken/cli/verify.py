@@ -12,6 +12,7 @@ import json
 import sys
 import time
 
+from unbroken._version import __version__
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME, step_dir
 from unbroken.cli.errors import CliError
@@ -38,8 +39,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     store = open_existing(args.url, storage_options(args))
     infos = list_checkpoints(store)
+    # Steps a newer unbroken wrote: this version cannot read their records to check them.
+    newer = [i for i in infos if i.newer_format and args.step in (None, i.step)]
+    infos = [i for i in infos if not i.newer_format]
     if args.step is not None:
         chosen = [i for i in infos if i.step == args.step]
+        if newer:
+            raise CliError(f"step {args.step} cannot be checked by unbroken {__version__}: "
+                           f"{newer[0].problem}")  # fmt: skip
         if not chosen:
             raise CliError(f"no checkpoint of step {args.step} under {store.url}")
     else:
@@ -48,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         chosen = [i for i in infos if i.committed or _damaged_record(store, i)]
         if not chosen:
             why = "only partial ones" if infos else "none at all"
+            if newer:
+                why = f"{len(newer)} written by a newer unbroken, which {__version__} cannot check"
             raise CliError(f"no committed checkpoint under {store.url} ({why})")
     total = sum(i.nbytes for i in chosen if i.committed)
     bar = _progress(total, disable=args.no_progress or args.json)
@@ -86,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"CORRUPT {where}/{p}")
             if not problems:
                 print(f"ok      {where}")
+        for info in newer:
+            print(f"newer   {redact(info.url)}: not checked: {info.problem}")
         for step in sorted(gone):
             print(f"gone    {redact(store.url_for(step_dir(step)))}: removed while verifying "
                   "(a running job's retention), not checked")  # fmt: skip
