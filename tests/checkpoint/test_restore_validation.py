@@ -358,3 +358,58 @@ def test_a_durable_tier_that_cannot_be_listed_fails_the_restore_as_a_checkpoint_
         mgr.restore(make_state())
     assert isinstance(e.value.__cause__, RetriesExhaustedError)
     assert isinstance(e.value, ub.CheckpointError) and isinstance(e.value, ub.StoreError)
+
+
+class LossHistory:
+    """A user's object whose state_dict() grows in training: a tensor per step."""
+
+    def __init__(self) -> None:
+        self.hist: list[torch.Tensor] = []
+        self.best: dict[str, torch.Tensor] = {}
+
+    def state_dict(self) -> dict:
+        return {"hist": self.hist, "best": self.best}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.hist, self.best = list(sd["hist"]), dict(sd["best"])
+
+
+def test_a_state_dict_that_grew_since_the_save_is_named_and_never_emptied_in_silence(tmp_path):
+    model, history = torch.nn.Linear(3, 1), LossHistory()
+    for step in range(1, 4):
+        history.hist.append(torch.full((2,), float(step)))
+        history.best[f"step{step}"] = torch.tensor(float(step))
+    with manager(tmp_path) as mgr:
+        mgr.save(3, {"model": model, "history": history})
+    fresh, empty = torch.nn.Linear(3, 1), LossHistory()
+    before = fresh.weight.detach().clone()
+    state = {"model": fresh, "history": empty}
+    with manager(tmp_path) as mgr:
+        grew = r"state_dict\(\) of 'history' is laid out otherwise than when saved .*hist\.0"
+        with pytest.raises(ub.CheckpointMismatchError, match=grew) as e:
+            mgr.restore(state)
+        assert "another model" not in str(e.value)
+        assert torch.equal(fresh.weight, before)  # nothing loaded
+        with pytest.warns(RuntimeWarning, match=r"strict=False without history\.best\.step1.* "
+                          r"laid out otherwise") as w:  # fmt: skip
+            assert mgr.restore(state, strict=False) == 3
+        assert w[0].filename == __file__  # at the user's restore call
+    assert torch.equal(fresh.weight, model.weight) and empty.hist == []
+    # Given the saved layout, it loads whole.
+    sized = LossHistory()
+    sized.hist = [torch.zeros(2) for _ in range(3)]
+    sized.best = {f"step{s}": torch.tensor(0.0) for s in range(1, 4)}
+    with manager(tmp_path) as mgr:
+        assert mgr.restore({"model": fresh, "history": sized}) == 3
+    assert [float(t[0]) for t in sized.hist] == [1.0, 2.0, 3.0]
+
+
+def test_strict_false_names_what_it_left_in_the_checkpoint(tmp_path):
+    """A fine-tune from a bigger model: the part the state has is loaded, the rest named."""
+    big = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with manager(tmp_path) as mgr:
+        mgr.save(2, {"model": big})
+    backbone = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.warns(RuntimeWarning, match=r"without model\.2\.bias, model\.2\.weight, which"):
+        assert ub.load(tmp_path / "durable", {"model": backbone}, strict=False) == 2
+    assert torch.equal(backbone[0].weight, big[0].weight)

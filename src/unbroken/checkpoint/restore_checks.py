@@ -23,7 +23,7 @@ from unbroken.checkpoint.errors import CheckpointCorruptError, CheckpointMismatc
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME, Manifest, step_dir
 from unbroken.checkpoint.format.reader import TierReader
 from unbroken.checkpoint.save_job import rng_file
-from unbroken.checkpoint.state_dicts import KIND_OPTIMIZER, FlatState
+from unbroken.checkpoint.state_dicts import KIND_OPTIMIZER, KIND_STATEFUL, FlatState
 from unbroken.state.rng import RngState, decode_rng_state
 from unbroken.storage import Store
 
@@ -38,11 +38,17 @@ def check_compatible(
     mine = flat.tensors
     saved_values = set(manifest.extra.get("values", {}))
     missing = sorted(set(mine) - set(saved)) + sorted(set(flat.values) - saved_values)
+    entries = set(flat.kinds)
+    not_in_state = sorted(k for k in saved if k.split(".", 1)[0] in entries and k not in mine)
     unexpected: list[str] = []
     if strict:
-        entries = set(flat.kinds)
-        unexpected = sorted(k for k in saved if k.split(".", 1)[0] in entries and k not in mine)
-        unexpected += sorted(k for k in saved_values - set(flat.values) if k in entries)
+        unexpected = not_in_state + sorted(
+            k for k in saved_values - set(flat.values) if k in entries
+        )
+    regrown = sorted(
+        {k.split(".", 1)[0] for k in (*missing, *not_in_state)}
+        & {n for n, kind in flat.kinds.items() if kind == KIND_STATEFUL}
+    )
     shapes = []
     shared = [k for k in sorted(set(mine) & set(saved)) if _elements_share_memory(mine[k])]
     for key in sorted(set(mine) & set(saved)):
@@ -92,6 +98,25 @@ def check_compatible(
             parts.append(f"{label}: {', '.join(names[:_SHOW])}{more}")
     if missing and not strict:
         parts = [p for p in parts if not p.startswith("missing")]
+    grew = (
+        f"the state_dict() of {', '.join(map(repr, regrown))} is laid out otherwise than "
+        "when saved (a list or dict in it grew or shrank in training?), and a restore "
+        "loads into the layout the object has now. Give it the saved layout before "
+        "restoring (as many list items, the same keys), or keep what grows in one tensor"
+    )
+    # (settings a scheduler wrote into the optimizer's groups: this run's stay, as documented)
+    left = [k for k in not_in_state if not _is_group_setting(k, optimizers)]
+    if not strict and left and not parts:
+        more = f" and {len(left) - _SHOW} more" if len(left) > _SHOW else ""
+        warnings.warn(
+            f"checkpoint {where}: restored with strict=False without "
+            f"{', '.join(left[:_SHOW])}{more}, which the state has no place for"
+            + (f": {grew}" if regrown else ""),
+            RuntimeWarning,
+            stacklevel=6,  # the caller of restore() or load()
+        )
+    if parts and regrown and not shapes:
+        raise CheckpointMismatchError(f"checkpoint {where}: {grew}: " + "; ".join(parts))
     if parts:
         hint = ""
         if missing and strict and not unexpected and not shapes:  # only added to the state
