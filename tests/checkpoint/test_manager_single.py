@@ -1097,3 +1097,24 @@ def test_a_damaged_step_reached_again_is_named_damaged_and_left_as_it_is(tmp_pat
     assert "claim" not in message and "already committed" not in message, message
     assert sorted(p.name for p in damaged.iterdir()) == left
     assert [c.step for c in mgr.checkpoints() if c.committed] == [2, 6]
+
+
+def test_milestones_are_saved_whatever_the_cadence_and_never_skipped_busy(tmp_path):
+    """keep_every_steps=5 beside every_steps=3: steps 5 and 10 were never due, and each
+    is reached while a save still uploads, where a save that is due is skipped."""
+    opts = {"latency": 0, "bandwidth": "1MB", "link": private_link("milestones")}
+    state = {"w": torch.zeros(250_000)}  # 1 MB: about 1 s per upload on the emulated link
+    url = "emulated::" + str(tmp_path / "durable")
+    mgr = manager(tmp_path, url=url, storage_options=opts, every_steps=3, keep_last=1,
+                  keep_every_steps=5, when_busy="skip")  # fmt: skip
+    for step in range(1, 11):
+        state["w"] = torch.full((250_000,), float(step))  # (in place would tear the copy)
+        mgr.maybe_save(step, state)
+    mgr.close()
+    committed = [c.step for c in mgr.checkpoints() if c.committed]
+    assert {5, 10} <= set(committed), committed
+    assert mgr.stats.skipped_busy >= 1  # the cadence's own saves are skipped as before
+    fresh = {"w": torch.zeros(250_000)}
+    with manager(tmp_path, url=url, storage_options=opts) as again:
+        assert again.restore(fresh, step=5) == 5
+    assert torch.all(fresh["w"] == 5.0)

@@ -10,8 +10,10 @@ from unbroken.checkpoint import save_cadence
 from unbroken.checkpoint.save_cadence import SaveCadence
 
 
-def _cadence(every_steps=None, every_seconds=None) -> SaveCadence:
-    config = SimpleNamespace(every_steps=every_steps, every_seconds=every_seconds)
+def _cadence(every_steps=None, every_seconds=None, keep_every_steps=None) -> SaveCadence:
+    config = SimpleNamespace(
+        every_steps=every_steps, every_seconds=every_seconds, keep_every_steps=keep_every_steps
+    )
     return SaveCadence(config, autopilot=None, goodput=None)
 
 
@@ -88,3 +90,11 @@ def test_without_an_autopilot_step_timing_asks_nothing():
 
     cadence.time_step(saving)
     cadence.blocked(0.5)
+
+
+def test_a_milestone_is_due_whatever_the_cadence_and_only_once():
+    cadence = _cadence(every_steps=3, keep_every_steps=5)
+    assert [s for s in range(0, 16) if cadence.is_due(s)] == [3, 5, 6, 9, 10, 12, 15]
+    assert [s for s in range(0, 16) if cadence.is_milestone(s)] == [5, 10, 15]
+    cadence.last_step = 10  # being saved: neither due nor a milestone to wait for
+    assert not cadence.is_due(10) and not cadence.is_milestone(10)

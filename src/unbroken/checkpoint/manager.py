@@ -219,7 +219,8 @@ class CheckpointManager:
             due, busy = self._fg_group.any(due, busy)
         if not due:
             return False
-        return self._save(step, state, skip_if_busy=busy and self.config.when_busy == "skip")
+        skip = busy and self.config.when_busy == "skip" and not self._cadence.is_milestone(step)
+        return self._save(step, state, skip_if_busy=skip)
 
     def _save_before_preemption(self, step: int, state: Mapping[str, Any]) -> bool:
         """Every rank, at the same call: save ``step`` (after the save in flight), wait for

@@ -55,11 +55,19 @@ class SaveCadence:
         """Whether ``step`` was already saved (or is being saved): never twice."""
         return step == self.last_step or step in self.committed
 
+    def is_milestone(self, step: int) -> bool:
+        """A step retention keeps for good (``keep_every_steps``): saved whatever the
+        cadence, and never skipped for a save still in flight (it would never exist)."""
+        keep = self.config.keep_every_steps
+        return keep is not None and step > 0 and step % keep == 0 and not self.has(step)
+
     def is_due(self, step: int) -> bool:
         if self.has(step):
             return False
         every_steps = self.config.every_steps
         if every_steps is not None and step > 0 and step % every_steps == 0:
+            return True
+        if self.is_milestone(step):
             return True
         every = self._interval()
         return every is not None and time.monotonic() - self.last_start >= every
