@@ -62,6 +62,20 @@ def test_a_listing_reports_its_pages_as_they_come(store: Store):
     assert store.list("p", progress=pages.append) == listed
 
 
+def test_a_listing_after_a_key_leaves_out_what_sorts_before(store: Store):
+    """The checkpoint catalog lists from ``step-`` on: a goodput log's thousands of
+    objects under ``_goodput/`` must not cost each save a listing of them."""
+    for key in ["_goodput/a/r0", "_goodput/b/r1", "a-file", "step-1/m", "step-2/x/y", "z"]:
+        store.write_bytes(key, b"x")
+    pages: list[int] = []
+    listed = [e.key for e in store.list(after="step-", progress=pages.append)]
+    assert listed == ["step-1/m", "step-2/x/y", "z"]
+    kind = type(store).__name__
+    if kind == "LocalStore" or (kind == "NativeStore" and store.url.startswith("s3://")):
+        assert sum(pages) == 3, pages  # they start listing there (S3's start-after)
+    assert [e.key for e in store.list(after="step-1/m")] == ["step-2/x/y", "z"]
+
+
 def test_delete_key_and_prefix(store: Store):
     for key in ["p/a", "p/b/c", "p/b/d", "q"]:
         store.write_bytes(key, b"1")

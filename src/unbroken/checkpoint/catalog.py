@@ -16,6 +16,7 @@ from unbroken.checkpoint.errors import CheckpointError, NewerFormatError
 from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
     METADATA_JSON,
+    STEP_DIRS_AFTER,
     Manifest,
     crc32c_bytes,
     odd_step_dir,
@@ -74,7 +75,7 @@ def step_files(store: Store, *, include_temp: bool) -> dict[int, dict[str, int]]
     by_step: dict[int, dict[str, int]] = {}
     odd: set[str] = set()
     unlisted: list[tuple[str, str]] = []
-    listed = store.list("", include_temp=include_temp, unlisted=unlisted)
+    listed = store.list("", include_temp=include_temp, unlisted=unlisted, after=STEP_DIRS_AFTER)
     for key, why in unlisted:  # a folder of the user's beside the steps is not ours
         if parse_step_dir(key.partition("/")[0]) is not None and why.startswith(UNREADABLE):
             raise StorePermissionError(

@@ -243,9 +243,12 @@ class Store(ABC):
         include_temp: bool = False,
         progress: Callable[[int], None] | None = None,
         unlisted: list[tuple[str, str]] | None = None,
+        after: str | None = None,
     ) -> list[Entry]:
         """Every object under ``prefix``, recursively, sorted by key; temp files hidden
         unless ``include_temp`` (housekeeping: a crashed writer's are its only trace).
+        ``after``: only the keys that sort after it, the others not even listed where the
+        backend can start there (an object store's start-after, a folder's entries).
         ``progress(n)`` hears of each page of ``n`` entries as it arrives (a listing of
         millions of objects takes minutes), where the backend lists in pages.
 
@@ -259,14 +262,18 @@ class Store(ABC):
             entries: list[Entry] = []
             if unlisted is not None:
                 unlisted.clear()  # (a retry lists again)
-            for page in self._list_pages(prefix, unlisted):
+            for page in self._list_pages(prefix, unlisted, after):
                 entries.extend(page)
                 if progress is not None:
                     progress(len(page))
             return entries
 
         entries = self._run("list", prefix, collect)
-        return sorted(e for e in entries if include_temp or not is_temp_name(e.key))
+        return sorted(
+            e
+            for e in entries
+            if (include_temp or not is_temp_name(e.key)) and (after is None or e.key > after)
+        )
 
     def delete(self, key: str) -> None:
         """Remove one object, or everything under a prefix. Absent keys are fine."""
@@ -341,10 +348,11 @@ class Store(ABC):
     def _list(self, prefix: str) -> list[Entry]: ...
 
     def _list_pages(
-        self, prefix: str, unlisted: list[tuple[str, str]] | None = None
+        self, prefix: str, unlisted: list[tuple[str, str]] | None = None, after: str | None = None
     ) -> Iterator[list[Entry]]:
         """The listing in pages as they arrive; one page where the backend has no pages.
-        ``unlisted``: see :meth:`list` (only a backend of local paths has any)."""
+        ``unlisted``: see :meth:`list` (only a backend of local paths has any); ``after``:
+        a backend may leave out keys up to it (:meth:`list` drops any it listed)."""
         yield self._list(prefix)
 
     @abstractmethod

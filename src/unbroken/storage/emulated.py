@@ -225,10 +225,10 @@ class EmulatedStore(Store):
         return self.inner._list(prefix)
 
     def _list_pages(
-        self, prefix: str, unlisted: list[tuple[str, str]] | None = None
+        self, prefix: str, unlisted: list[tuple[str, str]] | None = None, after: str | None = None
     ) -> Iterator[list[Entry]]:
         sleep_until(self._request("list", prefix))
-        yield from self.inner._list_pages(prefix, unlisted)
+        yield from self.inner._list_pages(prefix, unlisted, after)
 
     def _delete(self, key: str) -> None:
         sleep_until(self._request("delete", key))

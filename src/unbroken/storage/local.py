@@ -130,15 +130,18 @@ class LocalStore(Store):
         return self._walk(prefix, None)
 
     def _list_pages(
-        self, prefix: str, unlisted: list[tuple[str, str]] | None = None
+        self, prefix: str, unlisted: list[tuple[str, str]] | None = None, after: str | None = None
     ) -> Iterator[list[Entry]]:
-        yield self._walk(prefix, unlisted)
+        yield self._walk(prefix, unlisted, after)
 
-    def _walk(self, prefix: str, unlisted: list[tuple[str, str]] | None) -> list[Entry]:
+    def _walk(
+        self, prefix: str, unlisted: list[tuple[str, str]] | None, after: str | None = None
+    ) -> list[Entry]:
         """The regular files under ``prefix``, reached without following links; see
         ``Store.list`` for ``unlisted``. A folder that cannot be read raises otherwise:
         skipped, it would leave a restore without its checkpoints. ``lost+found`` at the
-        root is fsck's, never the store's."""
+        root is fsck's, never the store's. ``after``: keys up to it are left out, and a
+        folder whose every key sorts before it is not entered."""
         top = self.path_for(prefix)
         if os.path.isfile(top):
             return [self._info(prefix)]
@@ -164,8 +167,10 @@ class LocalStore(Store):
                 for item in listing:  # temp files too: Store.list hides them unless asked
                     key = within + item.name
                     if item.is_dir(follow_symlinks=False):
-                        if item.path != lost_found:
+                        if item.path != lost_found and not _all_before(key + "/", after):
                             folders.append((item.path, key + "/"))
+                        continue
+                    if after is not None and key <= after:
                         continue
                     try:
                         st = item.stat(follow_symlinks=False)
@@ -241,3 +246,8 @@ def _owner_pid(name: str) -> int | None:
 def _version(st: os.stat_result) -> str:
     """A local file's etag: its mtime and size (a rewrite changes the mtime)."""
     return f"{st.st_mtime_ns:x}-{st.st_size:x}"
+
+
+def _all_before(folder: str, after: str | None) -> bool:
+    """Whether every key under ``folder`` (ending in "/") sorts before ``after``."""
+    return after is not None and folder < after and not after.startswith(folder)

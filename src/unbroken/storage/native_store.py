@@ -215,7 +215,7 @@ class NativeStore(Store):
         return entries
 
     def _list_pages(
-        self, prefix: str, unlisted: list[tuple[str, str]] | None = None
+        self, prefix: str, unlisted: list[tuple[str, str]] | None = None, after: str | None = None
     ) -> Iterator[list[Entry]]:
         forked = self._in_fork()
         if forked is not None:
@@ -225,7 +225,7 @@ class NativeStore(Store):
             yield self._list(prefix)
             return
         with self._errors("/"):  # the root, the big case: its pages as they come
-            for page in obstore.list(self._store, prefix=None):
+            for page in obstore.list(self._store, prefix=None, offset=after):
                 yield self._files([Entry(m["path"], int(m["size"]), _etag(m)) for m in page])
 
     def _files(self, listed: list[Entry]) -> list[Entry]:

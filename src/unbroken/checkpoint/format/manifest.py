@@ -246,6 +246,12 @@ def check_step(step: object) -> None:
         raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
 
 
+STEP_DIRS_AFTER = "step-"
+"""Every step directory's keys sort after this: a listing of the steps starts there,
+past what sorts before (the goodput log's ``_goodput/``, one object per rank and
+attempt, tens of thousands in a long job on many ranks)."""
+
+
 def step_dir(step: int) -> str:
     """``step-000000001200``: zero-padded so that lexical order is step order."""
     check_step(step)
