@@ -1118,3 +1118,39 @@ def test_milestones_are_saved_whatever_the_cadence_and_never_skipped_busy(tmp_pa
     with manager(tmp_path, url=url, storage_options=opts) as again:
         assert again.restore(fresh, step=5) == 5
     assert torch.all(fresh["w"] == 5.0)
+
+
+INTERRUPTED_SAVE = """
+import os, signal, sys, torch, unbroken as ub
+model = torch.nn.Linear(8, 8)
+state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+mgr = ub.CheckpointManager(sys.argv[1], staging_dir=sys.argv[2], every_steps=1)
+armed = [True]
+def ctrl_c_inside(frame, event, arg):  # a real SIGINT, landing as the RNG states are read
+    if armed[0] and event == "call" and frame.f_code.co_name == sys.argv[3]:
+        armed[0] = False
+        os.kill(os.getpid(), signal.SIGINT)
+sys.setprofile(ctrl_c_inside)
+try:
+    mgr.save(1, state)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+sys.setprofile(None)
+for step in (2, 3):
+    assert mgr.maybe_save(step, state), f"step {step} not saved"
+    mgr.wait()
+mgr.close()
+print("committed", [c.step for c in mgr.checkpoints() if c.committed])
+"""
+
+
+@pytest.mark.parametrize("where", ["capture_rng_state", "hold"])
+def test_a_save_interrupted_by_ctrl_c_gives_the_buffers_back(tmp_path, where):
+    """Ctrl-C (a notebook's interrupt) inside save(), once the snapshot held the buffers
+    and before the job existed: every later save was skipped as busy, or hung."""
+    out = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_SAVE, str(tmp_path / "d"), str(tmp_path / "s"), where],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "interrupted" in out.stdout and "committed [2, 3]" in out.stdout, out.stdout

@@ -285,18 +285,18 @@ class CheckpointManager:
         if busy:
             self.stats.waited_busy += 1
             self.stats.seconds_waited_busy += time.monotonic() - began
-        job = SaveJob(
-            step=step,
-            staged=staged,
-            values=json_values.encode(flat.values),
-            rng=capture_rng_state(flat.generators),
-            pinned=frozenset(flat.first),
-        )
-        self._cadence.started(step)
+        started = False
         try:
+            values, rng = json_values.encode(flat.values), capture_rng_state(flat.generators)
+            job = SaveJob(step=step, staged=staged, values=values, rng=rng,
+                          pinned=frozenset(flat.first))  # fmt: skip
+            self._cadence.started(step)
+            started = True
             self._pipeline.submit(job)
-        except BaseException:
-            self._cadence.finished(step, ok=False, seconds=None)
+        except BaseException:  # Ctrl-C included: no job will hand the buffers back
+            if started:
+                self._cadence.finished(step, ok=False, seconds=None)
+            staged.release()
             raise
         self.stats.started += 1
         if not self.config.async_save:

@@ -162,7 +162,13 @@ class SavePipeline:
         with self._lock:
             self._jobs.append(job)
             self._pending += 1
-        self._queue.put(job)
+        try:
+            self._queue.put(job)
+        except BaseException:  # Ctrl-C: a job listed but never queued would be waited for
+            with self._lock:
+                self._jobs.remove(job)
+                self._pending -= 1
+            raise
 
     @property
     def in_flight(self) -> SaveJob | None:

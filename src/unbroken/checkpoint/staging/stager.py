@@ -257,9 +257,12 @@ class StateStager:
             taken = arena() if arena is not None else None
             try:
                 return self._stage(state_dict, first, taken, began)
-            except BaseException:
+            except BaseException:  # Ctrl-C included
                 if taken is not None:
                     taken.release()
+                current = self._current
+                if current is not None and not current.released:  # this call's: the
+                    current.release()  # previous one was released before it began
                 raise
 
     def _stage(
