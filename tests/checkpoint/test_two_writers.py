@@ -132,7 +132,9 @@ def test_two_jobs_sharing_the_default_staging_dir_are_told_so(tmp_path, monkeypa
     refused = [t[0] for t in told if 0 in t]
     assert len(refused) == 1, told
     assert "StagingDirInUseError" in refused[0] and "in use by pid" in refused[0]
-    assert "give each job its own staging_dir" in refused[0].lower()
+    # one URL: a URL each is the way out (the staging dir follows it), or unbroken.load
+    assert "two jobs that save need a url each" in refused[0].lower()
+    assert "unbroken.load(url, state)" in refused[0]
     ran = next(t for t in told if 0 not in t)
     assert all(ran[step] == "committed" for step in range(1, 9)), ran
 
@@ -149,7 +151,7 @@ def test_a_live_claim_on_a_staging_dir_is_refused_by_pid(tmp_path):
             claim_staging_dir(str(tmp_path / "staging"), 0, "job B")
         # Another URL: its own URL is no help, its own staging_dir is
         assert "with URLs of their own. Give each job its own staging_dir" in str(e.value)
-        one_url = r"saving to one URL .* its own staging_dir, and its own URL"
+        one_url = r"on one URL .* unbroken\.load\(url, state\).* two jobs that save need a URL each"
         with pytest.raises(StagingDirInUseError, match=one_url):
             claim_staging_dir(str(tmp_path / "staging"), 0, "job A")
     finally:
