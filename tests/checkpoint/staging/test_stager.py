@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import select
 import sys
 import threading
 import time
@@ -666,6 +667,40 @@ def test_the_background_copy_runs_at_the_priority_asked_for(nice):
         assert os.getpriority(os.PRIO_PROCESS, 0) == main  # the training thread untouched
     finally:
         s.close()
+
+
+def test_a_child_forked_during_a_copy_steps_its_optimizer_without_waiting_for_it():
+    """A ``multiprocessing`` child fine-tuning a probe, forked right after a save began:
+    its steps waited for the parent's copy, whose thread it does not have, for good."""
+    width = 1024
+    model = _model(width)
+    opt = torch.optim.AdamW(model.parameters())
+    _train_step(model, opt, width)
+    stager = StateStager(chunk_bytes=64 * 1024)  # many chunks: the copy takes a while
+    staged = stager.stage({"model": model.state_dict(), "optim": opt.state_dict()})
+    assert step_gate.copies_in_flight() == 1  # forked while the copy runs
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            # a small probe on one thread: OpenMP's pool does not survive a fork either
+            torch.set_num_threads(1)
+            probe = torch.nn.Linear(4, 1)
+            probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
+            probe(torch.ones(2, 4)).sum().backward()
+            probe_opt.step()
+            os.write(write, b"1")
+        finally:
+            os._exit(0)
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], 30)
+    if not ready:
+        os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    assert ready and os.read(read, 1) == b"1", "the child's optimizer step hung"
+    staged.wait()
+    staged.release()
+    stager.close()
 
 
 def test_every_copy_runs_on_one_long_lived_thread_and_a_forked_child_copies_too(stager):

@@ -15,6 +15,7 @@ Registration and removal happen on the caller's thread (a stager's construction 
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Protocol
 
@@ -70,6 +71,17 @@ def open_stagers() -> int:
 def copies_in_flight() -> int:
     """Copies that optimizer steps wait for now."""
     return len(_in_flight)
+
+
+def _forget_copies_after_fork() -> None:
+    """A forked child (a ``multiprocessing`` worker fine-tuning a probe) has none of the
+    parent's copy threads, and its tensors are its own: its steps wait for nothing."""
+    global _lock
+    _in_flight.clear()
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_copies_after_fork)
 
 
 def _before_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
