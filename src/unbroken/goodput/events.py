@@ -32,9 +32,12 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unbroken.storage import Store
+
+if TYPE_CHECKING:
+    from unbroken.goodput.running import History
 
 log = logging.getLogger(__name__)
 
@@ -263,8 +266,8 @@ class EventLog:
         """The local copy's offset where the first event not in the durable tier begins."""
         self._spilled = False
         self._local_bytes = 0
-        self.history: list[Event] | None = None
-        """Every event so far, when a sink asked for it (``keep_history``)."""
+        self.history: History | None = None
+        """The events so far, runs of steps merged, when a sink asked (``keep_history``)."""
         self._beat: Event | None = None
         self._last_durable = float("-inf")
         self._io = threading.Lock()
@@ -395,18 +398,31 @@ class EventLog:
         return ok
 
     def keep_history(self) -> None:
-        """From now on keep every event; those flushed before (the START, written at
-        ``start`` before a sink can ask) are taken from what this log wrote since its
-        last compaction, which a sink asking at the start covers whole."""
+        """From now on keep the events (as :class:`~running.History` does); those flushed
+        before (the START, written at ``start`` before a sink can ask) are read back from
+        the local copy, which holds the whole attempt."""
+        from unbroken.goodput.running import History  # it builds on this module
+
         with self._io:
             if self.history is None:
-                self.history = self._read_local() if self._local is not None else []
+                self.history = History(self._read_local() if self._local is not None else [])
+
+    def merge_history_steps_above(self, step: int) -> None:
+        """Steps numbered above ``step`` may be merged in the history from now on."""
+        with self._io:
+            if self.history is not None:
+                self.history.merge_steps_above = step
+
+    def drop_history(self) -> None:
+        """The sink gave up: keep nothing more."""
+        with self._io:
+            self.history = None
 
     def events_so_far(self) -> list[Event]:
         """What was flushed so far (``keep_history`` first), plus what is queued."""
         with self._io:
             queued = [e if isinstance(e, Event) else Event(*e) for e in list(self._queue)]
-            return [*(self.history or []), *queued]
+            return [*(self.history.events() if self.history is not None else []), *queued]
 
     def _read_local(self, at: int = 0) -> list[Event]:
         """The local copy's events from byte ``at`` on."""

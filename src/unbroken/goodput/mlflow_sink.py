@@ -33,7 +33,7 @@ from typing import Any
 from unbroken._util.job import job_id
 from unbroken.goodput import events as ev
 from unbroken.goodput import jobs
-from unbroken.goodput.breakdown import breakdown
+from unbroken.goodput.running import RunningGoodput
 from unbroken.storage import ObjectNotFoundError, Store
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class MlflowSink:
         self.every = every
         self.run_id: str | None = None
         self._client: Any = None
-        self._earlier: dict[str, list[ev.Event]] = {}
+        self._running: RunningGoodput | None = None
         self._logged_steps = 0
         self._waited, self._blocked = 0.0, 0.0
         self._last_commit: dict[str, Any] | None = None
@@ -132,9 +132,16 @@ class MlflowSink:
                     "goodput: MLflow at %s unusable, not logging: %s", self.tracking_uri, exc
                 )
                 self._failed = True
+                self.recorder.log.drop_history()
                 return
             log.warning("goodput: MLflow run %s opened, then %s; logging to it all the same",
                         self.run_id, exc)  # fmt: skip
+        try:
+            self._running = self._running_goodput_of_log()
+        except Exception as exc:
+            log.warning("goodput: earlier attempts' events unread, no running goodput in "
+                        "MLflow: %s", exc)  # fmt: skip
+            self.recorder.log.drop_history()
         while not self._stop.wait(0.5):
             if self.recorder.steps_seen - self._logged_steps >= self.every:
                 self._log_safely()
@@ -162,12 +169,17 @@ class MlflowSink:
             doc = {"run_id": self.run_id, "tracking_uri": self.tracking_uri, "job": job_id()}
             self.store.write_bytes(RUN_KEY, json.dumps(doc).encode())
         self._client.set_tag(self.run_id, "unbroken.attempt", self.attempt)
-        # Earlier attempts' events, once: the running goodput spans the whole job (this
-        # job's: another job writing the same root is not ours).
+
+    def _running_goodput_of_log(self) -> RunningGoodput:
+        """Earlier attempts' events, read once: the running goodput spans the whole job
+        (this job's: another job writing the same root is not ours)."""
         log_so_far = jobs.of_attempt(ev.read_log(self.store), self.attempt)
-        self._earlier = {
+        earlier = {
             a: ranks[0] for a, ranks in log_so_far.items() if a != self.attempt and 0 in ranks
         }
+        running = RunningGoodput(self.attempt, earlier)
+        self.recorder.log.merge_history_steps_above(running.earlier_newest_step)
+        return running
 
     def _job_tags(self) -> dict[str, str]:
         from unbroken.storage.errors import redact
@@ -259,15 +271,16 @@ class MlflowSink:
         self._failed = False
 
     def _running_goodput(self) -> float | None:
-        """Recomputed at most every 10 s (or 10x its own cost): it reads every event."""
+        """Recomputed at most every 10 s (or 10x its own cost)."""
         now = time.monotonic()
+        if self._running is None:
+            return None
         if now - self._goodput_at < 10.0 and self._goodput is not None:
             return self._goodput
         mine = [*self.recorder.log.events_so_far(), ev.Event(ev.BEAT, self.recorder.now())]
-        b = breakdown({**self._earlier, self.attempt: mine})
+        self._goodput = self._running.goodput(mine, self.recorder.last_step)
         cost = time.monotonic() - now
         self._goodput_at = now + 9 * cost
-        self._goodput = b.goodput
         return self._goodput
 
     def close(self, *, clean: bool, preempted: bool = False) -> None:
