@@ -206,6 +206,14 @@ class SaveStats:
     """This rank's shard bytes staged straight into the memory tier's file (from the
     second save of a state on), which the local write then did not copy; summed."""
 
+    def count_replica(self, _step: int, nbytes: int, ok: bool) -> None:
+        """The replicator's report on one step (its thread alone writes these counters)."""
+        self.bytes_replicated += nbytes
+        if ok:
+            self.replicas_sent += 1
+        else:
+            self.replicas_failed += 1
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from unbroken._util.world import require_group
 from unbroken.checkpoint import json_values
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
+from unbroken.checkpoint.close_at_exit import close_at_exit
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.config import (
     CheckpointConfig,
@@ -159,7 +160,7 @@ class CheckpointManager:
         """The job's peer servers (None: one node, or replicas=0)."""
         clients = self._peers.replica_clients() if self._peers is not None else []
         replicator = (
-            Replicator(self._group.global_rank, clients, on_done=self._replicated)
+            Replicator(self._group.global_rank, clients, on_done=self.stats.count_replica)
             if clients
             else None
         )
@@ -178,14 +179,7 @@ class CheckpointManager:
             replicator=replicator,
             on_arena=self._stager.forget,
         )
-
-    def _replicated(self, step: int, nbytes: int, ok: bool) -> None:
-        with self._lock:
-            self.stats.bytes_replicated += nbytes
-            if ok:
-                self.stats.replicas_sent += 1
-            else:
-                self.stats.replicas_failed += 1
+        close_at_exit(self)  # a script that never calls close() keeps its last saves
 
     def _size_memory_tier(self, flat: FlatState) -> None:
         if self.memory_tier is not None and self.memory_tier.active:
@@ -431,8 +425,11 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self._close(clean=exc_type is None)
+    def __exit__(self, exc_type: object, exc: object, *_: object) -> None:
+        failed = exc_type is not None and not (isinstance(exc, SystemExit) and not exc.code)
+        if failed:  # no END: the job is not done, and its rerun is a restart
+            self._abandon_goodput()
+        self._close(clean=not failed)
 
     # -- restoring and listing -----------------------------------------------------------
 

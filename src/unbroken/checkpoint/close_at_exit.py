@@ -1,0 +1,82 @@
+"""A manager still open when the interpreter ends is closed then, as ``with`` would have.
+
+Why: a script that ended without ``close()`` (forgotten; a notebook's kernel shut down)
+lost the saves still in flight, since the interpreter's end abandons background work: a
+run that saved steps 5 and 10 of ten left no checkpoint at all. The hook runs among
+``threading``'s exit hooks, which run before ``concurrent.futures`` stops its pools (in
+reverse order of registration, and this one registers after that module is imported), so
+the save's own pools still take its work.
+
+Where an uncaught exception ended the script, a job of one process closes as ``with``
+does on an exception (the save in flight lands; the run is not marked finished). A job of
+several processes leaves it abandoned, as before: a peer that crashed would hold the
+commit's collectives until their timeout. A preemption's signal received and not acted
+on ends the process by that signal (``preemption.py``), within its grace period.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+EXIT_SAVE_SECONDS = 300.0
+"""How long the interpreter's end waits, in all, for open managers' saves in flight."""
+
+_open: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+"""Open managers, and the process that made each (a forked child closes none of them)."""
+_lock = threading.Lock()
+_registered = False
+
+
+def close_at_exit(manager: Any) -> None:
+    """Close ``manager`` when the interpreter ends, if it is still open then."""
+    global _registered
+    with _lock:
+        _open[manager] = os.getpid()
+        if not _registered:
+            register = getattr(threading, "_register_atexit", None)  # CPython 3.9+
+            (register or atexit.register)(_close_open_managers)
+            _registered = True
+
+
+def _close_open_managers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    crashed = getattr(sys, "last_value", None) is not None  # a traceback was printed
+    deadline = time.monotonic() + EXIT_SAVE_SECONDS
+    with _lock:
+        managers = [m for m, pid in _open.items() if pid == os.getpid()]
+    for manager in managers:
+        if manager._closed or (crashed and manager._group.world_size > 1):
+            continue
+        watch = manager._preemption
+        if watch is not None and watch.received is not None:
+            continue  # a preemption's signal: it ends the process its own way, at once
+        job = manager._pipeline.in_flight
+        if job is not None:
+            log.warning(
+                "the process is ending with the CheckpointManager of %s open (close() was "
+                "never called): its save of step %d finishes first. Call close(), or use "
+                "`with CheckpointManager(...) as mgr:`", manager.store.url, job.step,
+            )  # fmt: skip
+            try:
+                manager._pipeline.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                log.warning("the save of step %d is still under way after %.0f s: "
+                            "abandoned", job.step, EXIT_SAVE_SECONDS)  # fmt: skip
+                continue
+        try:
+            if crashed:  # no END: the next attempt is a restart
+                manager._abandon_goodput()
+            manager._close(clean=not crashed)
+        except Exception as exc:  # nothing can raise to the user now
+            log.warning("closing the CheckpointManager of %s at exit: %s",
+                        manager.store.url, exc)  # fmt: skip
