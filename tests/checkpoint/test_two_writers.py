@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -159,6 +160,25 @@ def test_a_live_claim_on_a_staging_dir_is_refused_by_pid(tmp_path):
         other.wait()
     release = claim_staging_dir(str(tmp_path / "staging"), 0, "job B")  # owner gone
     release()
+
+
+def test_a_second_manager_of_one_process_on_its_staging_dir_waits_for_the_first_to_close(
+    tmp_path, monkeypatch
+):
+    """A notebook cell run again: the new manager took the staging dir over from the
+    old one, still open with its worker threads, and the two tidied each other's steps."""
+    monkeypatch.setenv("UNBROKEN_STAGING_DIR", str(tmp_path / "staging-base"))
+    url, model = str(tmp_path / "ck"), torch.nn.Linear(4, 2)
+    first = ub.CheckpointManager(url)
+    first.save(1, {"model": model})
+    threads = {t.ident for t in threading.enumerate()}
+    with pytest.raises(StagingDirInUseError, match="another CheckpointManager of this process"):
+        ub.CheckpointManager(url)  # the default staging dir: the URL's, the same
+    assert {t.ident for t in threading.enumerate()} <= threads  # refused before starting
+    first.close()
+    with ub.CheckpointManager(url) as again:  # closed: the staging dir is free again
+        assert again.restore({"model": model}) == 1
+        again.save(2, {"model": model})
 
 
 ASYNC_JOB = textwrap.dedent(

@@ -110,17 +110,21 @@ class SavePipeline:
         self._release_staging = claim_staging_dir(
             staging_dir, group.global_rank, f"saving to {redact(durable.url)}"
         )
-        self.node = NodeCopies(
-            staging_dir,
-            group.global_rank,
-            memory,
-            stage_in_place=config.stage_in_place,
-            on_arena=on_arena,
-            replicator=replicator,
-        )
-        """Where each save's copy on this node goes, and what the node keeps."""
-        self.index = DurableIndex(durable)
-        """The coordinator's view of the durable tier's committed steps."""
+        try:  # a claim never released would refuse every later manager of this process
+            self.node = NodeCopies(
+                staging_dir,
+                group.global_rank,
+                memory,
+                stage_in_place=config.stage_in_place,
+                on_arena=on_arena,
+                replicator=replicator,
+            )
+            """Where each save's copy on this node goes, and what the node keeps."""
+            self.index = DurableIndex(durable)
+            """The coordinator's view of the durable tier's committed steps."""
+        except BaseException:
+            self._release_staging()
+            raise
         self.group = group
         self.config = config
         self._on_done = on_done

@@ -5,6 +5,8 @@ one machine share it, and each deletes the other's step directories while tidyin
 loser saw bare FileNotFoundErrors. Each rank claims ``.<dir>.owners/rank-<r>`` beside
 the directory (its pid and the process's start time) when its manager starts; a second
 live claimant is refused by name. A claim whose process is gone (a crash, a kill -9) is taken over.
+Within one process, a claim not released yet (a manager still open: a notebook cell run
+again made a new one beside it) is refused too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,22 @@ from unbroken.checkpoint.errors import CheckpointError
 
 class StagingDirInUseError(CheckpointError):
     """Another live process claimed this staging directory for the same rank."""
+
+
+_held: set[str] = set()
+"""The staging dirs this process claimed and has not released yet."""
+os.register_at_fork(after_in_child=_held.clear)  # a forked child holds none of them
+
+
+def refuse_if_held(staging_dir: str) -> None:
+    """Raise StagingDirInUseError if a manager of this process still holds ``staging_dir``
+    (checked before a new one starts anything)."""
+    if os.path.abspath(staging_dir) in _held:
+        raise StagingDirInUseError(
+            f"staging_dir {staging_dir} is in use by another CheckpointManager of this "
+            "process, still open: close it first (mgr.close(), or a `with` block). A "
+            "notebook cell run again makes a new manager beside the old one"
+        )
 
 
 def _holder(path: str) -> dict | None:
@@ -65,6 +83,7 @@ def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[],
     folder = os.path.join(parent, f".{base}.owners")  # beside it: its listing stays the steps
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank-{rank:05d}")
+    refuse_if_held(staging_dir)
     mine = {"pid": os.getpid(), "started": process_start_ticks(os.getpid()), "purpose": purpose}
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -86,8 +105,10 @@ def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[],
             raise StagingDirInUseError(f"could not claim staging_dir {staging_dir} for rank {rank}")
     finally:
         os.unlink(tmp)
+    _held.add(os.path.abspath(staging_dir))
 
     def release() -> None:
+        _held.discard(os.path.abspath(staging_dir))
         holder = _holder(path)
         if holder is not None and holder.get("pid") == os.getpid():
             try:
