@@ -19,9 +19,8 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal
 
 from unbroken._util.world import require_group
-from unbroken.checkpoint import json_values
+from unbroken.checkpoint import json_values, open_managers
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
-from unbroken.checkpoint.close_at_exit import close_at_exit
 from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.config import (
     CheckpointConfig,
@@ -103,6 +102,7 @@ class CheckpointManager:
         self.staging_dir = os.path.abspath(config.staging_dir or default_staging_dir(config.url))
         check_local_durable(self.store)
         check_staging_dir(self.staging_dir, self.store)
+        open_managers.close_older_on(self.staging_dir)  # a notebook cell run again
         self.staging = LocalStore(self.staging_dir)
         self.stats = SaveStats()
         # Two groups: the worker's, and one for foreground agreement (due / busy), so the
@@ -179,7 +179,7 @@ class CheckpointManager:
             replicator=replicator,
             on_arena=self._stager.forget,
         )
-        close_at_exit(self)  # a script that never calls close() keeps its last saves
+        open_managers.track(self)  # a script that never calls close() keeps its last saves
 
     def _size_memory_tier(self, flat: FlatState) -> None:
         if self.memory_tier is not None and self.memory_tier.active:

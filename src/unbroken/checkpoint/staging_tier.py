@@ -11,7 +11,6 @@ import shutil
 import tempfile
 
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME, parse_step_dir, step_dir
-from unbroken.checkpoint.staging.owner import refuse_if_held
 from unbroken.storage import LocalStore, Store
 
 log = logging.getLogger(__name__)
@@ -39,7 +38,6 @@ def check_local_durable(durable: Store) -> None:
 def check_staging_dir(path: str, durable: Store) -> None:
     """Create the staging directory and prove it writable, apart from the durable tier,
     so that a bad one is refused here, by path, rather than failing every save later."""
-    refuse_if_held(path)
     if isinstance(durable, LocalStore):
         real_durable = os.path.realpath(durable.url)
         staging = os.path.realpath(path)

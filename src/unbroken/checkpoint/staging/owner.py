@@ -5,8 +5,8 @@ one machine share it, and each deletes the other's step directories while tidyin
 loser saw bare FileNotFoundErrors. Each rank claims ``.<dir>.owners/rank-<r>`` beside
 the directory (its pid and the process's start time) when its manager starts; a second
 live claimant is refused by name. A claim whose process is gone (a crash, a kill -9) is taken over.
-Within one process, a claim not released yet (a manager still open: a notebook cell run
-again made a new one beside it) is refused too.
+Within one process, a claim not released yet is refused too (``open_managers`` closes an
+older manager on the dir before a new one claims it).
 """
 
 from __future__ import annotations
@@ -28,14 +28,13 @@ _held: set[str] = set()
 os.register_at_fork(after_in_child=_held.clear)  # a forked child holds none of them
 
 
-def refuse_if_held(staging_dir: str) -> None:
-    """Raise StagingDirInUseError if a manager of this process still holds ``staging_dir``
-    (checked before a new one starts anything)."""
+def _refuse_if_held(staging_dir: str) -> None:
+    """A claim of this process not released (a manager's close() never ended): a new one
+    (``open_managers.close_older_on`` closed the older ones it knows) must not share it."""
     if os.path.abspath(staging_dir) in _held:
         raise StagingDirInUseError(
-            f"staging_dir {staging_dir} is in use by another CheckpointManager of this "
-            "process, still open: close it first (mgr.close(), or a `with` block). A "
-            "notebook cell run again makes a new manager beside the old one"
+            f"staging_dir {staging_dir} is still in use by another CheckpointManager of "
+            "this process: close it first (mgr.close(), or a `with` block)"
         )
 
 
@@ -83,7 +82,7 @@ def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[],
     folder = os.path.join(parent, f".{base}.owners")  # beside it: its listing stays the steps
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank-{rank:05d}")
-    refuse_if_held(staging_dir)
+    _refuse_if_held(staging_dir)
     mine = {"pid": os.getpid(), "started": process_start_ticks(os.getpid()), "purpose": purpose}
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

@@ -1,17 +1,22 @@
-"""A manager still open when the interpreter ends is closed then, as ``with`` would have.
+"""The managers open in this process: closed at the interpreter's end, and an older one
+on a staging dir closed when a new one opens there.
 
-Why: a script that ended without ``close()`` (forgotten; a notebook's kernel shut down)
-lost the saves still in flight, since the interpreter's end abandons background work: a
-run that saved steps 5 and 10 of ten left no checkpoint at all. The hook runs among
-``threading``'s exit hooks, which run before ``concurrent.futures`` stops its pools (in
-reverse order of registration, and this one registers after that module is imported), so
-the save's own pools still take its work.
-
+At the end, as ``with`` would have. Why: a script that ended without ``close()``
+(forgotten; a notebook's kernel shut down) lost the saves still in flight, since the
+interpreter's end abandons background work: a run that saved steps 5 and 10 of ten left
+no checkpoint at all. The hook runs among ``threading``'s exit hooks, which run before
+``concurrent.futures`` stops its pools (in reverse order of registration, and this one
+registers after that module is imported), so the save's own pools still take its work.
 Where an uncaught exception ended the script, a job of one process closes as ``with``
-does on an exception (the save in flight lands; the run is not marked finished). A job of
-several processes leaves it abandoned, as before: a peer that crashed would hold the
+does on an exception (the save in flight lands; the run is not marked finished). A job
+of several processes leaves it abandoned, as before: a peer that crashed would hold the
 commit's collectives until their timeout. A preemption's signal received and not acted
 on ends the process by that signal (``preemption.py``), within its grace period.
+
+A new manager on a staging dir an open one of this process uses: a notebook cell run
+again (after an exception, the old manager often out of the user's reach: inside a
+Trainer's callback). Both would tidy the dir's steps; the older is closed first (its
+save in flight lands), with a warning, and its next call says it is closed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -36,7 +42,7 @@ _lock = threading.Lock()
 _registered = False
 
 
-def close_at_exit(manager: Any) -> None:
+def track(manager: Any) -> None:
     """Close ``manager`` when the interpreter ends, if it is still open then."""
     global _registered
     with _lock:
@@ -80,3 +86,24 @@ def _close_open_managers() -> None:
         except Exception as exc:  # nothing can raise to the user now
             log.warning("closing the CheckpointManager of %s at exit: %s",
                         manager.store.url, exc)  # fmt: skip
+
+
+def close_older_on(staging_dir: str) -> None:
+    """Close this process's open managers on ``staging_dir`` (before a new one starts)."""
+    with _lock:
+        older = [m for m, pid in _open.items() if pid == os.getpid() and not m._closed]
+    for manager in older:
+        if manager.staging_dir != staging_dir:
+            continue
+        warnings.warn(
+            f"a CheckpointManager of this process still uses staging_dir {staging_dir} (a "
+            "notebook cell run again?): closing it first, after its save in flight; close "
+            "a manager you are done with (mgr.close(), or a `with` block)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        try:
+            manager.close()
+        except Exception as exc:  # its last save failed: said, and the new one goes on
+            warnings.warn(f"closing the older CheckpointManager: {exc}", RuntimeWarning,
+                          stacklevel=3)  # fmt: skip
