@@ -6,9 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import unbroken as ub
 
-from .distributed import ROOT, rank_env
+from .distributed import ROOT, free_port, rank_env
 
 _JOB = """
 import sys, time, torch, unbroken as ub
@@ -89,3 +91,43 @@ def test_a_with_block_ended_by_an_exception_is_a_crash_and_its_rerun_a_restart(t
     report = _goodput(url)
     assert report["restarts"] == 1 and report["runs"] == 1, report
     assert report["wasted_steps"] == 2  # steps 6 and 7 ran again
+
+
+_DIST_JOB = """
+import sys, time, torch, torch.distributed as dist, unbroken as ub
+dist.init_process_group("gloo")
+url, staging, destroy = sys.argv[1], sys.argv[2], sys.argv[3] == "destroy"
+model = torch.nn.Linear(1024, 1024)
+mgr = ub.CheckpointManager(url, staging_dir=f"{staging}-{dist.get_rank()}", every_steps=5)
+for step in range(1, 6):
+    time.sleep(0.05)
+    mgr.maybe_save(step, {"model": model})
+if destroy:
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_that_never_call_close_commit_their_last_save_together(tmp_path):
+    """Every rank closes at its end, so the commit's collectives meet; a process group
+    destroyed before that leaves the save lost, and says so and how to keep it."""
+    script = tmp_path / "job.py"
+    script.write_text(_DIST_JOB)
+    for how in ("keep", "destroy"):
+        url = str(tmp_path / f"ck-{how}")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+            "--max-restarts", "0", str(script), url, str(tmp_path / f"st-{how}"), how,
+        ]  # fmt: skip
+        run = subprocess.run(
+            cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=300
+        )
+        out = run.stdout + run.stderr
+        assert run.returncode == 0, out
+        committed = ub.open_store(url).exists("step-000000000005/manifest.json")
+        if how == "keep":
+            assert committed and out.count("its save of step 5 finishes first") == 2, out
+        else:
+            assert not committed
+            assert out.count("call mgr.close() before dist.destroy_process_group()") == 2, out

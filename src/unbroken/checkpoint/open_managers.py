@@ -67,6 +67,12 @@ def _close_open_managers() -> None:
         if watch is not None and watch.received is not None:
             continue  # a preemption's signal: it ends the process its own way, at once
         job = manager._pipeline.in_flight
+        if manager._group.world_size > 1 and not _group_alive():
+            if job is not None:
+                log.warning("the save of step %d is lost: the process group was destroyed "
+                            "before close(); call mgr.close() before "
+                            "dist.destroy_process_group()", job.step)  # fmt: skip
+            continue
         if job is not None:
             log.warning(
                 "the process is ending with the CheckpointManager of %s open (close() was "
@@ -86,6 +92,12 @@ def _close_open_managers() -> None:
         except Exception as exc:  # nothing can raise to the user now
             log.warning("closing the CheckpointManager of %s at exit: %s",
                         manager.store.url, exc)  # fmt: skip
+
+
+def _group_alive() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def close_older_on(staging_dir: str) -> None:
