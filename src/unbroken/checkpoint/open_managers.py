@@ -31,6 +31,8 @@ import warnings
 import weakref
 from typing import Any
 
+from unbroken.storage.errors import redact
+
 log = logging.getLogger(__name__)
 
 EXIT_SAVE_SECONDS = 300.0
@@ -77,7 +79,7 @@ def _close_open_managers() -> None:
             log.warning(
                 "the process is ending with the CheckpointManager of %s open (close() was "
                 "never called): its save of step %d finishes first. Call close(), or use "
-                "`with CheckpointManager(...) as mgr:`", manager.store.url, job.step,
+                "`with CheckpointManager(...) as mgr:`", redact(manager.store.url), job.step,
             )  # fmt: skip
             try:
                 manager._pipeline.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -91,7 +93,7 @@ def _close_open_managers() -> None:
             manager._close(clean=not crashed)
         except Exception as exc:  # nothing can raise to the user now
             log.warning("closing the CheckpointManager of %s at exit: %s",
-                        manager.store.url, exc)  # fmt: skip
+                        redact(manager.store.url), exc)  # fmt: skip
 
 
 def _group_alive() -> bool:
