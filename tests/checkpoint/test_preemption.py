@@ -556,3 +556,35 @@ def test_how_a_process_with_a_signal_ends(tmp_path, case, returncode):
     listed = list_checkpoints(ub.open_store(str(tmp_path / "ck")))
     committed = [c.step for c in listed if c.committed]
     assert committed == ([1] if case in ("repeat", "save_in_finally") else []), committed
+
+
+_LOOP_IN_A_THREAD = """
+import os, signal, sys, threading, time, torch, unbroken as ub
+d = sys.argv[1]
+model = torch.nn.Linear(64, 64)
+mgr = ub.CheckpointManager(f"{d}/ck", staging_dir=f"{d}/st", every_steps=1000)
+def train():
+    for step in range(1, 10_000):
+        time.sleep(0.01)
+        if step == 20:
+            os.kill(os.getpid(), signal.SIGTERM)
+        mgr.maybe_save(step, {"model": model})
+loop = threading.Thread(target=train)
+loop.start()
+loop.join()
+print("STILL ALIVE", flush=True)
+"""
+
+
+def test_a_loop_on_another_thread_saves_and_ends_the_process_as_preempted(tmp_path):
+    """A loop run on a thread (Ray Train runs the user's on one): the SystemExit after
+    the preemption's save ended that thread alone, and the process exited 0 after
+    ``join()``, as if the job were done."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOOP_IN_A_THREAD, str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env=rank_env(),
+    )  # fmt: skip
+    assert proc.returncode == EXIT_CODE, proc.stdout + proc.stderr
+    assert "STILL ALIVE" not in proc.stdout
+    listed = list_checkpoints(ub.open_store(str(tmp_path / "ck")))
+    assert [c.step for c in listed] == [21], proc.stderr

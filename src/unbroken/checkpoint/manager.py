@@ -229,6 +229,8 @@ class CheckpointManager:
         if self.config.preemption == "exit":
             log.warning("preempted: step %d is committed; ending the process", step)
             self._close(clean=False, replica_seconds=0.0)  # the memory tier stays
+            if threading.current_thread() is not threading.main_thread():
+                self._preemption.end_main_thread()  # SystemExit ends only this thread
             raise SystemExit(EXIT_CODE)
         return saved
 

@@ -92,6 +92,7 @@ class PreemptionWatch:
         """A maybe_save took the signal up (its save may take a while: no watchdog then)."""
         self._closed = False
         self._forward = False
+        self._exit_main = False
         self._noted_only = False
         self._previous: dict[int, Any] = {}
         self._pending: tuple[Any, torch.Tensor] | None = None
@@ -113,6 +114,9 @@ class PreemptionWatch:
         _watches.add(self)
 
     def _on_signal(self, signum: int, frame: FrameType | None, *, chained: bool = False) -> None:
+        if self._exit_main:  # end_main_thread: the process ends here, as preempted
+            self._exit_main = False
+            raise SystemExit(EXIT_CODE)
         if chained:  # reached through a newer manager's handler, which took the signal up
             if not (self._closed or self.handled) and self.received is None:
                 self.received = signum  # an open manager beneath saves at its next call
@@ -284,6 +288,13 @@ class PreemptionWatch:
                 log.warning("closing with a %s no maybe_save acted on: passing it on",
                             signal.Signals(unhandled).name)  # fmt: skip
                 self._pass_on(unhandled, None, chained=True)
+
+    def end_main_thread(self) -> None:
+        """The loop saved on another thread, where ``SystemExit`` ends that thread alone
+        (the process went on, then exited 0 after a preemption): the signal again, to the
+        main thread, whose handler here raises it there."""
+        self._exit_main = True
+        signal.pthread_kill(threading.main_thread().ident, self.received or signal.SIGTERM)
 
     def _put_back_handlers(self) -> None:
         """Main thread: the handlers installed before ours are the signals' again."""
