@@ -588,3 +588,32 @@ def test_a_loop_on_another_thread_saves_and_ends_the_process_as_preempted(tmp_pa
     assert "STILL ALIVE" not in proc.stdout
     listed = list_checkpoints(ub.open_store(str(tmp_path / "ck")))
     assert [c.step for c in listed] == [21], proc.stderr
+
+
+_TWO_MANAGERS = """
+import os, signal, sys, time, torch, unbroken as ub
+d = sys.argv[1]
+model, ema = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+saves_model = ub.CheckpointManager(f"{d}/model", staging_dir=f"{d}/sa", every_steps=1000)
+saves_ema = ub.CheckpointManager(f"{d}/ema", staging_dir=f"{d}/sb", every_steps=1000)
+for step in range(1, 10_000):
+    time.sleep(0.01)
+    if step == 20:
+        os.kill(os.getpid(), signal.SIGTERM)
+    saves_model.maybe_save(step, {"model": model})
+    saves_ema.maybe_save(step, {"ema": ema})
+"""
+
+
+def test_a_model_and_its_ema_in_two_managers_both_save_the_preempted_step(tmp_path):
+    """The first manager to take the signal up ended the process after its own save:
+    the EMA's manager saved nothing, and a restart paired the model's step 20 with an
+    older EMA (here, none at all)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _TWO_MANAGERS, str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env=rank_env(),
+    )  # fmt: skip
+    assert proc.returncode == EXIT_CODE, proc.stdout + proc.stderr
+    for url in ("model", "ema"):
+        listed = list_checkpoints(ub.open_store(str(tmp_path / url)))
+        assert [c.step for c in listed] == [20], (url, proc.stderr)

@@ -227,8 +227,10 @@ class CheckpointManager:
         self.preempted = True  # (wait gave the step's replica REPLICA_WAIT_SECONDS at most)
         self._preemption.handled = True  # one save; a later signal goes on as usual
         if self.config.preemption == "exit":
-            log.warning("preempted: step %d is committed; ending the process", step)
             self._close(clean=False, replica_seconds=0.0)  # the memory tier stays
+            if open_managers.yet_to_save_for_preemption(self, step):  # an EMA's manager
+                return saved  # the last of them ends the process
+            log.warning("preempted: step %d is committed; ending the process", step)
             if threading.current_thread() is not threading.main_thread():
                 self._preemption.end_main_thread()  # SystemExit ends only this thread
             raise SystemExit(EXIT_CODE)

@@ -121,3 +121,22 @@ def close_older_on(staging_dir: str) -> None:
         except Exception as exc:  # its last save failed: said, and the new one goes on
             warnings.warn(f"closing the older CheckpointManager: {exc}", RuntimeWarning,
                           stacklevel=3)  # fmt: skip
+
+
+def yet_to_save_for_preemption(manager: Any, step: int) -> bool:
+    """Whether another open manager of this process, which ends the process on a
+    preemption too, has its save still to make: ``manager`` saved ``step`` and leaves
+    the end to the last of them (a model's and its EMA's managers: the first one's exit
+    left the EMA unsaved, and a restart paired the model's step with an older EMA)."""
+    with _lock:
+        others = [m for m, pid in _open.items() if pid == os.getpid() and m is not manager]
+    waiting = [
+        m for m in others
+        if not m._closed and m.config.preemption == "exit" and m._preemption is not None
+        and m._preemption.received is not None and not m._preemption.handled
+    ]  # fmt: skip
+    if waiting:
+        log.warning("preempted: step %d is committed; the process ends once %s saved too, at "
+                    "its next maybe_save", step,
+                    ", ".join(redact(m.store.url) for m in waiting))  # fmt: skip
+    return bool(waiting)
