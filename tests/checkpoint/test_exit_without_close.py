@@ -26,11 +26,31 @@ if how == "with":
                 raise RuntimeError("NaN loss at step 8")
             mgr.maybe_save(step, state)
     sys.exit(0)
+if how == "thread":  # the main thread returns; the loop goes on on its own thread
+    import threading
+    made = threading.Event()
+    def loop():
+        mgr = ub.CheckpointManager(url, staging_dir=staging, every_steps=5)
+        made.set()
+        for step in range(1, 11):
+            time.sleep(0.2)
+            mgr.maybe_save(step, state)
+    threading.Thread(target=loop).start()
+    made.wait()
+    sys.exit(0)
 mgr = ub.CheckpointManager(url, staging_dir=staging, every_steps=5)
 start = mgr.restore(state) or 0
 for step in range(start + 1, start + 6):
     time.sleep(0.05)
     mgr.maybe_save(step, state)
+if how == "fork":  # a child that ends as a script does leaves the parent's log alone
+    import os
+    local = mgr._goodput.log.local_path
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)
+    os.waitpid(pid, 0)
+    assert os.path.exists(local), "the child removed the parent's event log"
 if how == "raise":
     raise RuntimeError("a bug after the save of step %d" % step)
 print("loop done, no close()")
@@ -67,6 +87,39 @@ def test_a_script_that_never_calls_close_keeps_the_save_it_started(tmp_path):
     assert ub.open_store(url).exists("step-000000000005/manifest.json"), run.stderr
     attempt = _goodput(url)["attempts"][0]
     assert attempt["clean"] and not attempt["preempted"]  # the script ended: a clean end
+
+
+def test_a_loop_on_a_thread_the_main_thread_left_running_is_not_closed_under_it(tmp_path):
+    """The exit hook runs before the interpreter waits for such a thread: it closed the
+    manager under the loop, which failed at its next save with 'closed'."""
+    url = str(tmp_path / "ck")
+    run = _run(tmp_path, "thread", url)
+    assert run.returncode == 0 and "closed" not in run.stderr, run.stderr
+    assert ub.open_store(url).exists("step-000000000010/manifest.json"), run.stderr
+
+
+def test_a_forked_child_that_exits_leaves_the_parents_event_log(tmp_path):
+    run = _run(tmp_path, "fork", str(tmp_path / "ck"))
+    assert run.returncode == 0, run.stderr
+
+
+def test_an_interactive_session_with_a_failed_line_ends_as_finished(tmp_path):
+    """A REPL (or Jupyter) keeps the last traceback of any line: a session whose early
+    typo was long fixed was counted as a crash at its end."""
+    url = str(tmp_path / "ck")
+    lines = [
+        "import torch, unbroken as ub",
+        "undefined_name",  # a typo, said and forgotten
+        f"mgr = ub.CheckpointManager({url!r}, staging_dir={str(tmp_path / 'st')!r})",
+        "mgr.save(1, {'model': torch.nn.Linear(4, 2)})",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-i"], input="\n".join(lines) + "\n", cwd=ROOT, env=rank_env(),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert "NameError" in run.stderr
+    assert ub.open_store(url).exists("step-000000000001/manifest.json"), run.stderr
+    assert _goodput(url)["attempts"][0]["clean"], run.stderr
 
 
 def test_a_script_that_dies_of_an_exception_keeps_its_save_and_is_counted_a_crash(tmp_path):
@@ -131,3 +184,32 @@ def test_two_ranks_that_never_call_close_commit_their_last_save_together(tmp_pat
         else:
             assert not committed
             assert out.count("call mgr.close() before dist.destroy_process_group()") == 2, out
+
+
+_SIGTERM_AT_THE_END = """
+import os, signal, sys, threading, time, torch, unbroken as ub
+import unbroken.checkpoint.preemption as preemption
+preemption.HANDLE_WITHIN_SECONDS = 1.0
+d = sys.argv[1]
+state = {"w": torch.zeros(1_000_000)}  # 4 MB: 4 s of upload at 1 MB/s
+mgr = ub.CheckpointManager(f"emulated::{d}/ck", staging_dir=f"{d}/st", every_steps=5,
+                           storage_options={"bandwidth": 1e6, "latency": 0})
+for step in range(1, 6):
+    mgr.maybe_save(step, state)
+def signal_in(seconds):
+    time.sleep(seconds)
+    os.kill(os.getpid(), signal.SIGTERM)
+threading.Thread(target=signal_in, args=(0.5,), daemon=True).start()
+"""
+
+
+def test_a_sigterm_while_the_end_waits_for_the_last_save_lets_it_land(tmp_path):
+    """The wait at the interpreter's end counted as the loop's time: a SIGTERM then was
+    passed on after 10 s ('no maybe_save acted on it'), and the save was lost."""
+    run = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_AT_THE_END, str(tmp_path)],
+        cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode in (-15, 143), run.stderr  # the signal goes on once it landed
+    store = ub.open_store(str(tmp_path / "ck"))
+    assert store.exists("step-000000000005/manifest.json"), run.stderr

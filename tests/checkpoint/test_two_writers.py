@@ -181,6 +181,16 @@ def test_a_new_manager_of_one_process_on_a_staging_dir_closes_the_older_one_firs
     assert not first._pipeline._thread.is_alive()  # its worker stopped
 
 
+def test_two_managers_of_one_process_on_two_urls_and_one_staging_dir_are_refused(tmp_path):
+    """A model's and its EMA's managers given one staging_dir: the second closed the
+    first as if it were a notebook's leftover, whose next save then failed."""
+    model, staging = torch.nn.Linear(4, 2), str(tmp_path / "st")
+    with ub.CheckpointManager(str(tmp_path / "model"), staging_dir=staging) as first:
+        with pytest.raises(StagingDirInUseError, match="need a staging_dir each"):
+            ub.CheckpointManager(str(tmp_path / "ema"), staging_dir=staging)
+        assert first.save(1, {"model": model})  # untouched
+
+
 ASYNC_JOB = textwrap.dedent(
     """
     import json, os, sys, time, warnings, torch

@@ -102,7 +102,7 @@ class CheckpointManager:
         self.staging_dir = os.path.abspath(config.staging_dir or default_staging_dir(config.url))
         check_local_durable(self.store)
         check_staging_dir(self.staging_dir, self.store)
-        open_managers.close_older_on(self.staging_dir)  # a notebook cell run again
+        open_managers.close_older_on(self.staging_dir, config.url)  # a cell run again
         self.staging = LocalStore(self.staging_dir)
         self.stats = SaveStats()
         # Two groups: the worker's, and one for foreground agreement (due / busy), so the
@@ -390,7 +390,9 @@ class CheckpointManager:
         self._close(clean=True)
 
     @not_the_loops_time
-    def _close(self, *, clean: bool, replica_seconds: float = REPLICA_CLOSE_SECONDS) -> None:
+    def _close(
+        self, *, clean: bool, replica_seconds: float = REPLICA_CLOSE_SECONDS, failed: bool = False
+    ) -> None:
         """``clean``: the job ended (its memory tier and replicas go, nothing waits for
         them); else the last commit's replica gets ``replica_seconds`` to leave, and this
         node's server lets its peers' last replicas land first (PEER_DRAIN_SECONDS)."""
@@ -406,7 +408,8 @@ class CheckpointManager:
             if self._peers is not None:
                 self._peers.close(drain_seconds=0.0 if clean else PEER_DRAIN_SECONDS)
             self._stager.close()
-            self._goodput.close(preempted=self.preempted)
+            # failed: no END (the job is not done, and its rerun is a restart)
+            self._goodput.abandon() if failed else self._goodput.close(preempted=self.preempted)
         try:
             # After the worker stopped: a failure recorded while close() waited is reported
             # too; raised unless a later save committed (the run ends with its progress kept).
@@ -431,9 +434,7 @@ class CheckpointManager:
 
     def __exit__(self, exc_type: object, exc: object, *_: object) -> None:
         failed = exc_type is not None and not (isinstance(exc, SystemExit) and not exc.code)
-        if failed:  # no END: the job is not done, and its rerun is a restart
-            self._abandon_goodput()
-        self._close(clean=not failed)
+        self._close(clean=not failed, failed=failed)
 
     # -- restoring and listing -----------------------------------------------------------
 

@@ -22,6 +22,7 @@ save in flight lands), with a warning, and its next call says it is closed.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread as pool_threads  # its exit hook first: ours runs before it
 import logging
 import os
 import sys
@@ -31,6 +32,7 @@ import warnings
 import weakref
 from typing import Any
 
+from unbroken.checkpoint.staging.owner import StagingDirInUseError
 from unbroken.storage.errors import redact
 
 log = logging.getLogger(__name__)
@@ -41,24 +43,46 @@ EXIT_SAVE_SECONDS = 300.0
 _open: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 """Open managers, and the process that made each (a forked child closes none of them)."""
 _lock = threading.Lock()
-_registered = False
 
 
 def track(manager: Any) -> None:
     """Close ``manager`` when the interpreter ends, if it is still open then."""
-    global _registered
     with _lock:
         _open[manager] = os.getpid()
-        if not _registered:
-            register = getattr(threading, "_register_atexit", None)  # CPython 3.9+
-            (register or atexit.register)(_close_open_managers)
-            _registered = True
+
+
+def _crashed() -> bool:
+    """An uncaught exception ended the script (its traceback was printed); in an
+    interactive session (a REPL, Jupyter) one cell's traceback ended nothing."""
+    if getattr(sys, "last_value", None) is None:
+        return False
+    ipython = sys.modules.get("IPython")
+    return not (
+        hasattr(sys, "ps1")
+        or sys.flags.interactive
+        or (ipython is not None and ipython.get_ipython() is not None)
+    )
+
+
+def _let_loop_threads_end() -> None:
+    """The interpreter joins the non-daemon threads after these hooks: a loop still
+    running on one (the main thread returned) uses its manager until it ends. Join them
+    first, the pools' workers apart (their own hook, after this one, ends them)."""
+    for thread in threading.enumerate():
+        if thread is threading.main_thread() or thread.daemon or not thread.is_alive():
+            continue
+        if thread not in pool_threads._threads_queues:
+            thread.join()
 
 
 def _close_open_managers() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
-    crashed = getattr(sys, "last_value", None) is not None  # a traceback was printed
+    with _lock:
+        if not any(pid == os.getpid() and not m._closed for m, pid in _open.items()):
+            return
+    _let_loop_threads_end()
+    crashed = _crashed()
     deadline = time.monotonic() + EXIT_SAVE_SECONDS
     with _lock:
         managers = [m for m, pid in _open.items() if pid == os.getpid()]
@@ -81,16 +105,16 @@ def _close_open_managers() -> None:
                 "never called): its save of step %d finishes first. Call close(), or use "
                 "`with CheckpointManager(...) as mgr:`", redact(manager.store.url), job.step,
             )  # fmt: skip
-            try:
-                manager._pipeline.wait(timeout=max(0.0, deadline - time.monotonic()))
+            try:  # as the loop's wait: counted as saving, not as the loop's time
+                manager.wait(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 log.warning("the save of step %d is still under way after %.0f s: "
                             "abandoned", job.step, EXIT_SAVE_SECONDS)  # fmt: skip
                 continue
+            except Exception:
+                pass  # its failure is said as the manager closes
         try:
-            if crashed:  # no END: the next attempt is a restart
-                manager._abandon_goodput()
-            manager._close(clean=not crashed)
+            manager._close(clean=not crashed, failed=crashed)  # crashed: no END
         except Exception as exc:  # nothing can raise to the user now
             log.warning("closing the CheckpointManager of %s at exit: %s",
                         redact(manager.store.url), exc)  # fmt: skip
@@ -102,13 +126,20 @@ def _group_alive() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def close_older_on(staging_dir: str) -> None:
-    """Close this process's open managers on ``staging_dir`` (before a new one starts)."""
+def close_older_on(staging_dir: str, url: str) -> None:
+    """Close this process's open manager of ``url`` on ``staging_dir`` (before a new one
+    starts); one of another URL there is an error, as between processes."""
     with _lock:
         older = [m for m, pid in _open.items() if pid == os.getpid() and not m._closed]
     for manager in older:
         if manager.staging_dir != staging_dir:
             continue
+        if manager.config.url != url:
+            raise StagingDirInUseError(
+                f"staging_dir {staging_dir} is in use by another CheckpointManager of this "
+                f"process, of {redact(manager.config.url)}: two managers (a model's and "
+                "its EMA's) need a staging_dir each; leave it unset (one per URL)"
+            )
         warnings.warn(
             f"a CheckpointManager of this process still uses staging_dir {staging_dir} (a "
             "notebook cell run again?): closing it first, after its save in flight; close "
@@ -116,8 +147,8 @@ def close_older_on(staging_dir: str) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
-        try:
-            manager.close()
+        try:  # left open, likely by an exception: its rerun is a restart (no END)
+            manager._close(clean=False, failed=True)
         except Exception as exc:  # its last save failed: said, and the new one goes on
             warnings.warn(f"closing the older CheckpointManager: {exc}", RuntimeWarning,
                           stacklevel=3)  # fmt: skip
@@ -140,3 +171,13 @@ def yet_to_save_for_preemption(manager: Any, step: int) -> bool:
                     "its next maybe_save", step,
                     ", ".join(redact(m.store.url) for m in waiting))  # fmt: skip
     return bool(waiting)
+
+
+def _register() -> None:
+    try:
+        (getattr(threading, "_register_atexit", None) or atexit.register)(_close_open_managers)
+    except RuntimeError:  # the interpreter is ending already (a manager made on a thread
+        atexit.register(_close_open_managers)  # the main one left): after the threads
+
+
+_register()

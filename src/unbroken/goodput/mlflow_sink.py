@@ -277,7 +277,9 @@ class MlflowSink:
             return None
         if now - self._goodput_at < 10.0 and self._goodput is not None:
             return self._goodput
-        mine = [*self.recorder.log.events_so_far(), ev.Event(ev.BEAT, self.recorder.now())]
+        mine = self.recorder.log.events_so_far()
+        if not any(e.kind == ev.END for e in mine):  # after the END, time is not the job's
+            mine.append(ev.Event(ev.BEAT, self.recorder.now()))
         self._goodput = self._running.goodput(mine, self.recorder.last_step)
         cost = time.monotonic() - now
         self._goodput_at = now + 9 * cost

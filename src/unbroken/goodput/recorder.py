@@ -78,7 +78,7 @@ class NullRecorder:
     """Recording switched off: every call (those of :class:`Recorder`) does nothing."""
 
     restore_begin = restore_end = step = data_wait = staticmethod(_nothing)
-    save_begin = save_end = commit = close = interval = staticmethod(_nothing)
+    save_begin = save_end = commit = close = abandon = interval = staticmethod(_nothing)
 
 
 class Recorder(NullRecorder):
@@ -91,6 +91,7 @@ class Recorder(NullRecorder):
         self._step_begin = self.now()
         self._waited = 0.0
         self._closed = False
+        self._pid = os.getpid()  # a forked child that exits leaves this log alone
         self._save_t0: float | None = None
         # Running figures for a sink (MLflow); plain attributes, read by its thread.
         self.steps_seen = 0
@@ -170,7 +171,7 @@ class Recorder(NullRecorder):
 
     def abandon(self) -> None:
         """The owner went away without close() (or the interpreter exits): flush, no END."""
-        if not self._closed:
+        if not self._closed and os.getpid() == self._pid:
             self._finish(clean=False)
 
     def _finish(self, *, clean: bool, preempted: bool = False) -> None:
