@@ -92,6 +92,7 @@ def test_a_long_run_keeps_its_running_goodput_in_a_few_events(tmp_path, monkeypa
             time.sleep(0.05)
         for step in range(1, 3001):
             mgr.maybe_save(step, {"model": model})
+        mgr.wait()  # no COMMIT event after the comparison's moment
         log.flush(durable=False)
         assert len(log.history) < 30, log.history.events()[:40]
         # the same figure as the breakdown of every event this attempt wrote
@@ -99,7 +100,8 @@ def test_a_long_run_keeps_its_running_goodput_in_a_few_events(tmp_path, monkeypa
         every = ev.parse_lines(Path(log.local_path).read_text(), log.local_path)
         want = breakdown({sink.attempt: [*every, now]}).goodput
         got = sink._running.goodput([*log.events_so_far(), now], mgr._goodput.last_step)
-        assert got == pytest.approx(want, abs=1e-5)  # the file rounds to microseconds
+        # the file rounds each time to a microsecond (exactness: test_running.py)
+        assert got == pytest.approx(want, abs=1e-4)
 
 
 def test_an_active_run_is_logged_to_and_left_open(tmp_path, monkeypatch):

@@ -68,10 +68,11 @@ def _let_loop_threads_end() -> None:
     """The interpreter joins the non-daemon threads after these hooks: a loop still
     running on one (the main thread returned) uses its manager until it ends. Join them
     first, the pools' workers apart (their own hook, after this one, ends them)."""
+    workers = getattr(pool_threads, "_threads_queues", {})  # CPython's registry of them
     for thread in threading.enumerate():
         if thread is threading.main_thread() or thread.daemon or not thread.is_alive():
             continue
-        if thread not in pool_threads._threads_queues:
+        if thread not in workers:
             thread.join()
 
 
