@@ -191,6 +191,18 @@ def test_two_managers_of_one_process_on_two_urls_and_one_staging_dir_are_refused
         assert first.save(1, {"model": model})  # untouched
 
 
+def test_a_claim_this_process_has_not_released_is_refused_not_taken_over(tmp_path):
+    """A manager's claim left behind (its close() failed half-way) was taken over by the
+    next one of the same process, as a dead process's is."""
+    from unbroken.checkpoint.staging.owner import claim_staging_dir
+
+    release = claim_staging_dir(str(tmp_path / "staging"), 0, "job A")
+    with pytest.raises(StagingDirInUseError, match="another CheckpointManager of this process"):
+        claim_staging_dir(str(tmp_path / "staging"), 0, "job A")
+    release()
+    claim_staging_dir(str(tmp_path / "staging"), 0, "job A")()  # released: free again
+
+
 ASYNC_JOB = textwrap.dedent(
     """
     import json, os, sys, time, warnings, torch

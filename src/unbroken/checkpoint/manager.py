@@ -102,7 +102,7 @@ class CheckpointManager:
         self.staging_dir = os.path.abspath(config.staging_dir or default_staging_dir(config.url))
         check_local_durable(self.store)
         check_staging_dir(self.staging_dir, self.store)
-        open_managers.close_older_on(self.staging_dir, config.url)  # a cell run again
+        open_managers.close_older_on(self.staging_dir, self.store.url)  # a cell run again
         self.staging = LocalStore(self.staging_dir)
         self.stats = SaveStats()
         # Two groups: the worker's, and one for foreground agreement (due / busy), so the
@@ -128,7 +128,7 @@ class CheckpointManager:
             max_bytes=config.staging_max_bytes, shared_memory=config.staging_shared_memory
         )
         self._preemption = (
-            PreemptionWatch(Group.create(config.timeout), on_give_up=self._abandon_goodput)
+            PreemptionWatch(Group.create(config.timeout), on_give_up=self._goodput.abandon)
             if config.preemption != "off"
             else None
         )
@@ -184,12 +184,6 @@ class CheckpointManager:
     def _size_memory_tier(self, flat: FlatState) -> None:
         if self.memory_tier is not None and self.memory_tier.active:
             self.memory_tier.check_fits(state_bytes(flat), required=bool(self.config.memory_tier))
-
-    def _abandon_goodput(self) -> None:
-        """The process ends now, without close(): flush what the event log holds."""
-        abandon = getattr(self._goodput, "abandon", None)
-        if abandon is not None:
-            abandon()
 
     # -- saving ----------------------------------------------------------------------
 
@@ -408,8 +402,10 @@ class CheckpointManager:
             if self._peers is not None:
                 self._peers.close(drain_seconds=0.0 if clean else PEER_DRAIN_SECONDS)
             self._stager.close()
-            # failed: no END (the job is not done, and its rerun is a restart)
-            self._goodput.abandon() if failed else self._goodput.close(preempted=self.preempted)
+            if failed:  # no END: the job is not done, and its rerun is a restart
+                self._goodput.abandon()
+            else:
+                self._goodput.close(preempted=self.preempted)
         try:
             # After the worker stopped: a failure recorded while close() waited is reported
             # too; raised unless a later save committed (the run ends with its progress kept).

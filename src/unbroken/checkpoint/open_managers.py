@@ -16,7 +16,7 @@ on ends the process by that signal (``preemption.py``), within its grace period.
 A new manager on a staging dir an open one of this process uses: a notebook cell run
 again (after an exception, the old manager often out of the user's reach: inside a
 Trainer's callback). Both would tidy the dir's steps; the older is closed first (its
-save in flight lands), with a warning, and its next call says it is closed.
+save in flight lands), with a warning, and its saves then say it is closed.
 """
 
 from __future__ import annotations
@@ -135,10 +135,10 @@ def close_older_on(staging_dir: str, url: str) -> None:
     for manager in older:
         if manager.staging_dir != staging_dir:
             continue
-        if manager.config.url != url:
+        if manager.store.url != url:
             raise StagingDirInUseError(
                 f"staging_dir {staging_dir} is in use by another CheckpointManager of this "
-                f"process, of {redact(manager.config.url)}: two managers (a model's and "
+                f"process, of {redact(manager.store.url)}: two managers (a model's and "
                 "its EMA's) need a staging_dir each; leave it unset (one per URL)"
             )
         warnings.warn(

@@ -205,11 +205,13 @@ class SavePipeline:
     def close(self, *, replica_seconds: float = REPLICA_CLOSE_SECONDS) -> None:
         """Finish every job and its retention, then stop the worker. ``replica_seconds``:
         how long the last commit's replica may still go on (a clean end: none)."""
-        self._queue.put(None)
-        self._thread.join()
-        self.node.close(replica_seconds=replica_seconds)
-        self.helpers.close()
-        self._release_staging()
+        try:
+            self._queue.put(None)
+            self._thread.join()
+            self.node.close(replica_seconds=replica_seconds)
+            self.helpers.close()
+        finally:  # a claim never released would refuse this process's next manager
+            self._release_staging()
 
     def rest_before_exit(self, deadline: float) -> None:
         """The interpreter ends with this pipeline open (an exception out of the loop):

@@ -5,8 +5,8 @@ one machine share it, and each deletes the other's step directories while tidyin
 loser saw bare FileNotFoundErrors. Each rank claims ``.<dir>.owners/rank-<r>`` beside
 the directory (its pid and the process's start time) when its manager starts; a second
 live claimant is refused by name. A claim whose process is gone (a crash, a kill -9) is taken over.
-Within one process, a claim not released yet is refused too (``open_managers`` closes an
-older manager on the dir before a new one claims it).
+A claim of this very process (its pid and start time), not released yet, is refused
+too (``open_managers`` closes an older manager on the dir before a new one claims it).
 """
 
 from __future__ import annotations
@@ -23,21 +23,6 @@ class StagingDirInUseError(CheckpointError):
     """Another live process claimed this staging directory for the same rank."""
 
 
-_held: set[str] = set()
-"""The staging dirs this process claimed and has not released yet."""
-os.register_at_fork(after_in_child=_held.clear)  # a forked child holds none of them
-
-
-def _refuse_if_held(staging_dir: str) -> None:
-    """A claim of this process not released (a manager's close() never ended): a new one
-    (``open_managers.close_older_on`` closed the older ones it knows) must not share it."""
-    if os.path.abspath(staging_dir) in _held:
-        raise StagingDirInUseError(
-            f"staging_dir {staging_dir} is still in use by another CheckpointManager of "
-            "this process: close it first (mgr.close(), or a `with` block)"
-        )
-
-
 def _holder(path: str) -> dict | None:
     try:
         with open(path) as f:
@@ -45,6 +30,12 @@ def _holder(path: str) -> dict | None:
         return doc if isinstance(doc, dict) else None
     except (OSError, ValueError):
         return None
+
+
+def _this_process(doc: dict) -> bool:
+    """This process made the claim (its pid and start time) and has not released it."""
+    pid = os.getpid()
+    return doc.get("pid") == pid and doc.get("started") == process_start_ticks(pid)
 
 
 def _alive(doc: dict) -> bool:
@@ -82,7 +73,6 @@ def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[],
     folder = os.path.join(parent, f".{base}.owners")  # beside it: its listing stays the steps
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank-{rank:05d}")
-    _refuse_if_held(staging_dir)
     mine = {"pid": os.getpid(), "started": process_start_ticks(os.getpid()), "purpose": purpose}
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -94,6 +84,12 @@ def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[],
                 break
             except FileExistsError:
                 other = _holder(path)
+                if other is not None and _this_process(other):
+                    raise StagingDirInUseError(
+                        f"staging_dir {staging_dir} is still in use by another "
+                        "CheckpointManager of this process: close it first (mgr.close(), "
+                        "or a `with` block)"
+                    ) from None
                 if other is not None and _alive(other):
                     raise StagingDirInUseError(_in_use(staging_dir, rank, other, purpose)) from None
                 try:  # its owner is gone: take over
@@ -104,10 +100,8 @@ def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[],
             raise StagingDirInUseError(f"could not claim staging_dir {staging_dir} for rank {rank}")
     finally:
         os.unlink(tmp)
-    _held.add(os.path.abspath(staging_dir))
 
     def release() -> None:
-        _held.discard(os.path.abspath(staging_dir))
         holder = _holder(path)
         if holder is not None and holder.get("pid") == os.getpid():
             try:
