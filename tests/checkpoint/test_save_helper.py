@@ -35,10 +35,24 @@ SLOW = {"latency": 0.0, "bandwidth": "4MB"}
 pytestmark = pytest.mark.multiprocess
 
 
+_EARLIER: set[int] = set()
+"""Helpers of managers an earlier test of this process left open (tests run in any
+order, and several to a process): not this test's."""
+
+
+@pytest.fixture(autouse=True)
+def _helpers_left_by_earlier_tests():
+    _EARLIER.clear()
+    _EARLIER.update(helpers_of(os.getpid()))
+
+
 def helpers_of(pid: int) -> list[int]:
-    """The live save helper processes of ``pid``, from /proc (as ps sees them)."""
+    """The live save helper processes of ``pid`` this test started, from /proc (as ps
+    sees them)."""
     found = []
     for child in children(pid):
+        if child in _EARLIER:
+            continue
         try:
             with open(f"/proc/{child}/cmdline", "rb") as f:
                 if b"unbroken.checkpoint.save_helper" in f.read():
@@ -54,6 +68,15 @@ def wait_for(predicate, seconds: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {seconds} s: {predicate}")
         time.sleep(0.02)
+
+
+def uploading(durable: Path, helper: int) -> bool:
+    """Whether ``helper`` is writing a shard (its partial file, named with its pid) into
+    ``durable``; the upload takes about 2 s from there."""
+    return any(
+        ".distcp.unbroken-tmp-" in f and f"-{helper}-" in f
+        for _, _, files in os.walk(durable) for f in files
+    )  # fmt: skip
 
 
 def emulated(tmp_path: Path) -> str:
@@ -100,7 +123,7 @@ def test_the_helper_killed_mid_upload_fails_that_save_and_the_next_commits(tmp_p
     mgr.save(2, state)
     wait_for(lambda: helpers_of(os.getpid()))
     first = helpers_of(os.getpid())[0]
-    time.sleep(0.5)  # into the upload (it takes about 2 s)
+    wait_for(lambda: uploading(tmp_path / "durable", first))  # under load, it starts late
     os.kill(first, signal.SIGKILL)
     with pytest.raises(
         SaveFailedError, match=rf"save helper process \(pid {first}\) died.*SIGKILL"
