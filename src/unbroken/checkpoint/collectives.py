@@ -60,18 +60,39 @@ class Group:
         self.rank = dist.get_rank(pg) if pg is not None else 0
         self.world_size = dist.get_world_size(pg) if pg is not None else 1
         self.global_rank = dist.get_rank() if pg is not None else 0
+        self.released = False
 
     @classmethod
     def create(cls, timeout: float) -> Group:
         """A new gloo group over every rank, or a process-local stand-in if not distributed."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not _initialized():
             return cls(None)
         return cls(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)))
+
+    def release(self) -> None:
+        """Free the group's gloo context (its threads, a socket per peer): a process that
+        makes a manager per ``fit()`` or per evaluation kept every one, about 15 file
+        descriptors and 9 threads a manager. Only once no collective of this process
+        can still use it; its peers may release theirs later (it is local)."""
+        pg, self.pg = self.pg, None  # the last reference: its threads end now, not at a gc
+        if pg is None or self.released:
+            return
+        self.released = True
+        if not _initialized():
+            return  # the default group went first, and every group with it
+        try:
+            dist.destroy_process_group(pg)
+        except ValueError:  # no longer known to torch (the default group was remade)
+            pass
+
+    def _refuse_if_released(self) -> None:
+        if self.released:  # torch would skip it as if this rank were not in the group
+            raise RuntimeError("a collective on a released group (its manager is closed)")
 
     def refuse_if_alone(self, what: str) -> None:
         """Refuse to act alone on one rank of several (each would write rank 0's files):
         ``what`` was made before ``init_process_group``."""
-        alone = self.pg is None and dist.is_available() and dist.is_initialized()
+        alone = self.pg is None and not self.released and _initialized()
         if alone and dist.get_world_size() > 1:
             raise RuntimeError(
                 f"{what} was created before torch.distributed.init_process_group(), so it "
@@ -86,6 +107,7 @@ class Group:
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in group-rank order (objects travel pickled between ranks)."""
+        self._refuse_if_released()
         if self.pg is None:
             return [obj]
         mine = _to_bytes(obj)
@@ -105,6 +127,7 @@ class Group:
 
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every rank."""
+        self._refuse_if_released()
         if self.pg is None:
             return obj
         mine = _to_bytes(obj) if self.is_coordinator else None
@@ -121,6 +144,7 @@ class Group:
 
     def any(self, *flags: bool) -> tuple[bool, ...]:
         """For each flag, whether it is true on any rank (one small all_reduce)."""
+        self._refuse_if_released()
         if self.pg is None:
             return tuple(bool(f) for f in flags)
         t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
@@ -129,6 +153,17 @@ class Group:
             return tuple(bool(v) for v in t.tolist())
         finally:
             keep_until_released(t)
+
+
+def release(*groups: Group | None) -> None:
+    """:meth:`Group.release` each group given."""
+    for group in groups:
+        if group is not None:
+            group.release()
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:

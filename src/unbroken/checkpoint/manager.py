@@ -21,7 +21,7 @@ from typing import Any, Literal
 from unbroken._util.world import require_group
 from unbroken.checkpoint import json_values, open_managers
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
-from unbroken.checkpoint.collectives import Group
+from unbroken.checkpoint.collectives import Group, release
 from unbroken.checkpoint.config import (
     CheckpointConfig,
     SaveStats,
@@ -193,6 +193,7 @@ class CheckpointManager:
         check_step(step)
         if self._ended_by_preemption(step):
             return False
+        self._refuse_if_closed()
         self._cadence.refuse_going_back(step, redact(self.store.url))  # at once, not when due
         self._goodput.step(step)
         self._cadence.time_step(lambda: self._pipeline.in_flight is not None)
@@ -253,9 +254,15 @@ class CheckpointManager:
                         "preemption's save of step %s", step, self._cadence.last_step)  # fmt: skip
         return True
 
+    def _refuse_if_closed(self) -> None:
+        if self._closed:  # its groups are released: a collective would fail obscurely
+            raise RuntimeError(
+                f"CheckpointManager of {redact(self.store.url)} is closed (close(), its with "
+                "block's end, or a newer manager on its staging dir); make a new one"
+            )
+
     def _save(self, step: int, state: Mapping[str, Any], *, skip_if_busy: bool) -> bool:
-        if self._closed:
-            raise RuntimeError("CheckpointManager is closed")
+        self._refuse_if_closed()
         self._cadence.refuse_going_back(step, redact(self.store.url))
         self._group.refuse_if_alone("CheckpointManager")
         t0 = time.monotonic()
@@ -424,6 +431,9 @@ class CheckpointManager:
                     log.error("ending by %s with close() failing: %s", signal.Signals(signum).name,
                               failure)  # fmt: skip
                 self._preemption.close()
+            if not self._pipeline.running:  # (a Ctrl-C in its join: it may be in a collective)
+                watch = self._preemption
+                release(self._group, self._fg_group, watch.group if watch is not None else None)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -446,6 +456,7 @@ class CheckpointManager:
 
         if step is not None:
             check_step(step)
+        self._refuse_if_closed()
         self._group.refuse_if_alone("CheckpointManager")
         self._pipeline.drain()
         self._report_failures(raising=False)

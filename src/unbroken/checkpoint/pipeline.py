@@ -213,6 +213,11 @@ class SavePipeline:
         finally:  # a claim never released would refuse this process's next manager
             self._release_staging()
 
+    @property
+    def running(self) -> bool:
+        """Whether the worker thread is still alive (until ``close`` joined it)."""
+        return self._thread.is_alive()
+
     def rest_before_exit(self, deadline: float) -> None:
         """The interpreter ends with this pipeline open (an exception out of the loop):
         the job under way ends (abandoned, as a rule), no queued one starts
