@@ -23,6 +23,7 @@ import torch
 import unbroken as ub
 from tests.checkpoint.manager_util import make_state, rng_draws, snapshot, train
 from tests.link_names import private_link
+from unbroken._util.procs import process_start_ticks
 from unbroken.checkpoint.format.manifest import parse_step_dir, step_dir
 from unbroken.checkpoint.format.shard_layout import lay_out
 from unbroken.checkpoint.memory_tier import (
@@ -406,3 +407,18 @@ def test_a_killed_attempts_owner_records_do_not_count_as_ranks_writing(tmp_path)
         for rank in (1, 2, 3):
             (owners / f"rank-{rank:05d}.json").write_text(json.dumps({"pid": dead.pid}))
         assert mgr.memory_tier.ranks() == 1
+
+
+def test_a_rank_that_is_its_containers_pid_1_is_live_and_an_earlier_pid_1_is_not(tmp_path):
+    # `CMD ["python", "train.py"]` makes the rank pid 1 of its container: told apart from
+    # an earlier container's pid 1 by its start time (a parent of 1 is init, never a job's)
+    init_started = process_start_ticks(1)
+    if init_started is None:
+        pytest.skip("no /proc/1/stat here")
+    gone = str(int(init_started) + 1)
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        owners = Path(mgr.memory_tier.path) / ".owners"
+        records = {1: {"pid": 1, "started": init_started}, 2: {"pid": 1, "started": gone}}
+        for rank, doc in records.items():
+            (owners / f"rank-{rank:05d}.json").write_text(json.dumps(doc))
+        assert mgr.memory_tier.ranks() == 2  # this one and the live pid 1

@@ -316,8 +316,14 @@ def _owner_alive(doc: dict, *, launcher: bool = True) -> bool:
     it, which may start it again."""
     keys = [("pid", "started")] + ([("parent", "parent_started")] if launcher else [])
     for pid_key, started_key in keys:
-        pid = doc.get(pid_key)
-        if isinstance(pid, int) and pid > 1 and process_alive(pid, doc.get(started_key)):
+        pid, started = doc.get(pid_key), doc.get(started_key)
+        if not isinstance(pid, int) or pid < 1:
+            continue
+        # pid 1: a container's entry point (`CMD ["python", "train.py"]`) is a rank, told
+        # by its start time; a parent of 1 is init, which adopted an orphan
+        if pid == 1 and (pid_key == "parent" or started is None):
+            continue
+        if process_alive(pid, started):
             return True
     return False
 
