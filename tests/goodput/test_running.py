@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unbroken.goodput import events as ev
+from unbroken.goodput import running as running_module
 from unbroken.goodput.breakdown import breakdown
 from unbroken.goodput.running import History, RunningGoodput
 
@@ -80,9 +81,13 @@ def running_jobs(draw):
 @settings(max_examples=300, deadline=None)
 @given(running_jobs())
 def test_the_running_goodput_is_the_breakdown_of_every_event_so_far(job):
+    check_running_goodput(job, History())
+
+
+def check_running_goodput(job, history: History) -> None:
+    """At each check of ``job``, ``history`` fed so far gives every event's goodput."""
     earlier, current, checks = job
     running = RunningGoodput("now", earlier)
-    history = History()
     history.merge_steps_above = running.earlier_newest_step
     fed = 0
     for upto, last_step, t in checks:
@@ -121,3 +126,32 @@ def test_a_long_attempt_keeps_a_few_events_and_settles_its_earlier_attempts():
     # 20,000 steps and beats: the restore, the 10 redone steps apart, one run per save
     assert len(history) < 100
     assert running._earlier == {}  # settled: the earlier attempt is two sums now
+
+
+@settings(max_examples=150, deadline=None)
+@given(running_jobs(), st.integers(2, 8), st.integers(0, 4))
+def test_a_history_folded_often_keeps_the_running_goodput_exact(job, fold_events, keep):
+    kept, running_module.FOLD_KEEP = running_module.FOLD_KEEP, keep
+    try:
+        check_running_goodput(job, History(fold_events=fold_events))
+    finally:
+        running_module.FOLD_KEEP = kept
+
+
+def test_a_run_that_saves_every_step_keeps_a_bounded_history():
+    # saves keep steps apart: each added a step, its save's two events and a commit
+    w = AttemptWriter(0.0, setup=3.0).restore(2.0, 0)
+    running = RunningGoodput("now", {})
+    history = History(w.events)
+    history.merge_steps_above = running.earlier_newest_step
+    fed = len(w.events)
+    for s in range(1, 20_001):
+        w.step(s, 0.01, data_wait=0.002 * (s % 3))
+        w.save(0.003 * (s % 2))
+        w.events.append(ev.Event(ev.COMMIT, w.t, w.n, step=s))
+        w.n += 1
+        history.extend(w.events[fed:])
+        fed = len(w.events)
+    assert len(history) <= running_module.FOLD_EVENTS + 1
+    want = breakdown({"now": [*w.events, _now(w)]}).goodput
+    assert running.goodput([*history.events(), _now(w)], 20_000) == pytest.approx(want, abs=1e-9)

@@ -338,6 +338,14 @@ class _Attempt:
         return _merge(pieces)
 
 
+def productive_seconds(start: float, events: Sequence[ev.Event], end: float) -> float:
+    """The productive seconds ``events`` paint between ``start`` and ``end``, as a stretch of
+    one attempt that nothing later runs again (before its first step: not productive)."""
+    head = ev.Event(ev.START, start, min((e.n for e in events if e.n >= 0), default=0) - 1)
+    pieces = _Attempt("stretch", [head, *events]).paint(end, set())
+    return sum(p.end - p.begin for p in pieces if p.category == "productive")
+
+
 def _sweep(spans: list[tuple[float, float, int, Any]]) -> list[tuple[float, float, Any]]:
     """Cut overlapping spans into disjoint pieces, each taken by its highest priority."""
     marks: list[tuple[float, int, int]] = []

@@ -11,6 +11,10 @@ figure exact:
   steps whose numbers an earlier attempt also ran must stay apart (a step an earlier
   attempt ran is wasted there once this attempt runs it again, so its number counts);
   beyond the newest step of any earlier attempt, numbers no longer matter.
+- Past those, a stretch of steps and saves paints the same goodput as one step over the
+  same span whose productive seconds are the stretch's (the rest its data wait): once
+  :class:`History` holds ``FOLD_EVENTS``, it keeps such a stretch so. The categories of
+  the stretch are lost (no caller reads them); its productive and total seconds are not.
 - Earlier attempts are over: once this attempt has stepped past every step number they
   ran, nothing it does can change their seconds, which :class:`RunningGoodput` then keeps
   as two sums and stops recomputing.
@@ -22,18 +26,23 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from unbroken.goodput import events as ev
-from unbroken.goodput.breakdown import breakdown
+from unbroken.goodput.breakdown import breakdown, productive_seconds
 
 _PAINTED = frozenset(
     {ev.START, ev.RESTORE_BEGIN, ev.RESTORE_END, ev.SAVE_BEGIN, ev.SAVE_END, ev.STEP, ev.END}
 )
 """Kinds that shape the timeline; the others (a commit, a new interval) only inform."""
+FOLD_EVENTS = 1024
+"""Events a :class:`History` holds before it folds a stretch of them into one step."""
+FOLD_KEEP = 16
+"""The newest events a fold leaves as they are (the steps they may still merge with)."""
 
 
 class History:
     """The current attempt's events, with each run of back-to-back steps kept as one."""
 
-    def __init__(self, events: Iterable[ev.Event] = ()) -> None:
+    def __init__(self, events: Iterable[ev.Event] = (), *, fold_events: int = FOLD_EVENTS) -> None:
+        self.fold_events = fold_events
         self.merge_steps_above: int | None = None
         """Steps numbered above this are merged; None (the sink has not read the earlier
         attempts yet) merges none. Set it to the newest step any earlier attempt ran,
@@ -59,6 +68,33 @@ class History:
                     self._open_step = len(self._events) - 1
                 elif e.kind in _PAINTED:
                     self._open_step = None
+        if len(self._events) > self.fold_events:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Saves keep steps apart: a run that saves every few steps grew by a few events
+        a save. Fold the stretch after the newest step whose number counts (or the first
+        step) up to a step ``FOLD_KEEP`` events from the end into one step."""
+        if self.merge_steps_above is None:
+            return
+        steps = [i for i, e in enumerate(self._events) if e.kind == ev.STEP]
+        counted = [i for i in steps if (self._events[i].step or 0) <= self.merge_steps_above]
+        ends = [i for i in steps if i < len(self._events) - FOLD_KEEP]
+        if not steps or not ends:
+            return
+        lo, hi = counted[-1] if counted else steps[0], ends[-1]
+        stretch = self._events[lo + 1 : hi + 1]
+        if len(stretch) < 2 or any(e.kind in (ev.START, ev.END) for e in stretch):
+            return
+        start, end = self._events[lo].t, self._events[hi].t
+        productive = productive_seconds(start, stretch, end)
+        self._events[lo + 1 : hi + 1] = [
+            dataclasses.replace(
+                self._events[hi], begin=start, data_wait=max(0.0, end - start - productive)
+            )
+        ]
+        if self._open_step is not None:  # at hi or after it (hi is a step)
+            self._open_step -= len(stretch) - 1
 
     def _merges(self, step: ev.Event) -> bool:
         if self._open_step is None or self.merge_steps_above is None or step.step is None:
