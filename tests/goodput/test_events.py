@@ -3,6 +3,7 @@ uploaded by the next one."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -169,6 +170,28 @@ def test_a_rank_that_writes_durably_at_its_end_holds_no_step_of_a_long_job_in_me
     got = ev.read_log(store)["a1"][1]
     assert [e.n for e in got if e.n >= 0] == list(range(steps + 1))  # nothing lost
     assert got[-1].kind == ev.BEAT and got[-1].t == 200000.0
+
+
+def test_a_spilled_log_reaches_the_durable_tier_event_for_event(tmp_path):
+    """Its end sends the local copy's numbered lines as they stand (not parsed): beats
+    left out, events whose info holds an "n" of its own kept whole."""
+    store = ub.open_store(tmp_path / "ck")
+    log = ev.EventLog(store, str(tmp_path / "st"), "a1", 1, durable_seconds=float("inf"))
+    start = start_event("a1", os.getpid())
+    sent = [dataclasses.replace(start, info={**start.info, "rank": 1})]
+    log.append(sent[0])
+    for n in range(1, ev.MEMORY_EVENTS + 50):
+        info = {"n": -n, "seconds": 0.5} if n % 7 == 0 else {}
+        sent.append(ev.Event(ev.COMMIT if info else ev.STEP, 100.0 + n, n, step=n, info=info))
+        log.append(sent[-1])
+        if n % 500 == 0:
+            assert log.flush(durable=False, beat=100.5 + n)
+    assert log.close(beat=9e5, remove_local=True)
+    got = ev.read_log(store)["a1"][1]
+    assert got[:-1] == sent and got[-1] == ev.Event(ev.BEAT, 9e5)
+    [entry] = store.list(ev.rank_prefix("a1", 1))
+    lines = store.read_bytes(entry.key).decode().splitlines()
+    assert len(lines) == len(sent) + 1  # the local copy's beats stay there: the newest only
 
 
 def test_a_local_copy_gone_while_it_holds_the_unsent_events_never_stops_the_job(tmp_path):

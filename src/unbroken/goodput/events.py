@@ -321,11 +321,15 @@ class EventLog:
                 self._beat = batch[-1]
             if not durable:
                 return True
-            unsent = self._read_unsent() if self._spilled else self._unsent
-            if not unsent:
+            if self._spilled:
+                first, lines = self._unsent_lines()
+            else:
+                first = self._unsent[0].n if self._unsent else None
+                lines = _lines(self._unsent)
+            if first is None:
                 return True
-            key = object_key(self.attempt, self.rank, unsent[0].n)
-            if not self._write_durable(key, unsent):
+            key = object_key(self.attempt, self.rank, first)
+            if not self._write_durable(key, lines):
                 return False
             self._written.append(key)
             self._unsent, self._spilled, self._unsent_at = [], False, None
@@ -344,9 +348,26 @@ class EventLog:
             self._spilled, self._unsent_at = False, None
             return []
 
-    def _write_durable(self, key: str, events: list[Event]) -> bool:
-        tail = [self._beat] if self._beat is not None else []
-        data = "".join(e.to_json() + "\n" for e in [*events, *tail]).encode()
+    def _unsent_lines(self) -> tuple[int | None, bytes]:
+        """The local copy's numbered lines from ``_unsent_at`` on as they stand, and the
+        first one's number: read back, not parsed (a rank other than 0 sends its whole
+        attempt at its end, inside a preemption's grace: parsing took 5.5 s at 400k steps)."""
+        try:
+            with open(self.local_path, "rb") as f:
+                f.seek(self._unsent_at or 0)
+                lines = [line for line in f.read().split(b"\n") if _numbered(line)]
+        except OSError as exc:
+            log.warning("goodput: events since the last durable write lost: %s", exc)
+            self._spilled, self._unsent_at = False, None
+            return None, b""
+        if not lines:
+            return None, b""
+        first = Event.from_json(lines[0].decode("utf-8", "replace")).n
+        return first, b"\n".join(lines) + b"\n"
+
+    def _write_durable(self, key: str, lines: bytes) -> bool:
+        """``lines`` (numbered events, each ending in a newline) and the newest beat."""
+        data = lines + (_lines([self._beat]) if self._beat is not None else b"")
         try:
             self.store.write_bytes(key, data)
         except Exception as exc:
@@ -374,7 +395,7 @@ class EventLog:
         if not events:
             return
         key = f"{rank_prefix(self.attempt, self.rank)}/{events[0].n:09d}-{events[-1].n:09d}.jsonl"
-        if not self._write_durable(key, events):
+        if not self._write_durable(key, _lines(events)):
             return
         for old in self._written:
             try:
@@ -456,6 +477,17 @@ class EventLog:
                 self.flush(durable=due, beat=self.clock())
             except Exception:  # never let accounting kill the job
                 log.exception("goodput: event log flush failed")
+
+
+def _lines(events: list[Event]) -> bytes:
+    return "".join(e.to_json() + "\n" for e in events).encode()
+
+
+def _numbered(line: bytes) -> bool:
+    """A local copy's line of a numbered event (``to_json`` writes its "n" after "t",
+    before any "info"); not a beat's, nor a blank."""
+    at, info = line.find(b',"n":'), line.find(b',"info":')
+    return at >= 0 and (info < 0 or at < info)
 
 
 def _remove_local(path: str, local_dir: str) -> None:
