@@ -194,6 +194,21 @@ def test_a_spilled_log_reaches_the_durable_tier_event_for_event(tmp_path):
     assert len(lines) == len(sent) + 1  # the local copy's beats stay there: the newest only
 
 
+def test_a_damaged_line_of_a_spilled_log_is_left_out_and_the_rest_sent(tmp_path):
+    store = ub.open_store(tmp_path / "ck")
+    log = ev.EventLog(store, str(tmp_path / "st"), "a1", 1, durable_seconds=float("inf"))
+    for n in range(ev.MEMORY_EVENTS + 10):
+        log.append(ev.Event(ev.STEP, 100.0 + n, n, step=n, begin=99.0 + n))
+    assert log.flush(durable=False)
+    with open(log.local_path, "r+b") as f:  # the first line torn after its number
+        head = f.readline()
+        f.seek(head.index(b',"n":0') + 6)
+        f.write(b"\0" * (len(head) - head.index(b',"n":0') - 7))
+    assert log.close(beat=9e5, remove_local=True)
+    got = ev.read_log(store)["a1"][1]
+    assert [e.n for e in got if e.n >= 0] == list(range(1, ev.MEMORY_EVENTS + 10))
+
+
 def test_a_local_copy_gone_while_it_holds_the_unsent_events_never_stops_the_job(tmp_path):
     store = ub.open_store(tmp_path / "ck")
     log = ev.EventLog(store, str(tmp_path / "st"), "a1", 1, durable_seconds=float("inf"))

@@ -360,10 +360,13 @@ class EventLog:
             log.warning("goodput: events since the last durable write lost: %s", exc)
             self._spilled, self._unsent_at = False, None
             return None, b""
-        if not lines:
-            return None, b""
-        first = Event.from_json(lines[0].decode("utf-8", "replace")).n
-        return first, b"\n".join(lines) + b"\n"
+        for line in lines:  # the first whole one names the object (a reader skips the rest)
+            try:
+                first = Event.from_json(line.decode("utf-8", "replace")).n
+            except ValueError:
+                continue
+            return first, b"\n".join(lines) + b"\n"
+        return None, b""
 
     def _write_durable(self, key: str, lines: bytes) -> bool:
         """``lines`` (numbered events, each ending in a newline) and the newest beat."""
