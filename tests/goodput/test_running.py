@@ -69,8 +69,8 @@ def running_jobs(draw):
         took = draw(seconds)
         step += 1
         w.step(step, took, data_wait=draw(st.floats(0.0, 1.0)) * took)
-        if draw(st.integers(0, 5)) == 0:
-            w.save(draw(seconds))
+        if draw(st.integers(0, 5)) == 0:  # unfinished: an exception out of the save
+            w.save(draw(seconds), finish=draw(st.integers(0, 3)) > 0)
         if draw(st.booleans()):
             w.beat()
         if draw(st.booleans()):

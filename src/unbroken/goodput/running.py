@@ -32,6 +32,9 @@ _PAINTED = frozenset(
     {ev.START, ev.RESTORE_BEGIN, ev.RESTORE_END, ev.SAVE_BEGIN, ev.SAVE_END, ev.STEP, ev.END}
 )
 """Kinds that shape the timeline; the others (a commit, a new interval) only inform."""
+_CLOSED_BY = {ev.SAVE_END: ev.SAVE_BEGIN, ev.RESTORE_END: ev.RESTORE_BEGIN}
+"""The end of each interval; a step or the END closes any still open (an exception out
+of the save or restore), at its own end."""
 FOLD_EVENTS = 1024
 """Events a :class:`History` holds before it folds a stretch of them into one step."""
 FOLD_KEEP = 16
@@ -51,6 +54,9 @@ class History:
         self._beat: ev.Event | None = None
         self._open_step: int | None = None
         """Index of the last step while nothing that shapes the timeline followed it."""
+        self._unclosed: set[str] = set()
+        """Saves or restores begun and not ended: the next step ends them at its end, so
+        it is merged with none (that would stretch them)."""
         self.extend(events)
 
     def extend(self, batch: Iterable[ev.Event]) -> None:
@@ -64,10 +70,18 @@ class History:
                 )
             else:
                 self._events.append(e)
-                if e.kind == ev.STEP:
-                    self._open_step = len(self._events) - 1
+                if e.kind in (ev.STEP, ev.END):
+                    closes = bool(self._unclosed)
+                    self._unclosed.clear()
+                    self._open_step = len(self._events) - 1 if e.kind == ev.STEP else None
+                    if closes:
+                        self._open_step = None
                 elif e.kind in _PAINTED:
                     self._open_step = None
+                    if e.kind in _CLOSED_BY:
+                        self._unclosed.discard(_CLOSED_BY[e.kind])
+                    elif e.kind in _CLOSED_BY.values():
+                        self._unclosed.add(e.kind)
         if len(self._events) > self.fold_events:
             self._fold()
 
