@@ -206,6 +206,24 @@ class SaveStats:
     """This rank's shard bytes staged straight into the memory tier's file (from the
     second save of a state on), which the local write then did not copy; summed."""
 
+    def count_done(self, job: Any) -> None:
+        """A finished :class:`~unbroken.checkpoint.save_job.SaveJob`'s figures (the
+        manager's worker thread, under the manager's lock)."""
+        self.last_phase_seconds = dict(job.seconds)
+        copy = job.staged.stats if job.staged is not None else {}
+        self.seconds_staging_copy += copy.get("background_seconds", 0.0)
+        self.seconds_staging_check += copy.get("verify_seconds", 0.0)
+        self.bytes_direct += job.direct_bytes
+        self.bytes_from_memory += job.memory_bytes
+        self.bytes_checksummed_in_copy += job.checksummed_in_copy_bytes
+        self.bytes_staged_in_place += job.in_place_bytes
+        if job.error is not None:
+            self.failed += 1
+        else:
+            self.committed += 1
+            self.last_commit_seconds = job.seconds.get("total")
+            self.bytes_committed += job.manifest.nbytes
+
     def count_replica(self, _step: int, nbytes: int, ok: bool) -> None:
         """The replicator's report on one step (its thread alone writes these counters)."""
         self.bytes_replicated += nbytes

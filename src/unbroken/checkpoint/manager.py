@@ -309,14 +309,7 @@ class CheckpointManager:
     def _on_done(self, job: SaveJob) -> None:
         """Worker thread: account for a finished job."""
         with self._lock:
-            self.stats.last_phase_seconds = dict(job.seconds)
-            copy = job.staged.stats if job.staged is not None else {}
-            self.stats.seconds_staging_copy += copy.get("background_seconds", 0.0)
-            self.stats.seconds_staging_check += copy.get("verify_seconds", 0.0)
-            self.stats.bytes_direct += job.direct_bytes
-            self.stats.bytes_from_memory += job.memory_bytes
-            self.stats.bytes_checksummed_in_copy += job.checksummed_in_copy_bytes
-            self.stats.bytes_staged_in_place += job.in_place_bytes
+            self.stats.count_done(job)
             self._goodput.commit(
                 job.step,
                 ok=job.error is None,
@@ -327,15 +320,9 @@ class CheckpointManager:
             self._cadence.finished(job.step, ok=job.error is None, seconds=job.seconds.get("total"))
             self._last_error = job.error
             if job.error is not None:
-                self.stats.failed += 1
                 self._failures.append(job.error)
                 self.failures.append(job.error)
                 log.error("%s", job.error)
-            else:
-                assert job.manifest is not None
-                self.stats.committed += 1
-                self.stats.last_commit_seconds = job.seconds.get("total")
-                self.stats.bytes_committed += job.manifest.nbytes
 
     def _report_failures(self, *, raising: bool) -> None:
         """Each failure is reported once: raised, or warned about (then kept in .failures).
@@ -431,9 +418,8 @@ class CheckpointManager:
                     log.error("ending by %s with close() failing: %s", signal.Signals(signum).name,
                               failure)  # fmt: skip
                 self._preemption.close()
-            if not self._pipeline.running:  # (a Ctrl-C in its join: it may be in a collective)
-                watch = self._preemption
-                release(self._group, self._fg_group, watch.group if watch is not None else None)
+            watch = self._preemption  # the worker's group: the pipeline's close, once joined
+            release(self._fg_group, watch.group if watch is not None else None)
 
     def __enter__(self) -> CheckpointManager:
         return self

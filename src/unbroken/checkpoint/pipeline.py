@@ -151,18 +151,16 @@ class SavePipeline:
     # -- foreground side -------------------------------------------------------------
 
     def arena(self) -> Arena | None:
-        """Where the next snapshot can stage in the memory tier (``NodeCopies.arena``).
-        Ask once the previous snapshot is released (``StateStager.stage(arena=...)``
-        does)."""
+        """Where the next snapshot can stage in the memory tier (``NodeCopies.arena``), once
+        the previous snapshot is released (``StateStager.stage(arena=...)`` waits so)."""
         return self.node.arena()
 
     def submit(self, job: SaveJob) -> None:
         """Queue a job; the worker runs jobs one at a time, in order.
 
-        A job may be queued while the previous one still uploads: its staging has
-        finished by then (the stager lends its buffers to one snapshot at a time, and the
-        previous job returned them after its local write, or where the durable store sends
-        from memory, once that store had read them; the transfer itself may go on)."""
+        A job may be queued while the previous one still uploads: its staging has finished
+        (the stager lends its buffers to one snapshot at a time; the previous job returned
+        them after its local write, or once a store sending from memory had read them)."""
         with self._lock:
             self._jobs.append(job)
             self._pending += 1
@@ -203,20 +201,16 @@ class SavePipeline:
             self._idle.wait_for(lambda: self._pending == 0)
 
     def close(self, *, replica_seconds: float = REPLICA_CLOSE_SECONDS) -> None:
-        """Finish every job and its retention, then stop the worker. ``replica_seconds``:
-        how long the last commit's replica may still go on (a clean end: none)."""
+        """Finish every job and its retention, stop the worker, release its group.
+        ``replica_seconds``: how long the last commit's replica may go on (clean end: none)."""
         try:
             self._queue.put(None)
-            self._thread.join()
+            self._thread.join()  # a Ctrl-C in it skips the release: it may be in a collective
+            self.group.release()
             self.node.close(replica_seconds=replica_seconds)
             self.helpers.close()
         finally:  # a claim never released would refuse this process's next manager
             self._release_staging()
-
-    @property
-    def running(self) -> bool:
-        """Whether the worker thread is still alive (until ``close`` joined it)."""
-        return self._thread.is_alive()
 
     def rest_before_exit(self, deadline: float) -> None:
         """The interpreter ends with this pipeline open (an exception out of the loop):
