@@ -321,8 +321,9 @@ class EventLog:
                 self._beat = batch[-1]
             if not durable:
                 return True
-            if self._spilled:
-                first, lines = self._unsent_lines()
+            if self._spilled:  # sent as they stand: a rank other than 0 sends its whole
+                unsent = self._unsent_lines()  # attempt at its end, in a preemption's grace
+                first, lines = _first_number(unsent), b"".join(x + b"\n" for x in unsent)
             else:
                 first = self._unsent[0].n if self._unsent else None
                 lines = _lines(self._unsent)
@@ -339,34 +340,20 @@ class EventLog:
             return True
 
     def _read_unsent(self) -> list[Event]:
-        """The numbered events of the local copy from ``_unsent_at`` on (none if it is
-        gone: the staging dir wiped under the job loses them, never the job)."""
+        return parse_lines(b"\n".join(self._unsent_lines()).decode("utf-8", "replace"),
+                           self.local_path)  # fmt: skip
+
+    def _unsent_lines(self) -> list[bytes]:
+        """The local copy's numbered lines from ``_unsent_at`` on, as they stand (none if
+        it is gone: the staging dir wiped under the job loses them, never the job)."""
         try:
-            return [e for e in self._read_local(self._unsent_at or 0) if e.n >= 0]
+            with open(self.local_path, "rb") as f:
+                f.seek(self._unsent_at or 0)
+                return [line for line in f.read().split(b"\n") if _numbered(line)]
         except OSError as exc:
             log.warning("goodput: events since the last durable write lost: %s", exc)
             self._spilled, self._unsent_at = False, None
             return []
-
-    def _unsent_lines(self) -> tuple[int | None, bytes]:
-        """The local copy's numbered lines from ``_unsent_at`` on as they stand, and the
-        first one's number: read back, not parsed (a rank other than 0 sends its whole
-        attempt at its end, inside a preemption's grace: parsing took 5.5 s at 400k steps)."""
-        try:
-            with open(self.local_path, "rb") as f:
-                f.seek(self._unsent_at or 0)
-                lines = [line for line in f.read().split(b"\n") if _numbered(line)]
-        except OSError as exc:
-            log.warning("goodput: events since the last durable write lost: %s", exc)
-            self._spilled, self._unsent_at = False, None
-            return None, b""
-        for line in lines:  # the first whole one names the object (a reader skips the rest)
-            try:
-                first = Event.from_json(line.decode("utf-8", "replace")).n
-            except ValueError:
-                continue
-            return first, b"\n".join(lines) + b"\n"
-        return None, b""
 
     def _write_durable(self, key: str, lines: bytes) -> bool:
         """``lines`` (numbered events, each ending in a newline) and the newest beat."""
@@ -462,7 +449,7 @@ class EventLog:
                 os.makedirs(self.local_dir, exist_ok=True)
                 self._local = open(self.local_path, "ab")  # noqa: SIM115
                 self._local_bytes = self._local.tell()
-            data = "".join(e.to_json() + "\n" for e in batch).encode()
+            data = _lines(batch)
             self._local.write(data)
             self._local.flush()  # to the page cache: survives the process, not the node
             self._local_bytes += len(data)
@@ -486,9 +473,18 @@ def _lines(events: list[Event]) -> bytes:
     return "".join(e.to_json() + "\n" for e in events).encode()
 
 
+def _first_number(lines: list[bytes]) -> int | None:
+    """The number of the first whole line (a reader skips a damaged one)."""
+    for line in lines:
+        try:
+            return Event.from_json(line.decode("utf-8", "replace")).n
+        except ValueError:
+            continue
+    return None
+
+
 def _numbered(line: bytes) -> bool:
-    """A local copy's line of a numbered event (``to_json`` writes its "n" after "t",
-    before any "info"); not a beat's, nor a blank."""
+    """A numbered event's line (``to_json`` writes "n" after "t", before any "info")."""
     at, info = line.find(b',"n":'), line.find(b',"info":')
     return at >= 0 and (info < 0 or at < info)
 
