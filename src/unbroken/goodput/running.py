@@ -71,11 +71,10 @@ class History:
             else:
                 self._events.append(e)
                 if e.kind in (ev.STEP, ev.END):
-                    closes = bool(self._unclosed)
+                    ends_one = bool(self._unclosed)
                     self._unclosed.clear()
-                    self._open_step = len(self._events) - 1 if e.kind == ev.STEP else None
-                    if closes:
-                        self._open_step = None
+                    mergeable = e.kind == ev.STEP and not ends_one
+                    self._open_step = len(self._events) - 1 if mergeable else None
                 elif e.kind in _PAINTED:
                     self._open_step = None
                     if e.kind in _CLOSED_BY:
