@@ -19,7 +19,12 @@ import unbroken as ub
 from tests.link_names import private_link
 from unbroken._util.procs import process_start_ticks
 from unbroken.checkpoint.catalog import verify_checkpoint
-from unbroken.checkpoint.errors import CheckpointMismatchError, SaveFailedError
+from unbroken.checkpoint.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    SaveFailedError,
+    raise_if_interrupted,
+)
 from unbroken.checkpoint.format.manifest import step_dir
 from unbroken.checkpoint.format.writers import WRITER_NAME, writer_identity
 from unbroken.storage.base import temp_name
@@ -1154,3 +1159,65 @@ def test_a_save_interrupted_by_ctrl_c_gives_the_buffers_back(tmp_path, where):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "interrupted" in out.stdout and "committed [2, 3]" in out.stdout, out.stdout
+
+
+INTERRUPTED_RESTORE = """
+import os, shutil, signal, sys, warnings, torch, unbroken as ub
+durable, staging, tier = sys.argv[1:4]
+def state(fill):
+    return {"w": torch.full((1 << 16,), float(fill)), "step_count": 0}
+if tier.startswith("save"):  # the writer: to leave its memory copy, it ends as a crash
+    mgr = ub.CheckpointManager(durable, staging_dir=staging)
+    mgr.save(1, state(7)); mgr.wait()
+    os._exit(0) if tier == "save-memory" else mgr.close()
+    shutil.rmtree(staging)  # a clean end removed the memory copy: the durable tier alone
+    sys.exit(0)
+warnings.simplefilter("error")  # a fallback to another tier warns: none may happen
+mgr = ub.CheckpointManager(durable, staging_dir=staging)
+armed = [True]
+def ctrl_c_inside(frame, event, arg):  # a real SIGINT, landing inside the read
+    if armed[0] and event == "call" and frame.f_code.co_name == "read_data":
+        armed[0] = False
+        os.kill(os.getpid(), signal.SIGINT)
+target = state(0)
+sys.setprofile(ctrl_c_inside)
+try:
+    mgr.restore(target)
+    print("not interrupted", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+sys.setprofile(None)
+assert not armed[0], "the read was never reached"
+step, restored = mgr.restore(target), mgr.last_restore
+print("restored", step, restored.tier, float(target["w"].max()), float(target["w"].min()))
+mgr.close()
+"""
+
+
+@pytest.mark.parametrize("tier", ["memory", "durable"])
+def test_ctrl_c_inside_a_restore_stops_it(tmp_path, tier):
+    """Ctrl-C while a restore read its tensors came out as a damaged copy: from the memory
+    tier the restore warned and read everything again from the durable tier; from the
+    durable tier it raised CheckpointError. It is the user's KeyboardInterrupt, and a
+    restore run again afterwards loads the step whole."""
+    args = [str(tmp_path / "d"), str(tmp_path / "s")]
+    run = [sys.executable, "-c", INTERRUPTED_RESTORE, *args]
+    saved = subprocess.run([*run, f"save-{tier}"], capture_output=True, text=True, timeout=120)
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    out = subprocess.run([*run, tier], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["interrupted", f"restored 1 {tier} 7.0 7.0"], out.stdout
+
+
+def test_every_rank_ends_a_restore_one_rank_was_interrupted_in():
+    """DCP hands every rank every rank's failure: the interrupted rank raises its own
+    KeyboardInterrupt, the others an error naming it; a real fault is left to fall back."""
+    failures = {0: ValueError("a torn file"), 2: KeyboardInterrupt(), 3: SystemExit(4)}
+    with pytest.raises(KeyboardInterrupt):
+        raise_if_interrupted(failures, 2, 9)
+    with pytest.raises(SystemExit) as exited:
+        raise_if_interrupted(failures, 3, 9)
+    assert exited.value.code == 4
+    with pytest.raises(CheckpointError, match=r"step 9 was stopped: rank 2 was interrupted"):
+        raise_if_interrupted(failures, 0, 9)
+    raise_if_interrupted({0: ValueError("a torn file")}, 0, 9)  # not a stop: no raise

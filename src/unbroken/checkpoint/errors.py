@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from unbroken.storage.errors import StoreError
@@ -220,3 +221,18 @@ def refusal_from_fields(fields: dict[str, Any], message: str | None = None) -> S
     if message is not None:
         args["message"] = message
     return kinds[fields["kind"]](**args)
+
+
+def raise_if_interrupted(failures: Mapping[int, BaseException], rank: int, step: int) -> None:
+    """A Ctrl-C or ``sys.exit`` inside a restore's read (DCP gathers it with the ranks'
+    failures) is the user stopping it, not a bad copy to fall back from: the rank it hit
+    raises it again, the others say which rank stopped."""
+    stopped = {r: e for r, e in failures.items() if isinstance(e, (KeyboardInterrupt, SystemExit))}
+    if rank in stopped:
+        raise stopped[rank]
+    if stopped:
+        first = min(stopped)
+        raise CheckpointError(
+            f"restoring step {step} was stopped: rank {first} was interrupted "
+            f"({type(stopped[first]).__name__}) while reading it"
+        )

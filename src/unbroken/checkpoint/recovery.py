@@ -10,12 +10,11 @@ the corruption lies in a durable file the staging attempt read, the step is give
 once (its durable attempt would read the same bytes). Every decision is agreed over the
 manager's group, so all ranks walk the same (step, tier) sequence: a corrupt copy sends
 every rank on to the next candidate together, with a warning; a mismatch with the state
-(another model) raises at once, naming the keys; a checkpoint a newer unbroken wrote is
-refused at once (an older step's run would come to save over it). Everything that is not
+(another model, named by key), a checkpoint a newer unbroken wrote (an older step's run
+would save over it) and a Ctrl-C inside the read end the restore at once. What is not
 tensor bytes (the manifest, its plain values, this rank's RNG file) is read and checked
-before any tensor is loaded, so a fault there falls back like any corruption (naming the
-file) before anything of that step reaches the state.
-"""
+before any tensor is loaded: a fault there falls back like any corruption (naming the
+file) before anything of that step reaches the state."""
 
 from __future__ import annotations
 
@@ -40,6 +39,7 @@ from unbroken.checkpoint.errors import (
     CheckpointMismatchError,
     NewerFormatError,
     NoCheckpointError,
+    raise_if_interrupted,
 )
 from unbroken.checkpoint.format.manifest import (
     MANIFEST_NAME,
@@ -261,6 +261,7 @@ def _try(
     try:
         restore_into(state, prepared.flat, prepared.values, load)
     except CheckpointException as e:
+        raise_if_interrupted({r: f[0] for r, f in e.failures.items()}, group.rank, step)
         errors = [f[0] for f in e.failures.values()]
         for err in errors:
             if isinstance(err, CheckpointMismatchError):
