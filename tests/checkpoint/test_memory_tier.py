@@ -71,6 +71,25 @@ def restored(tmp_path: Path, staging: str = "staging", **kw) -> tuple[ub.Checkpo
     return mgr, state
 
 
+def memory_dir(tmp_path: Path, staging: str = "staging") -> Path:
+    """Where run_job's node keeps its memory tier."""
+    url = ub.open_store(str(tmp_path / "durable")).url
+    return Path(default_root()) / tier_key(str(tmp_path / staging), url)
+
+
+def restores_bitwise_from(tmp_path: Path, tier: str, *, draws: bool = False) -> None:
+    """A fresh process's restore after run_job's kill: read from ``tier``, equal to what
+    the killed job held (and its RNG draws after it, with ``draws``)."""
+    mgr, state = restored(tmp_path)
+    try:
+        assert mgr.last_restore.tier == tier, mgr.last_restore
+        same(tensors(state), torch.load(tmp_path / "out-kill" / "expected.pt", weights_only=True))
+        if draws:
+            assert rng_draws() == json.loads((tmp_path / "out-kill" / "draws.json").read_text())
+    finally:
+        mgr.close()
+
+
 def tensors(state: dict) -> dict:
     return {k: v for k, v in snapshot(state).items() if isinstance(v, torch.Tensor)}
 
@@ -125,29 +144,18 @@ def test_a_corrupt_memory_copy_falls_back_to_the_durable_tier(tmp_path):
     assert code == -signal.SIGKILL, out
     from tests.checkpoint.manager_util import flip_payload_byte
 
-    memory = Path(default_root()) / tier_key(str(tmp_path / "staging"))
+    memory = memory_dir(tmp_path)
     flip_payload_byte(memory / step_dir(4), "optim.state.0.weight.exp_avg")
     with pytest.warns(RuntimeWarning, match=r"crc32c mismatch"):
-        mgr, state = restored(tmp_path)
-    try:
-        assert mgr.last_restore.tier == "durable", mgr.last_restore
-        same(tensors(state), torch.load(tmp_path / "out-kill" / "expected.pt", weights_only=True))
-    finally:
-        mgr.close()
+        restores_bitwise_from(tmp_path, "durable")
 
 
 def test_a_file_missing_from_memory_is_read_from_the_durable_tier(tmp_path):
     code, out = run_job(tmp_path, "kill")
     assert code == -signal.SIGKILL, out
-    memory = Path(default_root()) / tier_key(str(tmp_path / "staging"))
+    memory = memory_dir(tmp_path)
     (memory / step_dir(4) / "rng" / "rank-00000.json").unlink()
-    mgr, state = restored(tmp_path)
-    try:
-        assert mgr.last_restore.tier == "memory+durable", mgr.last_restore
-        same(tensors(state), torch.load(tmp_path / "out-kill" / "expected.pt", weights_only=True))
-        assert rng_draws() == json.loads((tmp_path / "out-kill" / "draws.json").read_text())
-    finally:
-        mgr.close()
+    restores_bitwise_from(tmp_path, "memory+durable", draws=True)
 
 
 def test_two_jobs_on_one_node_keep_their_memory_copies_apart(tmp_path):
@@ -171,6 +179,21 @@ def test_two_jobs_on_one_node_keep_their_memory_copies_apart(tmp_path):
         b.close()
 
 
+def test_jobs_that_name_one_staging_path_keep_their_memory_copies_apart(tmp_path):
+    """Containers that share the host's /dev/shm (``--ipc=host``) and mount a volume each
+    at one staging path: the memory tier was keyed by that path alone, so the other job's
+    clean end removed this job's copy (its restart then read the durable tier)."""
+    code, out = run_job(tmp_path, "kill")  # this job: step 4 committed, then killed
+    assert code == -signal.SIGKILL, out
+    other = make_state(7)
+    train(other, range(1, 2))
+    with ub.CheckpointManager(tmp_path / "other-job", staging_dir=tmp_path / "staging") as b:
+        assert b.memory_tier.path != str(memory_dir(tmp_path))
+        b.save(1, other)  # its own copy and its clean end, beside this job's copy
+    assert steps_in(memory_dir(tmp_path)) == [4]
+    restores_bitwise_from(tmp_path, "memory")
+
+
 def _age(tree: Path, seconds: float) -> None:
     """Make every folder of ``tree`` look ``seconds`` old (as time passing would)."""
     when = time.time() - seconds
@@ -181,7 +204,7 @@ def _age(tree: Path, seconds: float) -> None:
 def test_a_job_whose_every_process_was_killed_is_swept_by_the_next(tmp_path):
     code, out = run_job(tmp_path, "kill", via_shell=True)  # the job and its launcher gone
     assert code == 0, out
-    left = Path(default_root()) / tier_key(str(tmp_path / "staging"))
+    left = memory_dir(tmp_path)
     assert steps_in(left) == [4]
     # just killed: it may be starting again (a container restarted in place), so kept
     ub.CheckpointManager(tmp_path / "other", staging_dir=tmp_path / "other-staging").close()
@@ -202,7 +225,7 @@ def test_a_dead_nodes_tier_of_this_very_job_is_kept_through_its_restart(tmp_path
     monkeypatch.setenv("UNBROKEN_JOB_ID", "job-a")
     code, out = run_job(tmp_path, "kill", via_shell=True)
     assert code == 0, out
-    left = Path(default_root()) / tier_key(str(tmp_path / "staging"))
+    left = memory_dir(tmp_path)
     ub.CheckpointManager(tmp_path / "durable", staging_dir=tmp_path / "node-1").close()
     assert steps_in(left) == [4]
     _age(left, SWEEP_GRACE_SECONDS + 5)

@@ -271,12 +271,23 @@ def data_files(world_size: int) -> set[str]:
 
 
 def node_tiers(staging: list[Path]) -> list[Path]:
-    """Each node's tiers: its staging directory and its memory tier (where a save's local
+    """Each node's tiers: its staging directory and its memory tiers (where a save's local
     copy goes by default), in the memory root the job's processes were given."""
-    from unbroken.checkpoint.memory_tier import default_root, tier_key
+    return [*staging, *(t for s in staging for t in memory_tiers_of(s))]
 
-    root = Path(default_root())
-    return [*staging, *(root / tier_key(str(s)) for s in staging)]
+
+def memory_tiers_of(staging: Path) -> list[Path]:
+    """The memory tier directories whose owner records name ``staging`` (one per URL)."""
+    from unbroken.checkpoint.memory_tier import OWNERS, default_root
+
+    found = []
+    for owners in Path(default_root()).glob(f"*/{OWNERS}"):
+        for record in owners.glob("*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(record.read_text()).get("staging_dir") == os.path.realpath(staging):
+                    found.append(owners.parent)
+                    break
+    return found
 
 
 def save_phase(durable: Path, staging: list[Path], since: float, world_size: int) -> str:

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.checkpoint.distributed import free_port
-from tests.e2e.harness import Agent, committed_steps, read_result, save_phase
+from tests.e2e.harness import Agent, committed_steps, memory_tiers_of, read_result, save_phase
 from tests.e2e.test_crash_harness import EXAMPLES, faulty_remote, launch
 from unbroken.checkpoint.format.manifest import step_dir
-from unbroken.checkpoint.memory_tier import default_root, tier_key
 
 pytestmark = pytest.mark.multiprocess
 
@@ -46,8 +44,10 @@ def start_node(rank: int, endpoint: str, volume, run, staging: str, remote: dict
 
 def replica_held(run, step: int) -> bool:
     """Node 0's memory tier holds node 1's (rank 1's) replica of ``step``, sealed."""
-    tier = Path(default_root()) / tier_key(str(run / "staging-0"))
-    return (tier / "replicas" / "rank-00001" / step_dir(step) / "manifest.json").exists()
+    return any(
+        (tier / "replicas" / "rank-00001" / step_dir(step) / "manifest.json").exists()
+        for tier in memory_tiers_of(run / "staging-0")
+    )
 
 
 def wait_between_saves(run, staging: list, since: float, after: int) -> set[int]:

@@ -148,7 +148,10 @@ class CheckpointManager:
         """The newest failure reported by a warning alone (not raised)."""
         self.memory_tier = (
             MemoryTier.open(
-                self.staging_dir, self._group.global_rank, required=bool(config.memory_tier)
+                self.staging_dir,
+                self.store.url,
+                self._group.global_rank,
+                required=bool(config.memory_tier),
             )
             if config.memory_tier is not False
             else None

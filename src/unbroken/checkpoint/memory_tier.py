@@ -7,7 +7,7 @@ written with O_DIRECT, so no page cache holds them) and the durable tier a downl
 
 Layout: the same step directories as the disk staging tier (shards, metadata, RNG files,
 the manifest copy written last, which makes the copy count), under
-``<root>/<key of the staging directory>/``. The root is ``unbroken-<uid>`` in
+``<root>/<key of the staging directory and the URL>/``. The root is ``unbroken-<uid>`` in
 ``$UNBROKEN_MEMORY_DIR`` or ``/dev/shm``: a directory of the user's own, mode 0700 (only
 its owner reaches the files), never the directory named, which other programs may use
 too. The tier belongs to the staging directory: two staging directories on one machine
@@ -100,9 +100,17 @@ def _check_own_root(root: str) -> None:
         raise PermissionError(f"{root} belongs to uid {st.st_uid}, not this user ({_uid()})")
 
 
-def tier_key(staging_dir: str) -> str:
-    """The tier directory's name: one per staging directory (per node of a job)."""
+def node_key(staging_dir: str) -> str:
+    """A node of a job: its staging directory on this machine."""
     return hashlib.sha1(os.path.realpath(staging_dir).encode()).hexdigest()[:16]
+
+
+def tier_key(staging_dir: str, url: str) -> str:
+    """The tier directory's name: one per node of a job (its staging directory) and per
+    checkpoint URL. Jobs in containers that share the host's /dev/shm (``--ipc=host``)
+    and name one staging path, each its own volume, must not share a tier: two jobs
+    saving to one URL are refused anyway (``staging/owner.py``, the step claims)."""
+    return hashlib.sha1(f"{os.path.realpath(staging_dir)}\n{url}".encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -158,17 +166,18 @@ class MemoryTier:
 
     @classmethod
     def open(
-        cls, staging_dir: str, rank: int, *, required: bool, root: str | None = None
+        cls, staging_dir: str, url: str, rank: int, *, required: bool, root: str | None = None
     ) -> MemoryTier | None:
-        """The tier for ``staging_dir``, its owner record written; None where it cannot be
-        had and is not ``required`` (warned once), MemoryTierError where it is."""
+        """The tier for ``staging_dir`` and checkpoint ``url``, its owner record written;
+        None where it cannot be had and is not ``required`` (warned once),
+        MemoryTierError where it is."""
         root = root or default_root()
         try:
             _check_base(root)
             os.makedirs(root, mode=0o700, exist_ok=True)
             _check_own_root(root)
             os.chmod(root, 0o700)
-            path = os.path.join(root, tier_key(staging_dir))
+            path = os.path.join(root, tier_key(staging_dir, url))
             os.makedirs(path, mode=0o700, exist_ok=True)
             tier = cls(path, rank)
             tier._record_owner(staging_dir)  # before the sweep: another rank sweeps too

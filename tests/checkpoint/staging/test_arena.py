@@ -28,8 +28,10 @@ from unbroken.checkpoint.memory_tier import default_root, tier_key, tree_bytes
 from unbroken.checkpoint.staging.arena import ARENAS_DIR, RankArenas
 
 
-def tier(tmp_path: Path) -> Path:
-    return Path(default_root()) / tier_key(str(tmp_path / "staging"))
+def tier(tmp_path: Path, url: str | None = None) -> Path:
+    """The node's memory tier of ``url`` (default: the local durable path of manager())."""
+    url = ub.open_store(url or str(tmp_path / "durable")).url
+    return Path(default_root()) / tier_key(str(tmp_path / "staging"), url)
 
 
 def manager(tmp_path: Path, **kw) -> ub.CheckpointManager:
@@ -38,13 +40,13 @@ def manager(tmp_path: Path, **kw) -> ub.CheckpointManager:
     )
 
 
-def arenas(tmp_path: Path) -> list[Path]:
-    folder = tier(tmp_path) / ARENAS_DIR
+def arenas(tmp_path: Path, url: str | None = None) -> list[Path]:
+    folder = tier(tmp_path, url) / ARENAS_DIR
     return sorted(folder.iterdir()) if folder.exists() else []
 
 
-def shard(tmp_path: Path, step: int) -> Path:
-    return tier(tmp_path) / step_dir(step) / "__0_0.distcp"
+def shard(tmp_path: Path, step: int, url: str | None = None) -> Path:
+    return tier(tmp_path, url) / step_dir(step) / "__0_0.distcp"
 
 
 def test_from_the_second_save_the_shard_is_staged_in_place(tmp_path):
@@ -229,7 +231,7 @@ def test_saves_queued_back_to_back_each_restore_their_own_values(tmp_path):
             ) as reader:
                 assert reader.restore(got, step=step) == step
             assert torch.equal(got["w"], torch.full((n,), float(step))), step
-        node = tier(tmp_path) / step_dir(5)
+        node = Path(mgr.memory_tier.path) / step_dir(5)
         flat = {"w": torch.empty(n)}
         dcp.load(flat, storage_reader=dcp.FileSystemReader(node), no_dist=True)
         assert torch.equal(flat["w"], torch.full((n,), 5.0))
@@ -325,17 +327,17 @@ def test_while_the_second_save_uploads_the_node_holds_two_copies_not_three(tmp_p
     try:
         mgr.save(1, {"w": torch.full((n,), 1.0)})
         mgr.wait()
-        assert len(arenas(tmp_path)) == 1  # the next save's, made once step 1 committed
+        assert len(arenas(tmp_path, url)) == 1  # the next save's, made once step 1 committed
         mgr.save(2, {"w": torch.full((n,), 2.0)})
         deadline = time.monotonic() + 30
-        while not shard(tmp_path, 2).exists():  # step 2 written locally, now uploading
+        while not shard(tmp_path, 2, url).exists():  # step 2 written locally, now uploading
             assert time.monotonic() < deadline
             time.sleep(0.005)
-        during = len(arenas(tmp_path))
+        during = len(arenas(tmp_path, url))
         uploading = mgr.stats.committed == 1
         mgr.wait()
         assert uploading and during == 1  # step 1's copy and step 2's arena, no spare yet
-        assert len(arenas(tmp_path)) == 2  # the spare, once step 1 has gone
-        assert not (tier(tmp_path) / step_dir(1)).exists()
+        assert len(arenas(tmp_path, url)) == 2  # the spare, once step 1 has gone
+        assert not (Path(mgr.memory_tier.path) / step_dir(1)).exists()
     finally:
         mgr.close()

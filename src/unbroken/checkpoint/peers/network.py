@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from unbroken._util.spawn import start_module
 from unbroken.checkpoint.collectives import Group
-from unbroken.checkpoint.memory_tier import MemoryTier, tier_key
+from unbroken.checkpoint.memory_tier import MemoryTier, node_key
 from unbroken.checkpoint.peers import replica_files
 from unbroken.checkpoint.peers.client import PeerClient
 from unbroken.checkpoint.peers.peer_store import PeerStore
@@ -58,7 +58,7 @@ class PeerNetwork:
         """Collective: every rank calls it, with the same ``replicas``."""
         if group.world_size == 1 or replicas < 1:
             return None
-        ident = f"{socket.gethostname()}:{tier_key(staging_dir)}"
+        ident = f"{socket.gethostname()}:{node_key(staging_dir)}"
         token = group.broadcast(secrets.token_hex(32) if group.is_coordinator else None)
         identities = group.all_gather(ident)
         nodes = node_of_ranks(identities)
