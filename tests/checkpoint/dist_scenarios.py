@@ -434,7 +434,7 @@ def scenario_collectives(a: argparse.Namespace) -> None:
 def scenario_group(a: argparse.Namespace) -> None:
     """The checkpoint group's object collectives: each rank's object (of another size on
     each rank) comes back whole, and the tensors they used are let go once gloo has."""
-    from unbroken.checkpoint import collectives
+    from unbroken._util import collectives
 
     group = collectives.Group.create(timeout=60)
     rank = dist.get_rank()

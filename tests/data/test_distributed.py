@@ -22,8 +22,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, *args: str) -> list[dict]:
-    """Start ``world`` ranks of tests.data.dist_job; their JSON results by rank."""
+def launch(world: int, *args: str, job: str = "tests.data.dist_job") -> list[dict]:
+    """Start ``world`` ranks of ``job``; their JSON results by rank."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -37,7 +37,7 @@ def launch(world: int, *args: str) -> list[dict]:
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests.data.dist_job", *args],
+                [sys.executable, "-m", job, *args],
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -76,3 +76,25 @@ def test_gloo_ranks_share_a_cache_and_resume_on_another_world_size(make_volume, 
     # one node-wide cache: each file fetched once by the two ranks and the restarted job
     assert sum(r["metrics"]["misses"] for r in first + second) == 32
     assert second[0]["metrics"]["misses"] == 0
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_listed_the_volume_apart_split_one_listing(make_volume, tmp_path):
+    """A file landed between two nodes' listings: each rank partitioned its own index, so
+    samples were served twice in the epoch and others never, with nothing said. Every
+    rank now takes rank 0's listing and warns."""
+    vol = make_volume(24)
+    ranks = launch(2, vol.url, str(tmp_path), "apart", job="tests.data.listing_job")
+    assert [r["files"] for r in ranks] == [24, 24]
+    served = sorted(i for r in ranks for i in r["served"])
+    assert served == list(range(24)), served  # each of rank 0's files once
+    for r in ranks:
+        assert any("rank 0: 24; rank 1: 25" in w for w in r["warnings"]), r["warnings"]
+
+
+@pytest.mark.multiprocess
+def test_a_dataset_split_over_the_ranks_but_made_on_one_says_so(make_volume, tmp_path):
+    vol = make_volume(4)
+    ranks = launch(2, vol.url, str(tmp_path), "alone", job="tests.data.listing_job")
+    error = ranks[0]["error"]
+    assert "every rank makes it" in error and "rank=0, world_size=1" in error, error

@@ -18,10 +18,10 @@ import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal
 
+from unbroken._util.collectives import Group, release
 from unbroken._util.world import require_group
 from unbroken.checkpoint import json_values, open_managers
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints
-from unbroken.checkpoint.collectives import Group, release
 from unbroken.checkpoint.config import (
     CheckpointConfig,
     SaveStats,

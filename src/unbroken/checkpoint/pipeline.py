@@ -24,10 +24,10 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from unbroken._util.collectives import Group
 from unbroken._util.priority import lower_thread_priority
 from unbroken._util.rest_at_exit import rest_at_exit
 from unbroken._util.thread_names import name_native_thread
-from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.commit import commit_step, conflict_fields, generator_digests
 from unbroken.checkpoint.durable_index import DurableIndex
 from unbroken.checkpoint.durable_prune import prune_durable

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken._util import worker_sigterm
-from unbroken.checkpoint.collectives import Group, keep_until_released
+from unbroken._util.collectives import Group, keep_until_released
 
 log = logging.getLogger(__name__)
 _watches: weakref.WeakSet[PreemptionWatch] = weakref.WeakSet()

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.checkpoint.collectives import Group
+from unbroken._util.collectives import Group
 from unbroken.checkpoint.errors import NoCheckpointError
 from unbroken.checkpoint.format.manifest import check_step
 from unbroken.state.rng import capture_rng_state, restore_rng_state

@@ -31,8 +31,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from unbroken._util.collectives import Group
 from unbroken.checkpoint.catalog import missing_or_short
-from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,

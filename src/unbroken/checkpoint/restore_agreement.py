@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from unbroken._util.collectives import Group
 from unbroken.checkpoint.catalog import step_files
-from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.errors import CheckpointError, ListingFailedError
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME
 from unbroken.checkpoint.save_job import describe

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.checkpoint.collectives import Group
+from unbroken._util.collectives import Group
 from unbroken.checkpoint.commit import conflict_fields
 from unbroken.checkpoint.errors import StepsDisagreeError
 from unbroken.checkpoint.save_job import describe

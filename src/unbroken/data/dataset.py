@@ -25,6 +25,7 @@ from unbroken.data.cache.cache import CacheDirError, CacheWriteError, LocalCache
 from unbroken.data.delivery import Delivery
 from unbroken.data.fill_ahead import FillAhead
 from unbroken.data.index import FileIndex, check_max_age, load_or_build_index
+from unbroken.data.index_agreement import agree_on_index, spans_the_job
 from unbroken.data.metrics import WorkerCounters
 from unbroken.data.order import epoch_order
 from unbroken.data.partition import Partition, worker_batches
@@ -74,7 +75,9 @@ class VolumeDataset(IterableDataset):
     change is refused. Ranks of a node that start together share one listing (the
     first lists, the others wait for it); ``index_max_age`` (seconds) reuses a
     listing of the node up to that old instead, ``None`` however old (a volume that
-    never changes; ``refresh_index=True`` still lists anew).
+    never changes; ``refresh_index=True`` still lists anew). Split over the job's ranks
+    (``rank`` and ``world_size`` torch.distributed's), it is made on every rank: ranks
+    whose listings differ (a file landed between them) all take rank 0's, with a warning.
     """
 
     def __init__(
@@ -133,6 +136,8 @@ class VolumeDataset(IterableDataset):
             self._store, index_dir, include, exclude,
             refresh=refresh_index, max_age=index_max_age,
         )  # fmt: skip
+        if spans_the_job(self.rank, self.world_size):  # ranks that listed apart: rank 0's
+            self.index = agree_on_index(self.index)
 
     # -- what the volume holds ------------------------------------------------------
 

@@ -20,8 +20,8 @@ import subprocess
 import warnings
 from dataclasses import dataclass
 
+from unbroken._util.collectives import Group
 from unbroken._util.spawn import start_module
-from unbroken.checkpoint.collectives import Group
 from unbroken.checkpoint.memory_tier import MemoryTier, node_key
 from unbroken.checkpoint.peers import replica_files
 from unbroken.checkpoint.peers.client import PeerClient

@@ -1,4 +1,5 @@
-"""A dedicated gloo group for checkpoint coordination, or nothing in a single process.
+"""A dedicated gloo group for the library's coordination (checkpoints, the data index's
+agreement), or nothing in a single process.
 
 Background saves must never issue collectives on the default process group: the training
 loop's own collectives run there, and two threads interleaving collectives on one group
