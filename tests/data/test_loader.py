@@ -431,3 +431,23 @@ def test_a_resume_at_another_global_batch_says_how_many_samples_its_tail_drops(
     with caplog.at_level("WARNING", logger="unbroken.data.loader"):
         vol.loader(batch_size=4, seed=1).load_state_dict(state)  # the same shape: no word
     assert "do not fill" not in caplog.text
+
+
+def test_after_a_resume_whose_epoch_has_no_batch_left_the_loader_names_the_next_epoch(
+    make_volume,
+):
+    """Saved at 20 of 24 files with batches of 2, resumed with batches of 6: the rest of
+    epoch 0 holds no batch, so the first loop serves epoch 1. loader.epoch said 0, and a
+    loop ``for e in range(loader.epoch, E)`` trained one epoch more than E."""
+    vol = make_volume(24)
+    first = vol.loader(batch_size=2)
+    it = iter(first)
+    for _ in range(10):
+        next(it)
+    state = first.state_dict()
+    del it
+    resumed = vol.loader(batch_size=6)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1
+    next(iter(resumed))
+    assert resumed.epoch == 1

@@ -387,8 +387,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._warn_if_tail_lost(self._next_start[1])
         if self._active is not None:
             self._restart_requested = True
-        else:
-            self.epoch = self._next_start[0]
+        else:  # the next one: a rest of the epoch too short for one batch is skipped
+            self.epoch = self._take_next_start()[0]
 
     def _warn_if_tail_lost(self, position: int) -> None:
         """A position saved at another global batch size (world size, batch size): the
