@@ -28,6 +28,7 @@ from torch.optim import lr_scheduler
 
 import unbroken as ub
 from unbroken.checkpoint.errors import CheckpointMismatchError
+from unbroken.checkpoint.format import reader
 
 VOCAB = 10
 
@@ -290,6 +291,35 @@ def test_tied_weights_stay_tied(tmp_path):
     with ub.CheckpointManager(tmp_path / "durable", staging_dir=tmp_path / "staging") as mgr:
         assert mgr.restore(state) == 3
     assert state["model"].out.weight is state["model"].emb.weight
+
+
+class ManySmall(Net):
+    """Net beside hundreds of small parameters (experts, adapters): a restore scanned every
+    parameter name for each saved state key, and decoded the metadata three times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.ParameterList([nn.Parameter(torch.randn(3)) for _ in range(300)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx) + 1e-3 * sum(p.sum() for p in self.extra)
+
+
+def test_a_model_of_many_small_parameters_resumes_reading_its_metadata_once(tmp_path, monkeypatch):
+    def build(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = ManySmall()
+        return {"model": model, "optim": torch.optim.Adam(model.parameters(), lr=0.01)}
+
+    check_resumes_bitwise(tmp_path, build)
+    decodes = []
+    decode = reader.metadata_from_json
+    monkeypatch.setattr(
+        reader, "metadata_from_json", lambda *a, **k: decodes.append(1) or decode(*a, **k)
+    )
+    with ub.CheckpointManager(tmp_path / "durable", staging_dir=tmp_path / "staging") as mgr:
+        assert mgr.restore(build(2)) == 3
+    assert len(decodes) == 1
 
 
 def test_bf16_model(tmp_path):
