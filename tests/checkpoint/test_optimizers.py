@@ -336,6 +336,23 @@ def test_bf16_model(tmp_path):
     assert state["optim"].state_dict()["state"][0]["exp_avg"].dtype == torch.bfloat16
 
 
+def test_a_model_cast_to_another_dtype_since_the_save_is_warned_of_by_key(tmp_path):
+    """fp32 weights restored into a model made bf16 were rounded with nothing said."""
+    model = nn.Linear(3, 2)
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model})
+        cast = nn.Linear(3, 2).to(torch.bfloat16)
+        said = r"cast to the state's: model\.bias \(float32 -> bfloat16\), model\.weight"
+        with pytest.warns(RuntimeWarning, match=said) as seen:
+            assert mgr.restore({"model": cast}) == 1
+        ours = [w for w in seen if "cast to the state's" in str(w.message)]
+        assert [w.filename for w in ours] == [__file__], seen  # where restore() was called
+        assert torch.equal(cast.weight, model.weight.to(torch.bfloat16))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # the saved dtype: nothing said
+            assert mgr.restore({"model": nn.Linear(3, 2)}) == 1
+
+
 def test_grad_scaler(tmp_path):
     """A GradScaler is one more entry; its scale and growth tracker come back."""
 

@@ -49,7 +49,7 @@ def check_compatible(
         {k.split(".", 1)[0] for k in (*missing, *not_in_state)}
         & {n for n, kind in flat.kinds.items() if kind == KIND_STATEFUL}
     )
-    shapes = []
+    shapes, cast = [], []
     shared = [k for k in sorted(set(mine) & set(saved)) if _elements_share_memory(mine[k])]
     for key in sorted(set(mine) & set(saved)):
         md, value = saved[key], mine[key]
@@ -61,6 +61,17 @@ def check_compatible(
                 f"{key}: shape {tuple(md.size)} in the checkpoint, "
                 f"{tuple(value.shape)} in the state"
             )
+        elif isinstance(value, torch.Tensor) and md.properties.dtype != value.dtype:
+            cast.append(f"{key} ({_dtype(md.properties.dtype)} -> {_dtype(value.dtype)})")
+    if cast:  # a precision changed on purpose loads so too; by mistake, it rounds unseen
+        more = f" and {len(cast) - _SHOW} more" if len(cast) > _SHOW else ""
+        warnings.warn(
+            f"checkpoint {where}: tensors saved in another dtype are cast to the state's: "
+            f"{', '.join(cast[:_SHOW])}{more}. Give them the saved dtype before restoring "
+            "(model.to(dtype)) unless the change of precision is meant",
+            RuntimeWarning,
+            stacklevel=6,  # the caller of restore() or load()
+        )
     if shared:
         raise CheckpointMismatchError(
             f"cannot restore checkpoint {where} into the state: its entries "
@@ -126,6 +137,10 @@ def check_compatible(
             f"checkpoint {where} does not match the state being restored "
             f"(another model?): " + "; ".join(parts) + hint
         )
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def other_optimizers(flat: FlatState, metadata: Metadata, manifest: Manifest) -> dict[str, str]:
