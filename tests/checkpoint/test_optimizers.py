@@ -293,6 +293,29 @@ def test_tied_weights_stay_tied(tmp_path):
     assert state["model"].out.weight is state["model"].emb.weight
 
 
+class Lm(nn.Module):
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+
+def test_weights_saved_untied_are_not_restored_into_a_tied_model(tmp_path):
+    """One saved tensor overwrote the other in the shared memory, with nothing said."""
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        mgr.save(1, {"model": Lm(tied=False)})
+        tied = Lm(tied=True)
+        before = tied.embed.weight.clone()
+        said = r"ties model\.embed\.weight to model\.head\.weight \(one tensor\).*saved untied"
+        with pytest.raises(CheckpointMismatchError, match=said):
+            mgr.restore({"model": tied})
+        assert torch.equal(tied.embed.weight, before)  # nothing was changed
+        assert mgr.restore({"model": Lm(tied=False)}) == 1  # as saved: loads
+        mgr.save(2, {"model": Lm(tied=True)})
+        assert mgr.restore({"model": Lm(tied=True)}) == 2  # saved tied, restored tied
+
+
 class ManySmall(Net):
     """Net beside hundreds of small parameters (experts, adapters): a restore scanned every
     parameter name for each saved state key, and decoded the metadata three times."""

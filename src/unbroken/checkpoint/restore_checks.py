@@ -23,6 +23,7 @@ from unbroken.checkpoint.errors import CheckpointCorruptError, CheckpointMismatc
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME, Manifest, step_dir
 from unbroken.checkpoint.format.reader import TierReader
 from unbroken.checkpoint.save_job import rng_file
+from unbroken.checkpoint.staging.tree import alias_key, local_tensor
 from unbroken.checkpoint.state_dicts import KIND_OPTIMIZER, KIND_STATEFUL, FlatState
 from unbroken.state.rng import RngState, decode_rng_state
 from unbroken.storage import Store
@@ -71,6 +72,14 @@ def check_compatible(
             "(model.to(dtype)) unless the change of precision is meant",
             RuntimeWarning,
             stacklevel=6,  # the caller of restore() or load()
+        )
+    if untied := _tied_here_not_there(mine, metadata):
+        raise CheckpointMismatchError(
+            f"cannot restore checkpoint {where} into the state: the state ties "
+            f"{'; '.join(' to '.join(keys) for keys in untied[:_SHOW])} (one tensor), which "
+            "the checkpoint holds as different tensors (saved untied): one would overwrite "
+            "the other. Restore into the model untied, as it was saved, and tie the weights "
+            "after. Nothing was changed"
         )
     if shared:
         raise CheckpointMismatchError(
@@ -137,6 +146,29 @@ def check_compatible(
             f"checkpoint {where} does not match the state being restored "
             f"(another model?): " + "; ".join(parts) + hint
         )
+
+
+def _tied_here_not_there(mine: dict[str, Any], metadata: Metadata) -> list[tuple[str, ...]]:
+    """Keys the state ties (one memory: ``lm_head.weight is embed.weight``) whose saved
+    tensors differ, told by their chunks' checksums: the last loaded would win."""
+    by_memory: dict[tuple, list[str]] = {}
+    for key, value in mine.items():
+        if isinstance(value, torch.Tensor) and key in metadata.state_dict_metadata:
+            by_memory.setdefault(alias_key(local_tensor(value)), []).append(key)
+    tied = {k: keys for keys in by_memory.values() if len(keys) > 1 for k in keys}
+    if not tied:
+        return []
+    chunks: dict[str, list[tuple]] = {}
+    for index, location in (metadata.storage_data or {}).items():
+        if index.fqn in tied:
+            crc = getattr(location, "crc32c", None)  # torch's own format: no checksum
+            chunks.setdefault(index.fqn, []).append((tuple(index.offset or ()), crc))
+    return sorted(
+        keys
+        for keys in {tuple(v) for v in tied.values()}
+        if len({frozenset(chunks.get(k, ())) for k in keys}) > 1
+        and all(crc is not None for k in keys for _, crc in chunks.get(k, ()))
+    )
 
 
 def _dtype(dtype: torch.dtype) -> str:
