@@ -392,6 +392,19 @@ def test_grad_scaler(tmp_path):
     check_resumes_bitwise(tmp_path, build, save_at=3, after=4)
 
 
+def test_a_grad_scaler_switched_off_since_the_save_is_named_with_the_way_out(tmp_path):
+    """AMP turned off: the error blamed a list or dict that grew in training."""
+    model = nn.Linear(2, 2)
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "scaler": torch.amp.GradScaler("cpu")})
+        off = {"model": model, "scaler": torch.amp.GradScaler("cpu", enabled=False)}
+        said = r"'scaler' is empty now and was not when saved .*strict=False"
+        with pytest.raises(CheckpointMismatchError, match=said):
+            mgr.restore(off)
+        with pytest.warns(RuntimeWarning, match="strict=False without scaler"):
+            assert mgr.restore(off, strict=False) == 1
+
+
 def test_generator_in_the_state(tmp_path):
     """Issue 22.5: a torch.Generator in the state is saved and restored: the same draws."""
 

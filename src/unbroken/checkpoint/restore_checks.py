@@ -135,6 +135,14 @@ def check_compatible(
             RuntimeWarning,
             stacklevel=6,  # the caller of restore() or load()
         )
+    have = {k.split(".", 1)[0] for k in (*mine, *flat.values)}
+    if parts and regrown and not shapes and (emptied := [n for n in regrown if n not in have]):
+        raise CheckpointMismatchError(
+            f"checkpoint {where}: the state_dict() of {', '.join(map(repr, emptied))} is "
+            "empty now and was not when saved (switched off since, a GradScaler made with "
+            "enabled=False?): restore with strict=False to leave it as it is, or take it out "
+            "of the state: " + "; ".join(parts)
+        )
     if parts and regrown and not shapes:
         raise CheckpointMismatchError(f"checkpoint {where}: {grew}: " + "; ".join(parts))
     if parts:
