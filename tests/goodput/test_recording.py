@@ -141,3 +141,30 @@ def test_a_typo_in_the_flush_setting_is_warned_about_not_fatal(monkeypatch, capl
     for good, seconds in (("2.5", 2.5), ("0", 0.0), ("  ", float("inf"))):  # 0: every tick
         monkeypatch.setenv("UNBROKEN_GOODPUT_FLUSH", good)
         assert _durable_seconds(1) == seconds
+
+
+UNANSWERED_STORE = """
+import glob, os, socket, sys, time
+import unbroken as ub
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(16)  # takes connections, answers nothing: a hung endpoint, a black hole
+port = listener.getsockname()[1]
+options = {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{port}"}
+mgr = ub.CheckpointManager("s3://bucket/run", staging_dir=sys.argv[1], storage_options=options)
+local = glob.glob(os.path.join(sys.argv[1], "_goodput", "*.jsonl"))
+print("made", [open(p).read().count('"start"') for p in local], flush=True)
+os._exit(0)  # close() would wait for the store, as it does for a save
+"""
+
+
+def test_a_store_that_does_not_answer_does_not_hold_the_managers_construction(tmp_path):
+    """The START went to the durable tier inside CheckpointManager(): against an endpoint
+    that never answers, the constructor rode out the write's retries for 5 minutes with
+    nothing said. The START is on the node's disk at once; the thread sends it on."""
+    out = subprocess.run(
+        [sys.executable, "-c", UNANSWERED_STORE, str(tmp_path / "staging")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "made [1]", out.stdout

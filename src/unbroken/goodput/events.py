@@ -7,12 +7,12 @@ only reads ``step-*``)::
 
 Each flush writes a NEW object holding the events since the previous flush (one atomic
 write: a rename on a path, one PUT on an object store); nothing is ever rewritten, so a
-crash loses at most the events not flushed yet. The first flush, of the START, is made
-when the log starts, not by the thread: an attempt killed in its first second is on disk.
-Events are also appended, every second, to a local copy in the staging tier
-(``<staging>/_goodput/attempt-<id>-rank-<r>.jsonl``); the next attempt on the same node
-uploads what the durable tier lacks, so a restart there recovers the last seconds before
-a crash (a file is a dead process's where its START's pid and start time are not alive).
+crash loses at most the events not flushed yet. Events are also appended, every second,
+to a local copy in the staging tier (``local_copy.py``; the START when the log starts, so
+an attempt killed in its first second is on disk, and to the durable tier by the thread
+at once); the next attempt on the same node uploads what the durable tier lacks, so a
+restart there recovers the last seconds before a crash (a file is a dead process's where
+its START's pid and start time are not alive).
 Events are numbered per (attempt, rank): a reader merges every object and drops
 duplicates by number.
 
@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from unbroken.goodput.local_copy import LocalCopy
 from unbroken.storage import Store
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ back from its local copy when it writes them."""
 
 PREFIX = "_goodput"
 """Top-level folder of the event log in the durable tier (and in the staging tier)."""
+START_WAIT_SECONDS = 2.0
+"""How long a starting log waits for its START to reach the durable tier."""
 
 START = "start"
 """The attempt's process started (``t`` is the OS's process start time)."""
@@ -255,8 +258,8 @@ class EventLog:
         self.clock = clock
         self._written: list[str] = []
         """Objects written since the last compaction (read back to compact them)."""
-        self.local_dir = os.path.join(staging_dir, PREFIX)
-        self.local_path = os.path.join(self.local_dir, f"attempt-{attempt}-rank-{rank}.jsonl")
+        self.local = LocalCopy(os.path.join(staging_dir, PREFIX), attempt, rank)
+        self.local_path = self.local.path
         self._queue: collections.deque[Event | tuple] = collections.deque()
         self._unsent: list[Event] = []
         """Numbered events not in the durable tier yet, while they are few: past
@@ -265,7 +268,6 @@ class EventLog:
         self._unsent_at: int | None = None
         """The local copy's offset where the first event not in the durable tier begins."""
         self._spilled = False
-        self._local_bytes = 0
         self.history: History | None = None
         """The events so far, runs of steps merged, when a sink asked (``keep_history``)."""
         self._beat: Event | None = None
@@ -273,19 +275,23 @@ class EventLog:
         self._io = threading.Lock()
         self._stop = threading.Event()
         self._warned = False
-        self._local: Any = None
-        self._local_failed = False
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Write what is queued (the START) now, to the local copy and the durable tier,
-        then hand on to the thread: an attempt killed in its first second is on disk."""
+        """Write what is queued (the START) to the local copy now, so that an attempt
+        killed in its first second is on disk; the thread sends it on at once, waited
+        for ``START_WAIT_SECONDS`` at most (a store that does not answer must not hold
+        the job's start for its retries, minutes)."""
         try:
-            self.flush(durable=True)
+            self.flush(durable=False)
         except Exception:  # never let accounting stop the job
             log.exception("goodput: the event log's first flush failed")
-        self._thread = threading.Thread(target=self._run, name="unbroken-goodput", daemon=True)
+        sent = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(sent,), name="unbroken-goodput", daemon=True
+        )
         self._thread.start()
+        sent.wait(START_WAIT_SECONDS)
 
     def append(self, event: Event | tuple) -> None:
         """Called by the training loop: never blocks on I/O. A tuple holds an Event's
@@ -302,16 +308,17 @@ class EventLog:
                 batch.append(item if isinstance(item, Event) else Event(*item))
             if beat is not None:
                 batch.append(Event(BEAT, beat))
-            at = self._local_bytes
-            self._write_local(batch)
+            at = self.local.nbytes
+            if batch:
+                self.local.append(_lines(batch))
             numbered = [e for e in batch if e.n >= 0]
             if numbered and not self._unsent and not self._spilled:
                 self._unsent_at = at
-            if self._spilled and self._local_failed:  # the local copy stopped: in memory
+            if self._spilled and self.local.stopped:  # the local copy stopped: in memory
                 self._unsent, self._spilled = [*self._read_unsent(), *numbered], False
             elif self._spilled:
                 pass  # in the local copy already
-            elif len(self._unsent) + len(numbered) > MEMORY_EVENTS and not self._local_failed:
+            elif len(self._unsent) + len(numbered) > MEMORY_EVENTS and not self.local.stopped:
                 self._unsent, self._spilled = [], True
             else:
                 self._unsent.extend(numbered)
@@ -347,9 +354,8 @@ class EventLog:
         """The local copy's numbered lines from ``_unsent_at`` on, as they stand (none if
         it is gone: the staging dir wiped under the job loses them, never the job)."""
         try:
-            with open(self.local_path, "rb") as f:
-                f.seek(self._unsent_at or 0)
-                return [line for line in f.read().split(b"\n") if _numbered(line)]
+            return [line for line in self.local.read(self._unsent_at or 0).split(b"\n")
+                    if _numbered(line)]  # fmt: skip
         except OSError as exc:
             log.warning("goodput: events since the last durable write lost: %s", exc)
             self._spilled, self._unsent_at = False, None
@@ -401,11 +407,9 @@ class EventLog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
         ok = self.flush(durable=True, beat=beat)
-        if self._local is not None:
-            self._local.close()
-            self._local = None
+        self.local.close()
         if ok and remove_local:
-            _remove_local(self.local_path, self.local_dir)
+            self.local.remove()
         return ok
 
     def keep_history(self) -> None:
@@ -416,7 +420,7 @@ class EventLog:
 
         with self._io:
             if self.history is None:
-                self.history = History(self._read_local() if self._local is not None else [])
+                self.history = History(self._read_local() if self.local.opened else [])
 
     def merge_history_steps_above(self, step: int) -> None:
         """Steps numbered above ``step`` may be merged in the history from now on."""
@@ -435,38 +439,22 @@ class EventLog:
             queued = [e if isinstance(e, Event) else Event(*e) for e in list(self._queue)]
             return [*(self.history.events() if self.history is not None else []), *queued]
 
-    def _read_local(self, at: int = 0) -> list[Event]:
-        """The local copy's events from byte ``at`` on."""
-        with open(self.local_path, "rb") as f:
-            f.seek(at)
-            return parse_lines(f.read().decode("utf-8", "replace"), self.local_path)
+    def _read_local(self) -> list[Event]:
+        return parse_lines(self.local.read().decode("utf-8", "replace"), self.local.path)
 
-    def _write_local(self, batch: list[Event]) -> None:
-        if self._local_failed or not batch:
-            return
-        try:
-            if self._local is None:
-                os.makedirs(self.local_dir, exist_ok=True)
-                self._local = open(self.local_path, "ab")  # noqa: SIM115
-                self._local_bytes = self._local.tell()
-            data = _lines(batch)
-            self._local.write(data)
-            self._local.flush()  # to the page cache: survives the process, not the node
-            self._local_bytes += len(data)
-        except (OSError, ValueError) as exc:
-            log.warning("goodput: no local copy of the event log (%s)", exc)
-            self._local, self._local_failed = None, True
-
-    def _run(self) -> None:
+    def _run(self, sent: threading.Event) -> None:
         from unbroken._util.thread_names import name_native_thread
 
         name_native_thread()
-        while not self._stop.wait(self.local_seconds):
+        wait = 0.0  # the START at once, then every local_seconds
+        while not self._stop.wait(wait):
             due = time.monotonic() - self._last_durable >= self.durable_seconds
             try:
-                self.flush(durable=due, beat=self.clock())
+                self.flush(durable=due, beat=self.clock() if wait else None)
             except Exception:  # never let accounting kill the job
                 log.exception("goodput: event log flush failed")
+            sent.set()
+            wait = self.local_seconds
 
 
 def _lines(events: list[Event]) -> bytes:
@@ -487,14 +475,3 @@ def _numbered(line: bytes) -> bool:
     """A numbered event's line (``to_json`` writes "n" after "t", before any "info")."""
     at, info = line.find(b',"n":'), line.find(b',"info":')
     return at >= 0 and (info < 0 or at < info)
-
-
-def _remove_local(path: str, local_dir: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        return
-    try:
-        os.rmdir(local_dir)  # only if empty: other ranks' logs stay
-    except OSError:
-        pass
