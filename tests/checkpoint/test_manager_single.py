@@ -27,7 +27,7 @@ from unbroken.checkpoint.errors import (
 )
 from unbroken.checkpoint.format.manifest import step_dir
 from unbroken.checkpoint.format.writers import WRITER_NAME, writer_identity
-from unbroken.storage.base import temp_name
+from unbroken.storage.base import TEMP_MARKER, temp_name
 
 from .manager_util import (
     assert_same,
@@ -1221,3 +1221,20 @@ def test_every_rank_ends_a_restore_one_rank_was_interrupted_in():
     with pytest.raises(CheckpointError, match=r"step 9 was stopped: rank 2 was interrupted"):
         raise_if_interrupted(failures, 0, 9)
     raise_if_interrupted({0: ValueError("a torn file")}, 0, 9)  # not a stop: no raise
+
+
+def test_a_killed_writers_temp_file_goes_when_its_step_is_committed_again(tmp_path):
+    """A save killed mid-write leaves its shard's temp file in the step's folder on a
+    local durable path; the next attempt commits that step beside it, and it stayed, as
+    large as a shard, that neither `unbroken ls` nor `verify` showed."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    folder = tmp_path / "d" / step_dir(2)
+    folder.mkdir(parents=True)
+    left = folder / f".__0_0.distcp{TEMP_MARKER}{dead}-53063ef3"  # as temp_name() makes
+    left.write_bytes(b"x" * 4096)
+    with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
+        mgr.save(2, {"w": torch.ones(4)})
+    assert sorted(p.name for p in folder.iterdir() if p.is_file()) == [
+        ".metadata", "__0_0.distcp", "manifest.json", "metadata.json", "writer.json"
+    ]  # fmt: skip

@@ -8,6 +8,7 @@ of the step meanwhile; if one did, it un-commits (the record is ours) and says w
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -26,7 +27,7 @@ from unbroken.checkpoint.format.manifest import (
 from unbroken.checkpoint.format.writers import WRITER_NAME, describe_writer, writer_identity
 from unbroken.checkpoint.json_values import rank_values
 from unbroken.checkpoint.save_job import describe
-from unbroken.storage import Store
+from unbroken.storage import LocalStore, Store
 
 Outcome = tuple[str, Any]
 """``("ok", manifest JSON)``, ``("error", message)`` or ``("conflict", conflict_fields)``."""
@@ -101,6 +102,9 @@ def commit_step(
             other_job=other,
         )
         return ("conflict", replaced.fields())
+    if isinstance(durable, LocalStore):  # every rank's files are in: a temp file left in
+        with contextlib.suppress(OSError):  # the step is a killed attempt's (its disk)
+            durable.sweep_temp(step_dir(step), every=True)
     index.add(manifest)
     return ("ok", manifest.to_json())
 
