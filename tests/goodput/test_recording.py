@@ -168,3 +168,26 @@ def test_a_store_that_does_not_answer_does_not_hold_the_managers_construction(tm
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "made [1]", out.stdout
+
+
+def slow_decode(data: bytes, path: str) -> torch.Tensor:
+    time.sleep(0.01)
+    return torch.tensor(list(data[:4]), dtype=torch.float32)
+
+
+def test_two_managers_in_one_process_each_count_the_loops_data_wait(tmp_path):
+    """A model's manager and an EMA's: the loader told only the newest manager of its
+    waits, so the other's figure counted them as productive time."""
+    volume = make_volume(tmp_path / "vol")
+    dataset = ub.VolumeDataset(volume, decode=slow_decode, cache_dir=str(tmp_path / "cache"))
+    loader = ub.DataLoader(dataset, batch_size=2)
+    urls = [str(tmp_path / "model"), str(tmp_path / "ema")]
+    with (
+        ub.CheckpointManager(urls[0], staging_dir=tmp_path / "s0") as model_mgr,
+        ub.CheckpointManager(urls[1], staging_dir=tmp_path / "s1") as ema_mgr,
+    ):
+        for step, _ in enumerate(loader, start=1):
+            model_mgr.maybe_save(step, {"w": torch.ones(2)})
+            ema_mgr.maybe_save(step, {"ema": torch.ones(2)})
+    waits = [job_breakdown(ev.read_log(ub.open_store(u))).seconds["data_wait"] for u in urls]
+    assert waits[0] > 0.1 and waits[0] == pytest.approx(waits[1], rel=0.2), waits

@@ -45,9 +45,10 @@ def current() -> Recorder | None:
 
 def note_data_wait(seconds: float, metrics: Any = None) -> None:
     """The loader's hook: the training loop waited ``seconds`` for a batch (``metrics``:
-    the loader's LoaderMetrics, read by the MLflow sink for the cache hit ratio)."""
-    rec = _current
-    if rec is not None:
+    the loader's LoaderMetrics, read by the MLflow sink for the cache hit ratio). Every
+    open manager's record gets it: the loop waited in each one's timeline (a model's
+    manager and an EMA's, each its own URL), not only in the newest's."""
+    for rec in list(_open):
         rec.data_wait(seconds, metrics)
 
 
