@@ -161,10 +161,12 @@ os._exit(0)  # close() would wait for the store, as it does for a save
 def test_a_store_that_does_not_answer_does_not_hold_the_managers_construction(tmp_path):
     """The START went to the durable tier inside CheckpointManager(): against an endpoint
     that never answers, the constructor rode out the write's retries for 5 minutes with
-    nothing said. The START is on the node's disk at once; the thread sends it on."""
+    nothing said. The START is on the node's disk at once; the thread sends it on. (With
+    MLflow on, rank 0's sink waited for that send in the constructor too.)"""
+    mlflow = {"MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri()}
     out = subprocess.run(
         [sys.executable, "-c", UNANSWERED_STORE, str(tmp_path / "staging")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env={**os.environ, **mlflow},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "made [1]", out.stdout

@@ -114,7 +114,6 @@ class MlflowSink:
         self._stop = threading.Event()
         self._clean = False
         self._failed = False
-        recorder.log.keep_history()
         self._thread = threading.Thread(target=self._run, name="unbroken-mlflow", daemon=True)
         self._thread.start()
 
@@ -124,6 +123,9 @@ class MlflowSink:
         from unbroken._util.thread_names import name_native_thread
 
         name_native_thread()
+        # here, not in __init__: it waits for the log's flush in flight, which rides out
+        # the retries of a store that does not answer (the manager's construction must not)
+        self.recorder.log.keep_history()
         try:
             self._open_run()
         except Exception as exc:

@@ -262,7 +262,7 @@ def _salvage_in_the_background(store: Store, staging_dir: str) -> None:
 
 def _durable_seconds(rank: int) -> float:
     """Rank 0's log (the job's figure) goes to the durable tier every minute; the other
-    ranks' once at the start (``EventLog.start``, before the first step) and at the end
+    ranks' once at the start (``EventLog.start``'s thread, at once) and at the end
     (close or exit), their crashed tails by the next attempt on the node: a thousand
     ranks must not fill the durable tier's listings.
     ``UNBROKEN_GOODPUT_FLUSH`` (seconds) sets it for every rank."""
