@@ -3,6 +3,7 @@
 Environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (as torchrun sets them).
 ``python -m tests.data.listing_job URL WORK apart``: each rank has a cache of its own (a
 node each); rank 1 lists only after rank 0 has, and after a file landed in the volume.
+``copies``: each rank reads its own copy of the volume (other modification times).
 It serves one epoch and prints one JSON line: the files it served, its index's length,
 the warnings it saw. ``alone``: only rank 0 makes the dataset (and says how that ended).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -42,7 +44,14 @@ def main(url: str, work: str, mode: str) -> None:
             time.sleep(0.1)
         print(json.dumps(out), flush=True)
         return
-    if rank == 1:  # a node that lists later, after a file landed
+    if mode == "copies":  # a copy of the volume on each node's disk: other mtimes
+        local = os.path.join(work, f"copy-{rank}")
+        shutil.copytree(url, local)
+        for folder, _, names in os.walk(local):
+            for name in names:
+                os.utime(os.path.join(folder, name), (1e9 + rank, 1e9 + rank))
+        url = local
+    if rank == 1 and mode == "apart":  # a node that lists later, after a file landed
         listed = os.path.join(work, "cache-0", "index")
         while not (os.path.isdir(listed) and any(n.endswith(".json") for n in os.listdir(listed))):
             time.sleep(0.05)

@@ -90,6 +90,17 @@ def test_ranks_that_listed_the_volume_apart_split_one_listing(make_volume, tmp_p
     assert served == list(range(24)), served  # each of rank 0's files once
     for r in ranks:
         assert any("rank 0: 24; rank 1: 25" in w for w in r["warnings"]), r["warnings"]
+    assert any("1 only in this rank's (d0/s9999.txt)" in w for w in ranks[1]["warnings"])
+
+
+@pytest.mark.multiprocess
+def test_ranks_reading_each_a_copy_of_the_volume_keep_their_own_versions(make_volume, tmp_path):
+    """Copies on each node's disk list the same files at other modification times (a
+    path's version): taking rank 0's versions failed every read of the other copies."""
+    vol = make_volume(12)
+    ranks = launch(2, vol.url, str(tmp_path), "copies", job="tests.data.listing_job")
+    assert sorted(i for r in ranks for i in r["served"]) == list(range(12))
+    assert [r["warnings"] for r in ranks] == [[], []]
 
 
 @pytest.mark.multiprocess

@@ -28,7 +28,7 @@ import re
 import sys
 import time
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from unbroken.storage import Entry, Store, StoreError
 from unbroken.storage.base import temp_name
@@ -116,6 +116,12 @@ class FileIndex:
     def __len__(self) -> int:
         return len(self._sizes)
 
+    def files_digest(self) -> str:
+        """sha256 over keys and sizes alone: equal for copies of one volume whose versions
+        differ (each node's copy on its own disk has other modification times)."""
+        keys = map(self._keys.__getitem__, range(len(self)))
+        return fingerprint_columns(keys, self._sizes, itertools.repeat(None))
+
     def __getitem__(self, i: int) -> Entry:
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} outside the {len(self)} files of {self.url}")
@@ -190,7 +196,7 @@ def fingerprint(entries: Sequence[Entry]) -> str:
 
 
 def fingerprint_columns(
-    keys: Sequence[str], sizes: Sequence[int], etags: Sequence[str | None]
+    keys: Iterable[str], sizes: Iterable[int], etags: Iterable[str | None]
 ) -> str:
     """sha256 over one ``key\0size\0etag\n`` line per entry (hashed in blocks)."""
     h = hashlib.sha256()

@@ -4,8 +4,11 @@ Each node lists the volume when its dataset is made (a node's ranks share one li
 or list again when they come later than its first). A file that lands between two of
 those listings gave the ranks different indexes; each partitioned its own, so some
 samples were trained on twice in an epoch and others never, and nothing said so. The
-ranks now compare fingerprints, one small gather on a gloo group of their own; where
-they differ, rank 0's index goes to every rank, with a warning naming the counts.
+ranks now compare their files (keys and sizes), one small gather on a gloo group of
+their own; where they differ, every rank takes rank 0's files, with a warning naming
+what differs. Versions (etags) stay each rank's own where its file is the same: a copy
+of the volume on each node's disk has other modification times, and each node's reads
+are checked against its own copy's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from unbroken._util.collectives import Group
-from unbroken.data.index import FileIndex
+from unbroken.data.index import FileIndex, fingerprint_columns
 
 AGREE_TIMEOUT_SECONDS = 3600.0
 """How long a rank waits for the others' listings: the slowest node's listing of a large
@@ -35,15 +38,16 @@ def spans_the_job(rank: int, world_size: int) -> bool:
 
 
 def agree_on_index(index: FileIndex) -> FileIndex:
-    """``index``, or rank 0's where the ranks' listings differ (collective: every rank)."""
+    """``index``, or rank 0's files where the ranks' differ (collective: every rank)."""
+    files = index.files_digest()
     try:
         wait = timedelta(seconds=AGREE_TIMEOUT_SECONDS)
         group = Group(dist.new_group(backend="gloo", timeout=wait))
         try:
-            seen = group.all_gather((index.fingerprint, len(index)))
-            if len({fp for fp, _ in seen}) == 1:
+            seen = group.all_gather((files, len(index)))
+            if len({digest for digest, _ in seen}) == 1:
                 return index
-            columns = group.broadcast(index.columns() if group.is_coordinator else None)
+            theirs = group.broadcast(index.columns() if group.is_coordinator else None)
         finally:
             group.release()
     except RuntimeError as e:  # gloo's timeout, or a peer gone
@@ -53,17 +57,44 @@ def agree_on_index(index: FileIndex) -> FileIndex:
             "ranks, so every rank makes it, in the same order; for one rank alone, pass "
             "rank=0, world_size=1"
         ) from e
-    others = [f"rank {r}: {n}" for r, (fp, n) in enumerate(seen) if fp != seen[0][0]]
+    others = [f"rank {r}: {n}" for r, (digest, n) in enumerate(seen) if digest != seen[0][0]]
     more = len(others) - NAMED_RANKS
+    keys, sizes, etags = index.columns()
+    here = "" if group.rank == 0 or files == seen[0][0] else _differences(keys, sizes, theirs)
     warnings.warn(
         f"the ranks listed {index.url} at different moments and found different files "
         f"(files found by rank 0: {seen[0][1]}; {', '.join(others[:NAMED_RANKS])}"
-        f"{f' and {more} more ranks' if more > 0 else ''}): the volume changed while the job "
-        "started. Every rank uses rank 0's listing, so that the ranks split one set of "
-        "files; what changed after it is seen at the next start",
+        f"{f' and {more} more ranks' if more > 0 else ''}{here}): the volume changed while "
+        "the job started. Every rank uses rank 0's listing, so that the ranks split one set "
+        "of files; what changed after it is seen at the next start",
         RuntimeWarning,
         stacklevel=3,
     )
-    if group.is_coordinator:
+    if group.rank == 0:
         return index
-    return FileIndex.from_columns(index.url, *columns, seen[0][0])
+    mine = {k: (size, etag) for k, size, etag in zip(keys, sizes, etags)}
+    keys0, sizes0, etags0 = theirs
+    versions = [  # this rank's own version of a file it holds alike, else rank 0's
+        own[1] if (own := mine.get(k)) is not None and own[0] == size else etag
+        for k, size, etag in zip(keys0, sizes0, etags0)
+    ]
+    fingerprint = fingerprint_columns(keys0, sizes0, versions)
+    return FileIndex.from_columns(index.url, keys0, sizes0, versions, fingerprint)
+
+
+def _differences(keys: list[str], sizes: list[int], theirs: tuple) -> str:
+    """What this rank's files have that rank 0's lack and the other way (a few named)."""
+    mine, first = dict(zip(keys, sizes)), dict(zip(theirs[0], theirs[1]))
+    only_here = sorted(set(mine) - set(first))
+    only_there = sorted(set(first) - set(mine))
+    resized = sorted(k for k in set(mine) & set(first) if mine[k] != first[k])
+    parts = [
+        f"{len(names)} {label} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+        for label, names in (
+            ("only in this rank's", only_here),
+            ("only in rank 0's", only_there),
+            ("of another size here", resized),
+        )
+        if names
+    ]
+    return "; here: " + ", ".join(parts)
