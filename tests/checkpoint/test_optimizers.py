@@ -301,19 +301,20 @@ class Lm(nn.Module):
             self.head.weight = self.embed.weight
 
 
-def test_weights_saved_untied_are_not_restored_into_a_tied_model(tmp_path):
-    """One saved tensor overwrote the other in the shared memory, with nothing said."""
+def test_weights_saved_untied_and_restored_into_a_tied_model_are_warned_of(tmp_path):
+    """One saved tensor overwrote the other in the shared memory, with nothing said. A
+    warning, not a refusal: ranks that held unlike values of a tied weight save it from
+    two ranks too, and such a job must still restore."""
     with ub.CheckpointManager(tmp_path / "d", staging_dir=tmp_path / "s") as mgr:
         mgr.save(1, {"model": Lm(tied=False)})
-        tied = Lm(tied=True)
-        before = tied.embed.weight.clone()
-        said = r"ties model\.embed\.weight to model\.head\.weight \(one tensor\).*saved untied"
-        with pytest.raises(CheckpointMismatchError, match=said):
-            mgr.restore({"model": tied})
-        assert torch.equal(tied.embed.weight, before)  # nothing was changed
-        assert mgr.restore({"model": Lm(tied=False)}) == 1  # as saved: loads
+        said = r"ties model\.embed\.weight to model\.head\.weight \(one tensor\).*untied"
+        with pytest.warns(RuntimeWarning, match=said):
+            assert mgr.restore({"model": Lm(tied=True)}) == 1
         mgr.save(2, {"model": Lm(tied=True)})
-        assert mgr.restore({"model": Lm(tied=True)}) == 2  # saved tied, restored tied
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # saved tied, restored tied
+            assert mgr.restore({"model": Lm(tied=True)}) == 2
+            assert mgr.restore({"model": Lm(tied=False)}, step=1) == 1  # as saved
 
 
 class ManySmall(Net):
@@ -401,7 +402,7 @@ def test_a_grad_scaler_switched_off_since_the_save_is_named_with_the_way_out(tmp
         said = r"'scaler' is empty now and was not when saved .*strict=False"
         with pytest.raises(CheckpointMismatchError, match=said):
             mgr.restore(off)
-        with pytest.warns(RuntimeWarning, match="strict=False without scaler"):
+        with pytest.warns(RuntimeWarning, match="strict=False without scaler.*switched off"):
             assert mgr.restore(off, strict=False) == 1
 
 

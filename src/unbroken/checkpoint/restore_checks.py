@@ -73,13 +73,16 @@ def check_compatible(
             RuntimeWarning,
             stacklevel=6,  # the caller of restore() or load()
         )
-    if untied := _tied_here_not_there(mine, metadata):
-        raise CheckpointMismatchError(
-            f"cannot restore checkpoint {where} into the state: the state ties "
+    if untied := _tied_here_not_there(mine, metadata):  # warned, not refused: see below
+        warnings.warn(
+            f"checkpoint {where}: the state ties "
             f"{'; '.join(' to '.join(keys) for keys in untied[:_SHOW])} (one tensor), which "
-            "the checkpoint holds as different tensors (saved untied): one would overwrite "
-            "the other. Restore into the model untied, as it was saved, and tie the weights "
-            "after. Nothing was changed"
+            "the checkpoint holds as different tensors, so one overwrites the other in the "
+            "restore. Saved untied? Restore into the model untied, as it was saved, and tie "
+            "the weights after. (Saved tied by ranks that held different values of it, each "
+            "rank's saved in turn, it is restored as one of them.)",
+            RuntimeWarning,
+            stacklevel=6,  # the caller of restore() or load()
         )
     if shared:
         raise CheckpointMismatchError(
@@ -124,6 +127,12 @@ def check_compatible(
         "loads into the layout the object has now. Give it the saved layout before "
         "restoring (as many list items, the same keys), or keep what grows in one tensor"
     )
+    have = {k.split(".", 1)[0] for k in (*mine, *flat.values)}
+    if emptied := [n for n in regrown if n not in have]:
+        grew = (
+            f"the state_dict() of {', '.join(map(repr, emptied))} is empty now and was not "
+            "when saved (switched off since, a GradScaler made with enabled=False?)"
+        )
     # (settings a scheduler wrote into the optimizer's groups: this run's stay, as documented)
     left = [k for k in not_in_state if not _is_group_setting(k, optimizers)]
     if not strict and left and not parts:
@@ -135,13 +144,10 @@ def check_compatible(
             RuntimeWarning,
             stacklevel=6,  # the caller of restore() or load()
         )
-    have = {k.split(".", 1)[0] for k in (*mine, *flat.values)}
-    if parts and regrown and not shapes and (emptied := [n for n in regrown if n not in have]):
+    if parts and regrown and not shapes and emptied:
         raise CheckpointMismatchError(
-            f"checkpoint {where}: the state_dict() of {', '.join(map(repr, emptied))} is "
-            "empty now and was not when saved (switched off since, a GradScaler made with "
-            "enabled=False?): restore with strict=False to leave it as it is, or take it out "
-            "of the state: " + "; ".join(parts)
+            f"checkpoint {where}: {grew}: restore with strict=False to leave it as it is, "
+            "or take it out of the state: " + "; ".join(parts)
         )
     if parts and regrown and not shapes:
         raise CheckpointMismatchError(f"checkpoint {where}: {grew}: " + "; ".join(parts))
