@@ -102,9 +102,9 @@ def commit_step(
             other_job=other,
         )
         return ("conflict", replaced.fields())
-    if isinstance(durable, LocalStore):  # every rank's files are in: a temp file left in
-        with contextlib.suppress(OSError):  # the step is a killed attempt's (its disk)
-            durable.sweep_temp(step_dir(step), every=True)
+    if isinstance(durable, LocalStore):  # every rank's files are in: a dead writer's temp
+        with contextlib.suppress(OSError):  # file in the step is a killed attempt's (a live
+            durable.sweep_temp(step_dir(step))  # one's: another job's, told "two jobs")
     index.add(manifest)
     return ("ok", manifest.to_json())
 

@@ -203,10 +203,8 @@ class LocalStore(Store):
             except FileNotFoundError:
                 pass
 
-    def sweep_temp(self, prefix: str = "", *, min_age: float = 0.0, every: bool = False) -> int:
-        """Remove temp files left by crashed writers (dead pid, or older than min_age);
-        ``every`` temp file under ``prefix``, where no writer can be left (a committed
-        step: a writer of another host is no pid of this one)."""
+    def sweep_temp(self, prefix: str = "", *, min_age: float = 0.0) -> int:
+        """Remove temp files left by crashed writers (dead pid, or older than min_age)."""
         removed = 0
         now = time.time()
         for dirpath, _dirs, files in os.walk(self.path_for(prefix)):
@@ -217,8 +215,7 @@ class LocalStore(Store):
                 pid = _owner_pid(name)
                 try:
                     old = now - os.stat(path).st_mtime >= min_age
-                    dead = pid is not None and not pid_alive(pid)
-                    if every or dead or (min_age and old):
+                    if (pid is not None and not pid_alive(pid)) or (min_age and old):
                         os.unlink(path)
                         removed += 1
                 except FileNotFoundError:
