@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import pickle
 import random
+import time
 from collections import Counter
 
 import numpy as np
@@ -451,3 +452,20 @@ def test_after_a_resume_whose_epoch_has_no_batch_left_the_loader_names_the_next_
     assert resumed.epoch == 1
     next(iter(resumed))
     assert resumed.epoch == 1
+
+
+def test_the_loop_waiting_for_an_epochs_start_counts_as_waiting_for_data(make_volume, monkeypatch):
+    """Starting an epoch (forking its workers: 40-50 ms in a hostile user's run) ran
+    before the timed wait for the first batch, so goodput counted it as productive."""
+    from unbroken.data.loader import DataLoader
+
+    plan = DataLoader._write_plan
+
+    def slow_plan(self, epoch: int, start: int) -> None:
+        time.sleep(0.3)  # a start that takes its time, whatever the part
+        plan(self, epoch, start)
+
+    monkeypatch.setattr(DataLoader, "_write_plan", slow_plan)
+    loader = make_volume(8).loader(batch_size=2)
+    next(iter(loader))
+    assert loader.metrics.batch_fetch_seconds[0] >= 0.3

@@ -167,10 +167,11 @@ class DataLoader(torch.utils.data.DataLoader):
         """One epoch (or the rest of one); restarts the workers if a state is loaded."""
         epoch, start = self._take_next_start()
         while True:
+            began = time.perf_counter()  # the loop waits for this too (workers forking)
             it = self._start(epoch, start)
             filler = self._filler
             try:
-                served = yield from self._batches(it, iter_id, epoch)
+                served = yield from self._batches(it, iter_id, epoch, began)
             finally:
                 if self._filler is filler:  # not a newer iterator's
                     self._stop_filling()
@@ -184,10 +185,10 @@ class DataLoader(torch.utils.data.DataLoader):
             epoch, start = self._take_next_start()
 
     def _batches(
-        self, it: Iterator[Delivery], iter_id: int, epoch: int
+        self, it: Iterator[Delivery], iter_id: int, epoch: int, began: float
     ) -> Generator[Any, None, int]:
-        """The batches of one plan, timing each wait and moving the position with each;
-        returns how many it served."""
+        """The batches of one plan, timing each wait (the first from ``began``, the plan's
+        start) and moving the position with each; returns how many it served."""
         served = 0
         for expected in itertools.count():
             if self._iter_id != iter_id:
@@ -197,7 +198,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 )
             if self._restart_requested or self._active is None:  # load_state / end_epoch
                 return served
-            t0 = time.perf_counter()
+            t0 = began if expected == 0 else time.perf_counter()
             d = next(it, None)
             wait = time.perf_counter() - t0
             if d is None:
