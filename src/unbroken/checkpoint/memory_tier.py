@@ -102,7 +102,7 @@ def _check_own_root(root: str) -> None:
 
 def node_key(staging_dir: str) -> str:
     """A node of a job: its staging directory on this machine."""
-    return hashlib.sha1(os.path.realpath(staging_dir).encode()).hexdigest()[:16]
+    return _short_hash(os.path.realpath(staging_dir))
 
 
 def tier_key(staging_dir: str, url: str) -> str:
@@ -110,7 +110,11 @@ def tier_key(staging_dir: str, url: str) -> str:
     checkpoint URL. Jobs in containers that share the host's /dev/shm (``--ipc=host``)
     and name one staging path, each its own volume, must not share a tier: two jobs
     saving to one URL are refused anyway (``staging/owner.py``, the step claims)."""
-    return hashlib.sha1(f"{os.path.realpath(staging_dir)}\n{url}".encode()).hexdigest()[:16]
+    return _short_hash(f"{os.path.realpath(staging_dir)}\n{url}")
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ are checked against its own copy's.
 from __future__ import annotations
 
 import warnings
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -41,8 +40,7 @@ def agree_on_index(index: FileIndex) -> FileIndex:
     """``index``, or rank 0's files where the ranks' differ (collective: every rank)."""
     files = index.files_digest()
     try:
-        wait = timedelta(seconds=AGREE_TIMEOUT_SECONDS)
-        group = Group(dist.new_group(backend="gloo", timeout=wait))
+        group = Group.create(AGREE_TIMEOUT_SECONDS)
         try:
             seen = group.all_gather((files, len(index)))
             if len({digest for digest, _ in seen}) == 1:
@@ -59,7 +57,7 @@ def agree_on_index(index: FileIndex) -> FileIndex:
         ) from e
     others = [f"rank {r}: {n}" for r, (digest, n) in enumerate(seen) if digest != seen[0][0]]
     more = len(others) - NAMED_RANKS
-    keys, sizes, etags = index.columns()
+    keys, sizes, etags = theirs if group.rank == 0 else index.columns()  # rank 0's: its own
     here = "" if group.rank == 0 or files == seen[0][0] else _differences(keys, sizes, theirs)
     warnings.warn(
         f"the ranks listed {index.url} at different moments and found different files "

@@ -32,15 +32,10 @@ log = logging.getLogger(__name__)
 INTERVAL = "interval"
 """An event: ``every_seconds="auto"`` chose a save interval (info: seconds, save_cost, mtbf)."""
 
-_current: Recorder | None = None
-_open: weakref.WeakSet[Recorder] = weakref.WeakSet()
+_open: tuple[Recorder, ...] = ()
+"""The process's open records, oldest first (a tuple: the loader reads it every batch)."""
 _process_start_claimed = False
 _claim_lock = threading.Lock()
-
-
-def current() -> Recorder | None:
-    """The recorder of the newest open CheckpointManager in this process, or None."""
-    return _current
 
 
 def note_data_wait(seconds: float, metrics: Any = None) -> None:
@@ -48,7 +43,7 @@ def note_data_wait(seconds: float, metrics: Any = None) -> None:
     the loader's LoaderMetrics, read by the MLflow sink for the cache hit ratio). Every
     open manager's record gets it: the loop waited in each one's timeline (a model's
     manager and an EMA's, each its own URL), not only in the newest's."""
-    for rec in list(_open):
+    for rec in _open:
         rec.data_wait(seconds, metrics)
 
 
@@ -176,11 +171,9 @@ class Recorder(NullRecorder):
             self._finish(clean=False)
 
     def _finish(self, *, clean: bool, preempted: bool = False) -> None:
-        global _current
+        global _open
         self._closed = True
-        _open.discard(self)
-        if _current is self:
-            _current = None
+        _open = tuple(r for r in _open if r is not self)
         self.log.close(beat=self.now(), remove_local=True)
         if self.sink is not None:
             self.sink.close(clean=clean, preempted=preempted)
@@ -198,7 +191,7 @@ def start(
     """The recorder of a new manager (collective over ``group``: rank 0 names the
     attempt); a NullRecorder when switched off. Rank 0 also feeds MLflow when it is
     configured (see :mod:`unbroken.goodput.mlflow_sink`) and ``mlflow``."""
-    global _current, _process_start_claimed
+    global _open, _process_start_claimed
     if not (enabled and enabled_by_env()):
         return NullRecorder()
     wall0, mono0 = time.time(), time.monotonic()
@@ -236,8 +229,7 @@ def start(
             rec.sink = mlflow_sink.start(store, rec, attempt, enabled=mlflow)
         except Exception as exc:  # never fail the manager over a dashboard
             log.warning("goodput: MLflow logging not started: %s", exc)
-    _open.add(rec)
-    _current = rec
+    _open = (*_open, rec)
     weakref.finalize(owner, rec.abandon)
     return rec
 
@@ -284,7 +276,7 @@ def _durable_seconds(rank: int) -> float:
 
 @atexit.register
 def _flush_at_exit() -> None:
-    for rec in list(_open):
+    for rec in _open:
         try:
             rec.abandon()
         except Exception:
