@@ -68,6 +68,14 @@ def is_temp_name(name: str) -> bool:
     return TEMP_MARKER in name
 
 
+def temp_owner_pid(name: str) -> int | None:
+    """The pid of the process that made temp file ``name`` (None if it names none)."""
+    try:
+        return int(name.split(TEMP_MARKER, 1)[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return None
+
+
 class Store(ABC):
     """Bytes under a root URL. Writes are atomic: readers see all of an object or none.
 

@@ -13,12 +13,12 @@ from unbroken._util.direct_io import copy_file_uncached, write_parts
 from unbroken._util.fileio import pread_exactly
 from unbroken._util.procs import pid_alive
 from unbroken.storage.base import (
-    TEMP_MARKER,
     Entry,
     Store,
     atomic_local_write,
     is_temp_name,
     staged_local_write,
+    temp_owner_pid,
 )
 from unbroken.storage.in_memory import FileInMemory
 from unbroken.storage.retry import RetryPolicy
@@ -212,7 +212,7 @@ class LocalStore(Store):
                 if not is_temp_name(name):
                     continue
                 path = os.path.join(dirpath, name)
-                pid = _owner_pid(name)
+                pid = temp_owner_pid(name)
                 try:
                     old = now - os.stat(path).st_mtime >= min_age
                     if (pid is not None and not pid_alive(pid)) or (min_age and old):
@@ -234,13 +234,6 @@ def _fill_with(data: bytes | bytearray | memoryview) -> Callable[[str, str], Non
 def copy_file(src: str, dst: str) -> None:
     """Stream ``src`` into ``dst`` (kernel copy where the OS offers one)."""
     shutil.copyfile(src, dst)
-
-
-def _owner_pid(name: str) -> int | None:
-    try:
-        return int(name.split(TEMP_MARKER, 1)[1].split("-", 1)[0])
-    except (IndexError, ValueError):
-        return None
 
 
 def _version(st: os.stat_result) -> str:

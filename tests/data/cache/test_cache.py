@@ -9,6 +9,8 @@ import pickle
 import select
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -673,6 +675,58 @@ def test_a_full_local_disk_names_the_file_and_the_cache_and_leaves_nothing(tmp_p
     assert cache.read(entries[1]) == store.read_bytes(entries[1].key)  # room again: fine
 
 
+FULL_DISK_PLAN = """
+import os, resource, signal
+from unbroken.data.cache.cache import CacheWriteError
+cache, entries = OBJ
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # room for no plan of 200 names
+try:
+    cache.plan(entries)
+except CacheWriteError as e:
+    print("ERROR:", e)
+print("plans:", sorted(os.listdir(cache.layout.plans)))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_full_disk_at_an_epochs_plan_names_the_cache_and_leaves_no_temp_plan(tmp_path):
+    """An epoch's read order is written at its start: a full disk there raised a bare
+    ENOSPC naming no path, and left its temp file behind for ever."""
+    store = open_store(str(tmp_path / "store"))
+    entries = put_files(store, 200, size=10)
+    cache = LocalCache(store, str(tmp_path / "cache"), limit="1MB")
+    proc = spawn(FULL_DISK_PLAN, (cache, entries), tmp_path)
+    out, err = proc.communicate(timeout=60)
+    out = out.decode()
+    assert proc.returncode == 0, err.decode()
+    assert "ERROR: LocalCache: cannot store this process's read order (200 files)" in out, out
+    assert str(tmp_path / "cache") in out and "File too large" in out, out
+    assert "plans: []" in out, out
+
+
+def test_temp_plans_of_dead_writers_are_swept_and_live_ones_kept(tmp_path):
+    """A writer killed (or refused by a full disk) mid-plan left its temp file, which
+    no sweep removed: one per crash, each as long as a worker's share of an epoch."""
+    from unbroken.data.cache.access_plan import PlanReader, PlanWriter
+    from unbroken.storage.base import temp_name
+
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    orphan = plans / f".{dead_pid}-0badc0de.plan.unbroken-tmp-{dead_pid}-12345678"
+    orphan.write_text("a\nb")
+    mine = plans / temp_name(f"{os.getpid()}-0000beef.plan")
+    mine.write_text("c")
+    live = PlanWriter(str(plans))
+    live.publish(["x", "y"])
+    assert PlanReader(str(plans)).load() == [(["x", "y"], 0)]
+    assert not orphan.exists() and mine.exists()
+
+
 def test_a_cache_without_its_ledger_file_is_recounted_on_open(store, tmp_path):
     entries = put_files(store, 3, size=700)
     cache = LocalCache(store, str(tmp_path / "cache"))
@@ -702,6 +756,35 @@ def test_files_removed_from_outside_are_recounted_before_anything_is_evicted(sto
     s = again.stats.snapshot()
     assert (s["misses"], s["hits"], s["evictions"]) == (4, 4, 0), s
     assert again.used_bytes == 4000 == disk_bytes(cache.cache_dir)
+
+
+def test_a_fill_record_removed_from_outside_mid_fill_leaves_the_cache_within_its_limit(
+    tmp_path,
+):
+    """rm of the cache's files while a job runs took a live filler's record too: every
+    recount then missed its bytes in flight, they landed uncounted, and the cache stayed
+    over its limit by them for the rest of the job (50% over in a soak)."""
+    store = open_store(str(tmp_path / "store"))
+    entries = put_files(store, 9, size=1000)
+    cache_dir = str(tmp_path / "cache")
+    filling = LocalCache(slow(store, latency=1.0), cache_dir, limit="4000")
+    cache = LocalCache(store, cache_dir, limit="4000")  # another worker of the node
+    fill = threading.Thread(target=filling.read, args=(entries[0],))
+    fill.start()
+    records = filling.layout.fillers
+    deadline = time.monotonic() + 30
+    while not any(reserved for _, _, reserved in records.scan()):
+        assert time.monotonic() < deadline, "the slow fill never reserved its bytes"
+        time.sleep(0.01)
+    for name in os.listdir(records.directory):
+        os.unlink(os.path.join(records.directory, name))
+    for e in entries[1:6]:
+        cache.read(e)  # evicts, recounting while the slow fill's bytes are in flight
+    fill.join(timeout=60)
+    for e in entries[6:]:
+        assert filling.read(e) == store.read_bytes(e.key)  # its record comes back
+    assert disk_bytes(cache_dir) <= 4000
+    assert cache.used_bytes == disk_bytes(cache_dir)
 
 
 def test_a_lower_limit_evicts_down_to_it_when_the_cache_opens(store, tmp_path):

@@ -16,7 +16,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 
 from unbroken._util.procs import pid_alive
-from unbroken.storage.base import temp_name
+from unbroken.storage.base import is_temp_name, temp_name, temp_owner_pid
 
 _CURSOR = struct.Struct("<q")
 
@@ -40,12 +40,17 @@ class PlanWriter:
         for i, name in enumerate(names):
             positions.setdefault(name, []).append(i)
         tmp = os.path.join(self.directory, temp_name(os.path.basename(self.plan_path)))
-        with open(tmp, "w") as f:
-            f.write("\n".join(names))
-        self._positions = positions
-        self._cursor = 0
-        self._write_cursor()
-        os.replace(tmp, self.plan_path)
+        try:
+            with open(tmp, "w") as f:
+                f.write("\n".join(names))
+            self._positions = positions
+            self._cursor = 0
+            self._write_cursor()
+            os.replace(tmp, self.plan_path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
 
     def advance(self, name: str) -> None:
         """Record that ``name`` was read: the cursor moves past its next planned use."""
@@ -96,13 +101,17 @@ class PlanReader:
             return []
         live = []
         for fname in files:
-            if fname.endswith(".plan") and ".unbroken-tmp-" not in fname:
+            if is_temp_name(fname):
+                writer = temp_owner_pid(fname)
+                if writer is None or pid_alive(writer):
+                    continue  # a plan being written (its writer's own business)
+            elif fname.endswith(".plan"):
                 stem = os.path.join(self.directory, fname[: -len(".plan")])
                 if _owner_alive(fname):
                     live.append(stem)
                     continue
             elif not fname.endswith(".cursor") or _owner_alive(fname):
-                continue  # a live cursor, or a temp plan (its writer's own business)
+                continue  # a live cursor
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.directory, fname))
         return live

@@ -183,7 +183,8 @@ class LocalCache:
             return
         if self._plan is None or self._plan.pid != os.getpid():
             self._plan = PlanWriter(self.layout.plans)
-        self._plan.publish([self._name(e) for e in upcoming])
+        with self._local_write(f"this process's read order ({len(upcoming)} files)"):
+            self._plan.publish([self._name(e) for e in upcoming])
 
     def close(self) -> None:
         """Withdraw this process's plan and record. The cached files stay."""
@@ -337,14 +338,17 @@ class LocalCache:
         return data
 
     @contextlib.contextmanager
-    def _local_write(self, entry: Entry):
-        """Name the file and the cache when the local disk refuses a write (full, quota)."""
+    def _local_write(self, what: Entry | str):
+        """Name what was being stored and the cache when the local disk refuses a write
+        (full, quota, read-only)."""
+        if isinstance(what, Entry):
+            what = f"{what.key!r} ({what.size} bytes)"
         try:
             yield
         except OSError as exc:
             raise CacheWriteError(
-                f"LocalCache: cannot store {entry.key!r} ({entry.size} bytes) in the cache "
-                f"at {self.cache_dir}: {exc.strerror or exc}"
+                f"LocalCache: cannot store {what} in the cache at {self.cache_dir}: "
+                f"{exc.strerror or exc}"
             ) from exc
 
     def _check_version(self, entry: Entry, version: str | None) -> None:
@@ -404,10 +408,12 @@ class LocalCache:
         as it goes (an error midway leaves the count right for what was removed)."""
         candidates = self.layout.scan_objects()
         on_disk = sum(c.size for c in candidates) + self.layout.fillers.live_reserved()
-        if on_disk < ledger.used:  # files removed from outside (a tmp cleaner, rm): the
-            need -= ledger.used - on_disk  # ledger counted them; it thrashed for ever
-            log.info("cache %s: %d bytes counted were no longer on disk (removed from "
-                     "outside); recounted", self.cache_dir, ledger.used - on_disk)  # fmt: skip
+        if on_disk != ledger.used:  # files or fill records removed from outside (a tmp
+            # cleaner, rm): counted files gone thrashed the cache for ever; a fill record
+            # gone left its bytes uncounted, and the cache grew past its limit for ever
+            need += on_disk - ledger.used
+            log.info("cache %s: counted %d bytes where the disk holds %d (files removed "
+                     "from outside); recounted", self.cache_dir, ledger.used, on_disk)  # fmt: skip
             ledger.used = on_disk
             if need <= 0:
                 return

@@ -36,6 +36,8 @@ class FillerRecords:
         """Change this process's reservation by ``nbytes``. Call under the ledger lock."""
         if self._fd is None or self._pid != os.getpid():
             self._create()
+        elif os.fstat(self._fd).st_nlink == 0:  # removed from outside (rm, a tmp cleaner):
+            self._recreate()  # unseen, its bytes would drop out of every recount
         value = self.reserved + nbytes
         os.pwrite(self._fd, _RESERVED.pack(value), 0)
         self.reserved = value
@@ -53,6 +55,14 @@ class FillerRecords:
                 os.unlink(path)
             raise
         self._fd, self._pid, self._path, self.reserved = fd, os.getpid(), path, 0
+
+    def _recreate(self) -> None:
+        held = self.reserved
+        os.close(self._fd)
+        self._fd = None
+        self._create()
+        os.pwrite(self._fd, _RESERVED.pack(held), 0)
+        self.reserved = held
 
     def release(self) -> None:
         """Remove this process's record if no fill holds bytes. Call under the ledger lock."""
