@@ -378,6 +378,34 @@ def scenario_generators_load(a: argparse.Namespace) -> None:
     log(f"generators load on {dist.get_world_size()} ok")
 
 
+def scenario_values_from_one_rank(a: argparse.Namespace) -> None:
+    """Saved on one rank, restored on more: a new rank gets rank 0's plain values, with a
+    warning naming them (one rank's save cannot tell a per-rank value from the job's)."""
+    import warnings
+
+    rank = dist.get_rank()
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=None)
+    state = {"model": nn.Linear(2, 2), "who": [rank], "step": 0}
+    if dist.get_world_size() == 1:
+        state["step"] = 3
+        mgr.save(3, state)
+        mgr.close()
+        log("saved on one rank")
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mgr.restore(state) == 3
+    mgr.close()
+    said = [str(w.message) for w in caught if "this rank gets rank 0's" in str(w.message)]
+    assert state == {**state, "who": [0], "step": 3}, state
+    if rank == 0:
+        assert not said, said
+    else:
+        assert len(said) == 1 and "saved on one rank" in said[0], said
+        assert "['step', 'who']" in said[0], said
+    log("values from one rank ok")
+
+
 def scenario_peer_dies_mid_save(a: argparse.Namespace) -> None:
     """Rank 1 dies while both ranks' save is in flight: rank 0's save fails, reported
     once as a failed save (no worker traceback), and nothing is committed."""
@@ -767,6 +795,7 @@ SCENARIOS = {
     "peer_dies_mid_save": scenario_peer_dies_mid_save,
     "generators_load": scenario_generators_load,
     "unlike_values": scenario_unlike_values,
+    "values_from_one_rank": scenario_values_from_one_rank,
     "train": scenario_train,
     "tight_tier": scenario_tight_tier,
     "node_room": scenario_node_room,

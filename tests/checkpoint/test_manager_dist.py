@@ -72,6 +72,15 @@ def test_each_rank_restores_its_own_generator_and_values_on_any_world_size(tmp_p
     assert out3.count("generators load on 3 ok") == 3
 
 
+def test_plain_values_saved_on_one_rank_are_named_on_each_new_rank(tmp_path):
+    """Saved on one rank and restored on two, rank 1 took rank 0's plain values without
+    a word (the docs promise a warning naming them, as from two saving ranks)."""
+    url = ["--url", str(tmp_path / "d")]
+    check(torchrun(1, "values_from_one_rank", *url, "--staging", str(tmp_path / "s1")))
+    out = check(torchrun(2, "values_from_one_rank", *url, "--staging", str(tmp_path / "s2")))
+    assert out.count("values from one rank ok") == 2, out
+
+
 def test_per_rank_values_inside_a_state_dict_are_said_once_by_key(tmp_path):
     """A per-rank position inside an object's state_dict (or a per-rank tensor of one
     shape) came back from another rank, without a word."""

@@ -306,13 +306,20 @@ def saved_values(manifest: Manifest, durable: Store, rank: int) -> dict[str, Any
             url=url,
         )
     differed = sorted({k for v in per_rank.values() if isinstance(v, dict) for k in v})
-    if rank >= manifest.world_size and differed:
-        warnings.warn(
-            f"rank {rank}: checkpoint step {manifest.step} was saved on {manifest.world_size} "
-            f"ranks, whose values of {differed} differed; this rank gets rank 0's",
-            RuntimeWarning,
-            stacklevel=5,
+    if rank >= manifest.world_size and (differed or manifest.world_size == 1):
+        why = (
+            f"on {manifest.world_size} ranks, whose values of {differed} differed"
+            if differed  # saved on one rank, nothing tells a per-rank value from a shared one
+            else f"on one rank, so nothing tells whether its values of {sorted(values)[:_SHOW]} "
+            "are per rank (a count of this rank's samples) or the job's"
         )
+        if differed or values:
+            warnings.warn(
+                f"rank {rank}: checkpoint step {manifest.step} was saved {why}; this rank "
+                "gets rank 0's",
+                RuntimeWarning,
+                stacklevel=5,
+            )
     return json_values.decode({**values, **own})
 
 
