@@ -167,6 +167,24 @@ def test_a_fit_in_epochs_resumed_from_a_save_at_an_epochs_end_serves_the_next_ep
     assert resumed == reference and resumed_epoch == epoch
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_fit_resumed_from_our_save_at_an_epochs_natural_end_serves_the_next_epoch(
+    tmp_path, accumulate
+):
+    """every_steps dividing the epoch: our save at its last step (taken at the next
+    epoch's start) held the ended epoch's batch counters, and the resumed fit took the
+    new epoch for done after one batch, then served the epoch after it."""
+    volume = toy_volume(tmp_path, files=FILES)
+    every = STEPS_PER_EPOCH // accumulate
+    fit = functools.partial(_fit, volume=volume, every=every, accumulate=accumulate)
+    reference, seen, epoch = fit(tmp_path / "reference", steps=every * 2 + 3)
+    with pytest.raises(_Crash):
+        fit(tmp_path / "job", steps=every * 2 + 3, more=(_CrashAt(every + 2),))
+    resumed, rest, resumed_epoch = fit(tmp_path / "job", steps=every * 2 + 3)
+    assert min(rest) == every + 1 and rest == {s: seen[s] for s in rest}
+    assert resumed == reference and resumed_epoch == epoch
+
+
 class _Validated(Regressor):
     def validation_step(self, x, idx):
         loss = (self.net(x / 255).squeeze(1) - (x / 255).mean(1)).square().mean()
@@ -298,6 +316,8 @@ def test_a_model_checkpoint_path_at_a_step_already_saved_loads_that_step(tmp_pat
     assert mc.best_model_path == (max(paths) if paths else "")
     for path, step in {**paths, mc.last_model_path: 8}.items():
         assert _load_step(tmp_path / "ckpt", path) == step, path
+        relative = os.path.relpath(path)  # as a user types it: Lightning takes it
+        assert _load_step(tmp_path / "ckpt", relative) == step, relative
     assert not (tmp_path / "theirs").exists()
 
 
@@ -315,6 +335,22 @@ def test_a_path_model_checkpoint_removes_no_longer_loads_and_no_checkpoint_is_de
     checkpoint_paths.record_alias(LocalStore(str(tmp_path / "ckpt")), removed, 5)
     with pytest.raises(NoCheckpointError):
         _load_step(tmp_path / "ckpt", removed)
+
+
+def test_the_plugin_without_its_callback_on_one_device_is_refused_at_the_first_save(tmp_path):
+    """plugins=[io] alone ran on one device with no save at every_steps, none at a
+    SIGTERM, and no data position at a resume, without a word (on several ranks the
+    first save was refused)."""
+    io = UnbrokenCheckpointIO(tmp_path / "ckpt", staging_dir=tmp_path / "stage")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, plugins=[io], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    volume = toy_volume(tmp_path, files=FILES)
+    with pytest.raises(RuntimeError, match=r"without callbacks=\[io.callback\]"):
+        trainer.fit(Regressor(), datamodule=Volume(str(volume), batch_size=4))
+    io.teardown()
+    assert not list((tmp_path / "ckpt").glob("step-*/manifest.json"))  # nothing committed
 
 
 def test_enable_checkpointing_stays_true_and_adds_no_model_checkpoint_of_lightnings(tmp_path):

@@ -59,6 +59,7 @@ from unbroken.checkpoint.format.manifest import manifest_key, parse_step_dir, re
 from unbroken.checkpoint.manager import CheckpointManager, SaveStats
 from unbroken.integrations import checkpoint_dict, checkpoint_paths
 from unbroken.integrations.lightning_epochs import (
+    at_epoch_start,
     end_epoch_of,
     load_positions_lightning_left,
     pulls_batches,
@@ -125,6 +126,12 @@ class UnbrokenCheckpointIO(CheckpointIO):
             raise TypeError(
                 "UnbrokenCheckpointIO.save_checkpoint: storage_options are the manager's "
                 "(UnbrokenCheckpointIO(url, storage_options=...)), not per save"
+            )
+        if "loops" in checkpoint and self.callback.trainer is None:  # a Trainer's, alone
+            raise RuntimeError(
+                "UnbrokenCheckpointIO: the Trainer was given plugins=[io] without "
+                "callbacks=[io.callback]: without it no save is made at every_steps or at a "
+                "SIGTERM, and a resume loads no data position. Give the Trainer both"
             )
         if not self._every_rank and _world_size() > 1:
             raise RuntimeError(
@@ -244,10 +251,12 @@ class UnbrokenCheckpointIO(CheckpointIO):
             if step is not None:
                 return step
         committed = sorted((c.step for c in list_checkpoints(store) if c.committed), reverse=True)
-        aliased = checkpoint_paths.aliased_step(store, path)
+        # a relative path names what a ModelCheckpoint saved under its absolute one
+        names = {path} if "://" in path else {path, os.path.abspath(path)}
+        aliased = {checkpoint_paths.aliased_step(store, name) for name in names}
         for step in committed:  # a path Lightning saved under: the newest step it names
             tree = read_manifest(store, step).extra.get("values", {}).get(TREE, {})
-            if step == aliased or (isinstance(tree, dict) and tree.get("path") == path):
+            if step in aliased or (isinstance(tree, dict) and tree.get("path") in names):
                 return step
         raise NoCheckpointError(
             f"{path}: no committed checkpoint at {store.url} was saved under this path "
@@ -397,7 +406,7 @@ class UnbrokenCallback(OnExceptionCheckpoint):
         The fit's last epoch has its save at on_train_end."""
         if self._at_epoch_end:
             self._at_epoch_end = False
-            self.io.maybe_save(trainer.global_step, lambda: _dump(trainer))
+            self.io.maybe_save(trainer.global_step, lambda: at_epoch_start(_dump(trainer)))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """The last step too (a no-op if saved already: a fit that ran to max_steps), and

@@ -3,7 +3,8 @@
 Lightning ends an epoch at ``num_training_batches`` (``limit_train_batches``), not where
 the loader runs out, and on a resume counts an epoch saved at its end as finished,
 leaving the loaders' saved states unloaded: both would put the loader's position one
-epoch off the uninterrupted fit's.
+epoch off the uninterrupted fit's. A save at an epoch's start must hold the epoch loop as
+its reset leaves it, or a resume takes the new epoch for the old one, done.
 """
 
 from __future__ import annotations
@@ -52,3 +53,28 @@ def end_epoch_of(loaders: Any) -> None:
     elif isinstance(loaders, (list, tuple)):
         for loader in loaders:
             end_epoch_of(loader)
+
+
+def at_epoch_start(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The epoch loop's per-epoch counters as its reset at the new epoch leaves them.
+
+    At ``on_train_epoch_start`` Lightning has begun the epoch (its ``ready`` count) but
+    not yet reset the epoch loop, which still holds the last epoch's batches: resumed
+    from that, the new epoch took them for done and served the next epoch's batches
+    after one (a save at every_steps dividing the epoch trained on the wrong data)."""
+    loops = checkpoint.get("loops", {}).get("fit_loop", {})
+    for key, value in loops.items():
+        if key.startswith("epoch_loop.") and isinstance(value, dict):
+            _zero_current(value)
+    batches = loops.get("epoch_loop.batch_progress")
+    if isinstance(batches, dict) and "is_last_batch" in batches:
+        batches["is_last_batch"] = False
+    return checkpoint
+
+
+def _zero_current(progress: dict[str, Any]) -> None:
+    for key, value in progress.items():
+        if key == "current" and isinstance(value, dict):
+            progress[key] = dict.fromkeys(value, 0)
+        elif isinstance(value, dict):
+            _zero_current(value)
