@@ -30,7 +30,8 @@ from tests.integrations.hf_parts import (  # noqa: E402
     gpt2,
     training_args,
 )
-from unbroken.integrations.hf import UnbrokenCallback, _inner  # noqa: E402
+from unbroken.integrations.hf import UnbrokenCallback  # noqa: E402
+from unbroken.integrations.hf_objects import inner as _inner  # noqa: E402
 
 JOB = Path(__file__).with_name("_hf_job.py")
 STEPS, FILES, STEPS_PER_EPOCH = 32, 64, 16  # 64 files, 2 ranks x 2 per batch
@@ -324,6 +325,37 @@ def test_with_the_trainers_own_loader_a_resume_sees_samples_twice_and_says_how_m
     assert replayed == [runs["reference"][step] for step in range(1, 6)]
     assert twice == missed == 5 * 2, (twice, missed)  # 5 steps of 2 samples
     print(f"own loader, resumed after 5 of 12 steps: {twice} samples twice, {missed} missed")
+
+
+def test_the_stock_trainers_loss_and_throughput_count_from_the_resume(tmp_path):
+    """transformers.Trainer with the callback alone: its counters were left at 0, so the
+    first loss logged after a resume at step 5 was divided by 6 steps, not 1, and
+    train_loss by 12 (the callback reached only unbroken's Trainer)."""
+    out = tmp_path / "job"
+    for stop_at in (5, None):
+        trainer = transformers.Trainer(
+            model=gpt2(),
+            args=training_args(str(out), 12, ddp_backend=None, logging_steps=1),
+            train_dataset=_Tokens(),
+            callbacks=[_StopAt(stop_at), UnbrokenCallback(out / "ckpt", staging_dir=out / "st")],
+        )
+        result = trainer.train()
+    steps = [h["step"] for h in trainer.state.log_history if "loss" in h]
+    assert steps == list(range(1, 13))  # the first run's history restored, then 6-12
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert min(logged) > 0.5 * max(logged)  # step 6's not divided by 6
+    assert result.training_loss == pytest.approx(sum(logged[5:]) / 7, rel=1e-3)
+
+
+def test_a_second_unbroken_callback_is_refused_when_the_trainer_is_made(tmp_path):
+    """Added twice (a shared helper and the script), the second manager closed the first
+    on their staging dir, and step 1 failed with "CheckpointManager ... is closed"."""
+    twice = [UnbrokenCallback(tmp_path / "ckpt", staging_dir=tmp_path / "st") for _ in "ab"]
+    with pytest.raises(ValueError, match="given 2 UnbrokenCallbacks"):
+        transformers.Trainer(
+            model=gpt2(), args=training_args(str(tmp_path), 4, ddp_backend=None),
+            train_dataset=_Tokens(), callbacks=twice,
+        )  # fmt: skip
 
 
 def test_an_accumulation_that_a_resume_would_cut_short_is_refused(tmp_path):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -38,22 +38,20 @@ from unbroken.checkpoint.manager import CheckpointManager
 from unbroken.checkpoint.staging import step_gate
 from unbroken.data.dataset import VolumeDataset
 from unbroken.data.loader import DataLoader
+from unbroken.integrations.hf_objects import (
+    TRAINER_STATE_FIELDS,
+    calling_trainer,
+    entries,
+    loader_epoch,
+    trainer_state,
+    volume_of,
+)
 from unbroken.integrations.live_state import LiveState
 
 log = logging.getLogger(__name__)
 
 __all__ = ["TRAINER_STATE_FIELDS", "Trainer", "UnbrokenCallback"]
 
-TRAINER_STATE_FIELDS = (
-    "global_step",
-    "epoch",
-    "total_flos",
-    "num_input_tokens_seen",
-    "log_history",
-    "best_metric",
-    "best_global_step",
-    "best_model_checkpoint",
-)
 """The parts of ``TrainerState`` a resume needs (counters, logs, best metric), saved as
 plain values; the rest (``max_steps``, ``logging_steps``, ...) comes from the arguments."""
 
@@ -117,8 +115,20 @@ class UnbrokenCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Refuse, as the Trainer is made, arguments this callback would silently defeat."""
+        """Refuse, as the Trainer is made, arguments this callback would silently defeat,
+        and a second UnbrokenCallback (two managers on one staging dir: the second closes
+        the first, whose next save then fails as "closed")."""
         self._check_arguments(args)
+        trainer = self.trainer or calling_trainer()
+        ours = [c for c in getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
+                if isinstance(c, UnbrokenCallback)]  # fmt: skip
+        if len(ours) > 1 and ours[0] is self:
+            raise ValueError(
+                f"transformers.Trainer was given {len(ours)} UnbrokenCallbacks "
+                f"(for {', '.join(repr(c._url or c.manager.store.url) for c in ours)}): each "
+                "would save every step through a manager of its own on one staging dir. Give "
+                "it one"
+            )
 
     def on_train_begin(
         self,
@@ -140,10 +150,10 @@ class UnbrokenCallback(TrainerCallback):
         if self.manager is None:
             options = self._manager_options(args, state)
             self.manager = CheckpointManager(self._url, **options)  # type: ignore[arg-type]
-        self._entries = _entries(kwargs)
+        self._entries = entries(kwargs)
         loader = kwargs.get("train_dataloader")
         self._loader = loader if isinstance(loader, DataLoader) else None
-        if self._loader is None and _volume_of(loader) is not None:
+        if self._loader is None and volume_of(loader) is not None:
             warnings.warn(
                 "UnbrokenCallback: transformers.Trainer serves the VolumeDataset through its "
                 "own DataLoader, whose position is not saved: a resumed run replays its "
@@ -151,17 +161,18 @@ class UnbrokenCallback(TrainerCallback):
                 "ub.DataLoader and resumes at the exact sample",
                 stacklevel=2,
             )
-        saved = {**self._entries, "trainer_state": _trainer_state(state)}
+        saved = {**self._entries, "trainer_state": trainer_state(state)}
         self.restored_step = self.manager.restore(saved)
         if self.restored_step is None:
             return
         for name, value in saved["trainer_state"].items():
             setattr(state, name, value)
         state.global_step = self.restored_step
-        if self.trainer is not None:  # its loss average and throughput count from here
-            self.trainer._globalstep_last_logged = self.restored_step
-            self.trainer._initial_global_step = self.restored_step
-            self.trainer._initial_num_input_tokens_seen = state.num_input_tokens_seen
+        trainer = self.trainer or calling_trainer()
+        if trainer is not None:  # its loss average and throughput count from here
+            trainer._globalstep_last_logged = self.restored_step
+            trainer._initial_global_step = self.restored_step
+            trainer._initial_num_input_tokens_seen = state.num_input_tokens_seen
 
     def on_step_end(
         self,
@@ -176,7 +187,7 @@ class UnbrokenCallback(TrainerCallback):
         # The epoch's last step: the Trainer logs and evaluates the epoch after on_epoch_end
         ended = state.epoch > 0 and abs(state.epoch - round(state.epoch)) < 1e-9
         if self._loader is not None:
-            state.epoch = _loader_epoch(self._loader)  # the Trainer counts from its restart
+            state.epoch = loader_epoch(self._loader)  # the Trainer counts from its restart
             ended = state.epoch == int(state.epoch)  # served to its end
         save = lambda: self._maybe_save(state)  # noqa: E731
         if ended or control.should_training_stop or control.should_epoch_stop:
@@ -319,7 +330,7 @@ class UnbrokenCallback(TrainerCallback):
         return options
 
     def _live(self, state: TrainerState) -> LiveState:
-        return LiveState(self._entries, {"trainer_state": lambda: _trainer_state(state)})
+        return LiveState(self._entries, {"trainer_state": lambda: trainer_state(state)})
 
     def _after_logs(self, save: Callable[[], None], control: TrainerControl) -> None:
         """``save`` once the Trainer has logged and evaluated this step, as the next step
@@ -352,15 +363,6 @@ class UnbrokenCallback(TrainerCallback):
 
 def _strategy(args: TrainingArguments) -> str:
     return str(getattr(args.save_strategy, "value", args.save_strategy))
-
-
-def _volume_of(loader: Any) -> VolumeDataset | None:
-    """The VolumeDataset a DataLoader (accelerate's wrappers included) serves, if any."""
-    for _ in range(4):
-        if isinstance(loader, VolumeDataset) or loader is None:
-            return loader
-        loader = getattr(loader, "dataset", None)
-    return None
 
 
 class Trainer(transformers.Trainer):
@@ -442,52 +444,3 @@ def _check_accumulation(loader: DataLoader, accumulation: int) -> None:
             "mid-epoch would drop the optimizer step of the epoch's last, shorter "
             "accumulation. Choose a per-device batch size or accumulation that divides it"
         )
-
-
-def _entries(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The Trainer's objects as state entries: the model as the Trainer holds it (not DDP's
-    wrapper), the torch optimizer and scheduler inside accelerate's wrappers, the loss
-    scaler accelerate keeps beside the optimizer, and our loader."""
-    entries: dict[str, Any] = {"model": kwargs["model"]}
-    optimizer = kwargs.get("optimizer")
-    if optimizer is not None:
-        scaler = getattr(optimizer, "scaler", None)
-        entries["optimizer"] = _inner(optimizer, "optimizer")
-        if scaler is not None:
-            entries["scaler"] = scaler
-    scheduler = kwargs.get("lr_scheduler")
-    if scheduler is not None:
-        entries["scheduler"] = _inner(scheduler, "scheduler")
-    loader = kwargs.get("train_dataloader")
-    if isinstance(loader, DataLoader):
-        entries["loader"] = loader
-    return entries
-
-
-def _inner(wrapper: Any, attribute: str) -> Any:
-    """What accelerate's AcceleratedOptimizer / AcceleratedScheduler wrap."""
-    while type(wrapper).__module__.startswith("accelerate.") and hasattr(wrapper, attribute):
-        wrapper = getattr(wrapper, attribute)
-    return wrapper
-
-
-def _trainer_state(state: TrainerState) -> dict[str, Any]:
-    return {name: _plain(getattr(state, name)) for name in TRAINER_STATE_FIELDS}
-
-
-def _plain(value: Any) -> Any:
-    """A copy JSON gives back unchanged (log_history's entries are dicts of numbers)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    return value
-
-
-def _loader_epoch(loader: DataLoader) -> float:
-    """The epoch as a fraction, from the loader's exact position."""
-    position = loader.state_dict()
-    per_epoch = len(loader) * loader.batch_size * loader.volume.world_size
-    return position["epoch"] + position["position"] / max(1, per_epoch)
