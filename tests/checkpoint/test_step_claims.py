@@ -107,6 +107,24 @@ def test_a_claim_of_a_dead_process_on_this_host_is_taken_over(tmp_path, dead_pid
     assert committed(tmp_path, 2)
 
 
+def test_a_dead_attempts_files_in_a_step_taken_over_are_removed_at_the_commit(tmp_path, dead_pid):
+    """A 3-rank attempt killed mid-save, resumed on 2 ranks: the commit kept rank 2's
+    shard and RNG state beside the new manifest, unlisted, for as long as the step."""
+    plant(tmp_path, 2, claim(host=socket.gethostname(), pid=dead_pid, job="elastic"))
+    step = tmp_path / "durable" / step_dir(2)
+    (step / "rng").mkdir()
+    for stale in ("__0_0.distcp", "__2_0.distcp", "rng/rank-00002.json"):
+        (step / stale).write_bytes(b"the dead attempt's")
+    with manager(tmp_path) as mgr:
+        assert mgr.save(2, make_state())
+    manifest = json.loads((step / "manifest.json").read_text())
+    on_disk = {str(p.relative_to(step)) for p in step.rglob("*") if p.is_file()}
+    assert on_disk == {f["name"] for f in manifest["files"]} | {"manifest.json", WRITER_NAME}
+    assert "__0_0.distcp" in on_disk and "__2_0.distcp" not in on_disk
+    with manager(tmp_path) as mgr:
+        assert mgr.restore(make_state()) == 2
+
+
 # -- another job, provably alive: raised from the save that learns of it ---------------
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from typing import Any
 
 from unbroken.checkpoint.durable_index import DurableIndex
@@ -28,6 +29,8 @@ from unbroken.checkpoint.format.writers import WRITER_NAME, describe_writer, wri
 from unbroken.checkpoint.json_values import rank_values
 from unbroken.checkpoint.save_job import describe
 from unbroken.storage import LocalStore, Store
+
+log = logging.getLogger(__name__)
 
 Outcome = tuple[str, Any]
 """``("ok", manifest JSON)``, ``("error", message)`` or ``("conflict", conflict_fields)``."""
@@ -105,8 +108,34 @@ def commit_step(
     if isinstance(durable, LocalStore):  # every rank's files are in: a dead writer's temp
         with contextlib.suppress(OSError):  # file in the step is a killed attempt's (a live
             durable.sweep_temp(step_dir(step))  # one's: another job's, told "two jobs")
+    _remove_strays(durable, manifest)
     index.add(manifest)
     return ("ok", manifest.to_json())
+
+
+def _remove_strays(durable: Store, manifest: Manifest) -> None:
+    """Remove what a dead attempt left in a step this one took over and committed: files
+    of names this attempt did not write (after a shrink, the shards and RNG states of its
+    extra ranks). Unlisted, nothing reads or counts them, and no retention of a step kept
+    for ever would remove them."""
+    prefix = step_dir(manifest.step)
+    keep = {*manifest.files, MANIFEST_NAME, WRITER_NAME}
+    try:
+        strays = [
+            e.key
+            for e in durable.list(prefix)
+            if e.key.startswith(prefix + "/") and e.key[len(prefix) + 1 :] not in keep
+        ]
+        for key in strays:
+            durable.delete(key)
+    except Exception as exc:  # the commit stands; the strays cost only their bytes
+        log.warning("step %d: files a dead attempt left in %s not removed: %s",
+                    manifest.step, durable.url_for(prefix), describe(exc))  # fmt: skip
+        return
+    if strays:
+        log.info("step %d: removed %d file(s) an earlier attempt left in %s (%s)",
+                 manifest.step, len(strays), durable.url_for(prefix),
+                 ", ".join(k[len(prefix) + 1 :] for k in strays[:5]))  # fmt: skip
 
 
 def _rank_values_entry(values: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict:
