@@ -280,6 +280,19 @@ def test_a_durable_path_that_is_a_file_or_under_one_is_refused_naming_it(tmp_pat
     assert notes.read_text() == "my notes"
 
 
+def test_a_durable_path_that_cannot_be_made_is_refused_when_the_manager_is_made(tmp_path):
+    """/proc/ub (or a read-only mount) trained until the first due save, which failed
+    with "create .../writer.json: not found": hundreds of steps lost at every_steps=500."""
+    if os.geteuid() == 0:
+        parent = Path("/proc")  # root makes directories anywhere permissions would stop it
+    else:
+        parent = tmp_path / "read-only"
+        parent.mkdir()
+        parent.chmod(0o500)
+    with pytest.raises(ValueError, match=re.escape(str(parent / "ub")) + " cannot be created"):
+        ub.CheckpointManager(parent / "ub", staging_dir=tmp_path / "staging")
+
+
 def test_a_staging_dir_linked_to_nowhere_is_refused_naming_both(tmp_path):
     """A node-local scratch disk that is not mounted leaves the job's link dangling."""
     path = tmp_path / "staging"

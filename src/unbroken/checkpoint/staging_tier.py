@@ -18,11 +18,13 @@ log = logging.getLogger(__name__)
 
 def check_local_durable(durable: Store) -> None:
     """A durable path that is a file, or under one, can hold no checkpoint: refused here,
-    by path, not found by a restore that quietly starts from scratch. (A read-only one is
-    fine: a manager may only restore.)"""
+    by path, not found by a restore that quietly starts from scratch. One that does not
+    exist is made here, so that one that cannot be made (a read-only mount, /proc) is
+    refused now, not at the first due save hundreds of steps on. (An existing read-only
+    one is fine: a manager may only restore.)"""
     if not isinstance(durable, LocalStore):
         return
-    path = os.path.abspath(durable.url)
+    root = path = os.path.abspath(durable.url)
     while True:
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(
@@ -31,8 +33,15 @@ def check_local_durable(durable: Store) -> None:
             )
         parent = os.path.dirname(path)
         if parent == path or os.path.isdir(path):
-            return
+            break
         path = parent
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"CheckpointManager: the durable tier {durable.url} cannot be created: "
+            f"{exc.strerror or exc} (under {path}); give a path where directories can be made"
+        ) from None
 
 
 def check_staging_dir(path: str, durable: Store) -> None:
