@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 import unbroken as ub
 from unbroken.goodput import events as ev
 from unbroken.goodput.salvage import salvage_local_logs
@@ -100,10 +102,36 @@ def test_a_log_of_an_earlier_process_with_our_pid_is_salvaged(tmp_path):
     log = ev.EventLog(store, staging, "a1", 0)
     head = start_event("a1", os.getpid())
     log.append(ev.Event(ev.START, head.t, 0, info={**head.info, "started": "1"}))
+    log.flush(durable=True)
     log.append(ev.Event(ev.STEP, 101.0, 1, step=1, begin=100.5))
     log.flush(durable=False, beat=101.5)
     assert salvage_local_logs(store, staging) == 1
     assert [e.n for e in ev.read_log(store)["a1"][0] if e.n >= 0] == [0, 1]
+
+
+@pytest.mark.parametrize("durable", ["emptied", "earlier attempt only"])
+def test_a_dead_attempts_local_log_is_salvaged_only_into_its_own_history(tmp_path, durable):
+    """The checkpoints deleted to start over (rm -rf of the URL): the staging dir kept
+    the dead run's local log, and the new run's report showed that run's crash (25%
+    goodput for a clean run of 66%). Kept: an attempt whose start never reached the
+    durable tier, after earlier attempts that did."""
+    store = ub.open_store(tmp_path / "ck")
+    staging = str(tmp_path / "st")
+    if durable == "earlier attempt only":
+        older = ev.EventLog(store, str(tmp_path / "other"), "20261201T000000-aaaaaa", 0)
+        older.append(start_event("20261201T000000-aaaaaa", 999_999_999))
+        older.flush(durable=True)
+    dead = "20261202T000000-bbbbbb"
+    log = ev.EventLog(store, staging, dead, 0)
+    log.append(start_event(dead, 999_999_999))
+    log.append(ev.Event(ev.STEP, 101.0, 1, step=1, begin=100.5))
+    log.flush(durable=False, beat=101.5)
+    newer = ev.EventLog(store, str(tmp_path / "new"), "20261203T000000-cccccc", 0)
+    newer.append(start_event("20261203T000000-cccccc", os.getpid()))
+    newer.flush(durable=True)  # the new run, started on the emptied URL
+    salvaged = salvage_local_logs(store, staging)
+    assert (dead in ev.read_log(store)) == (durable == "earlier attempt only") == salvaged
+    assert not os.listdir(os.path.join(staging, ev.PREFIX))  # dropped or uploaded
 
 
 def test_our_own_log_with_our_start_time_is_left_alone(tmp_path):

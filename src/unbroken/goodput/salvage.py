@@ -61,6 +61,11 @@ def salvage_local_logs(store: Store, staging_dir: str) -> int:
             os.unlink(claimed)
             continue
         try:
+            if not _of_this_history(store, attempt):
+                log.info("goodput: %s dropped: the durable log holds neither its attempt nor "
+                         "an earlier one (emptied since)", path)  # fmt: skip
+                os.unlink(claimed)
+                continue
             _upload_missing(store, attempt, rank, events)
         except Exception as exc:
             log.warning("goodput: could not salvage %s: %s", path, exc)
@@ -69,6 +74,19 @@ def salvage_local_logs(store: Store, staging_dir: str) -> int:
         os.unlink(claimed)
         salvaged += 1
     return salvaged
+
+
+def _of_this_history(store: Store, attempt: str) -> bool:
+    """Whether the durable log holds ``attempt`` or one that started before it (attempt
+    names begin with their start time, so keys sort by it). Neither: the URL was emptied
+    since (the checkpoints deleted to start over), and a local copy the staging dir kept
+    is of a history that is gone; uploaded, it showed the new run's report a crash of
+    the old one. (Lost with it: a first attempt whose start never reached the durable
+    tier at all, the tier down throughout its life.)"""
+    mine = f"{PREFIX}/attempt-{attempt}/"
+    for entry in store.list(PREFIX):  # sorted: the first is the oldest attempt's
+        return entry.key < mine or entry.key.startswith(mine)
+    return False
 
 
 def _upload_missing(store: Store, attempt: str, rank: int, local: list[Event]) -> None:
