@@ -101,6 +101,24 @@ def test_a_local_path_takes_no_options(capsys, tmp_path):
     assert code == 2 and "takes no storage options" in err  # a bad argument
 
 
+def test_a_retry_option_is_a_policy_or_refused_as_a_bad_argument(capsys):
+    """retry={"max_attempts": 1} was taken, then crashed with AttributeError at the
+    first failure it was meant to handle; a misspelt field must be refused at once."""
+    dead = ["--storage-option", "endpoint_url=http://127.0.0.1:1",
+            "--storage-option", "key=k", "--storage-option", 'secret="s"']  # fmt: skip
+    code, _out, err = run(capsys, "ls", "s3://bucket/run", *dead,
+                          "--storage-option", 'retry={"max_attempts": 1}')  # fmt: skip
+    assert code == 1 and "still failing after 1 attempt" in err, err
+    code, _out, err = run(capsys, "ls", "s3://bucket/run", *dead,
+                          "--storage-option", 'retry={"max_atempts": 1}')  # fmt: skip
+    assert code == 2 and "unknown field(s) ['max_atempts']" in err, err
+
+
+def test_a_local_path_given_a_string_option_gets_no_json_quoting_hint(capsys, tmp_path):
+    code, _out, err = run(capsys, "ls", str(tmp_path), "--storage-option", "endpoint_url=http://x")
+    assert code == 2 and "takes no storage options" in err and "quote" not in err, err
+
+
 def test_option_values_parse_as_json_where_they_are_json(tmp_path):
     from unbroken.cli.stores import parse_storage_options
 

@@ -102,9 +102,18 @@ def free_port() -> int:
 def test_a_refused_connection_is_retried():
     endpoint = f"http://127.0.0.1:{free_port()}"  # nobody listens there
     store = open_store("s3://bucket/x", retry=FEW, endpoint_url=endpoint, key="k", secret="s")
-    with pytest.raises(RetriesExhaustedError, match="3 attempts"):
+    with pytest.raises(RetriesExhaustedError, match=r"3 attempts over [0-9.]+ s") as raised:
         store.read_bytes("k")
     assert store.stats.retries == 2
+    assert "retry=ub.RetryPolicy(" in str(raised.value)  # how to ride out a longer outage
+    assert "Connection refused" in str(raised.value)  # not only "error sending request"
+
+
+def test_a_name_that_does_not_resolve_says_so():
+    store = open_store("s3://bucket/x", retry=RetryPolicy(max_attempts=1), key="k", secret="s",
+                       endpoint_url="http://no-such-host.invalid:9000")  # fmt: skip
+    with pytest.raises(RetriesExhaustedError, match="dns error"):
+        store.read_bytes("k")
 
 
 class _Answer(http.server.BaseHTTPRequestHandler):
@@ -174,7 +183,7 @@ def test_a_request_that_times_out_is_retried(answering_server):
         "s3://bucket/x", retry=FEW, endpoint_url=endpoint, key="k", secret="s",
         client_options={"timeout": "200ms"},
     )  # fmt: skip
-    with pytest.raises(RetriesExhaustedError):
+    with pytest.raises(RetriesExhaustedError, match="timed out"):
         store.read_bytes("k")
     assert store.stats.retries == 2
 
@@ -190,5 +199,9 @@ def test_the_retry_settings_in_a_dump_are_not_a_timeout():
         "retry_timeout: 180s,\n            inner: Status {\n                status: 404,"
     )
     failure = parse_failure(text)
-    assert (failure.status, failure.code, failure.uri) == (404, "NoSuchBucket", "http://h/b?list-type=2")
+    assert (failure.status, failure.code, failure.uri) == (
+        404,
+        "NoSuchBucket",
+        "http://h/b?list-type=2",
+    )
     assert not failure.transient

@@ -89,7 +89,8 @@ def open_existing(url: str, options: dict[str, Any] | None = None) -> Store:
         store = open_store(url, **(options or {}))
     except (ValueError, TypeError) as exc:  # the URL or its options: a bad argument
         hint = ""
-        if isinstance(exc, TypeError) and options:  # 12345 or true was parsed as JSON
+        scalars = [v for v in (options or {}).values() if isinstance(v, (bool, int, float))]
+        if isinstance(exc, TypeError) and scalars:  # 12345 or true was parsed as JSON
             hint = (
                 " (a --storage-option VALUE that parses as JSON, a number or true, is passed"
                 """ as such: quote a string as KEY='"12345"')"""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 from unbroken.storage.in_memory import FileInMemory
-from unbroken.storage.retry import RetryPolicy, RetryStats, call_with_retry
+from unbroken.storage.retry import RetryPolicy, RetryStats, as_retry_policy, call_with_retry
 
 Buffer = Any
 """A read-only bytes-like object (bytes, or a backend's own buffer): ``memoryview`` takes it."""
@@ -84,7 +84,7 @@ class Store(ABC):
 
     def __init__(self, url: str, *, retry: RetryPolicy | None = None) -> None:
         self.url = url.rstrip("/")
-        self.retry = retry or RetryPolicy()
+        self.retry = as_retry_policy(retry)
         self.stats = RetryStats()
 
     def __repr__(self) -> str:

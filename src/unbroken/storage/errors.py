@@ -146,8 +146,11 @@ def redact(text: str) -> str:
     return _SECRET_QUERY.sub(r"\1***", text)
 
 
-def final_error(op: str, url: str, exc: BaseException, *, attempts: int = 1) -> StoreError:
-    """The error the user sees: names the operation and the (redacted) URL."""
+def final_error(
+    op: str, url: str, exc: BaseException, *, attempts: int = 1, seconds: float = 0.0
+) -> StoreError:
+    """The error the user sees: names the operation and the (redacted) URL; a transient
+    failure retried to the end of its budget also says how long and how to ride out more."""
     safe_url = redact(url)
     cause = redact(f"{type(exc).__name__}: {exc}")
     where = f"{op} {safe_url}"
@@ -167,8 +170,15 @@ def final_error(op: str, url: str, exc: BaseException, *, attempts: int = 1) -> 
     if isinstance(exc, PermissionError):
         return StorePermissionError(f"{where}: permission denied ({cause})", op=op, url=safe_url)
     if is_transient(exc):
-        plural = "attempt" if attempts == 1 else "attempts"
+        if attempts == 1:
+            return RetriesExhaustedError(
+                f"{where}: still failing after 1 attempt ({cause})", op=op, url=safe_url
+            )
         return RetriesExhaustedError(
-            f"{where}: still failing after {attempts} {plural} ({cause})", op=op, url=safe_url
+            f"{where}: still failing after {attempts} attempts over {seconds:.1f} s ({cause}); "
+            "for longer outages, pass retry=ub.RetryPolicy(max_attempts=20, max_delay=30) "
+            "where this store is opened (the dataset, the CheckpointManager, open_store)",
+            op=op,
+            url=safe_url,
         )
     return StoreError(f"{where}: {cause}", op=op, url=safe_url)

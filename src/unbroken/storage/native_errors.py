@@ -36,6 +36,8 @@ _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
 """object_store's ``HttpErrorKind`` of a request that got no answer."""
 _CLIENT_KIND = re.compile(r"reqwest::Error \{\s*kind: (\w+)")
 _URI = re.compile(r"\buri: Some\(\s*(\S+?),?\s*\)")
+_CONNECT = re.compile(r'ConnectError\(\s*"([^"]+)",.*?(?:message|error): "([^"]+)"', re.DOTALL)
+"""hyper's ``ConnectError("dns error", ... error: "failed to lookup ...")``: what failed."""
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
 """The S3 (and GCS XML) error code in the server's body: NoSuchBucket, SlowDown."""
 
@@ -71,6 +73,9 @@ class NativeFailure:
     """The URL the failed request went to."""
     code: str | None = None
     """The error code in the server's body (NoSuchBucket, SlowDown)."""
+    cause: str | None = None
+    """Why a request got no answer, in words (the first line says only "error sending
+    request"): "tcp connect error: Connection refused", "dns error: ...", "timed out"."""
 
     @property
     def transient(self) -> bool:
@@ -94,6 +99,10 @@ def parse_failure(text: str) -> NativeFailure:
     client = _CLIENT_KIND.search(dump)
     uri = _URI.search(dump)
     code = _CODE.search(text)
+    connect = _CONNECT.search(dump)
+    cause = f"{connect.group(1)}: {connect.group(2)}" if connect else None
+    if cause is None and kind is not None and kind.group(1) == "Timeout":
+        cause = "timed out"
     return NativeFailure(
         summary=first_line(head),
         status=int(status.group(1)) if status else None,
@@ -101,6 +110,7 @@ def parse_failure(text: str) -> NativeFailure:
         client_kind=client.group(1) if client else None,
         uri=uri.group(1) if uri else None,
         code=code.group(1) if code else None,
+        cause=cause,
     )
 
 
@@ -124,6 +134,8 @@ def translate(exc: BaseException, key: str, bucket: str) -> BaseException | None
         return None  # another OSError (a local file obstore read): its errno decides
     failure = parse_failure(str(exc))
     message = redact(failure.summary or type(exc).__name__)
+    if failure.cause and failure.status is None:
+        message += f" ({redact(failure.cause)})"
     if isinstance(exc, (AlreadyExistsError, PreconditionError)):
         return FileExistsError(f"{key} already exists: {message}")
     if failure.credentials_lookup and not failure.transient:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -39,6 +40,30 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+def as_retry_policy(value: object) -> RetryPolicy:
+    """``value`` as a policy: None is the default, a mapping names its fields (the JSON
+    of a CLI's --storage-option retry=...). Anything else is refused now, not at the
+    first failure it was meant to ride out."""
+    if value is None:
+        return RetryPolicy()
+    if isinstance(value, RetryPolicy):
+        return value
+    fields = [f.name for f in dataclasses.fields(RetryPolicy)]
+    if isinstance(value, Mapping):
+        unknown = sorted(str(k) for k in value if k not in fields)
+        if unknown:
+            raise TypeError(f"retry: unknown field(s) {unknown}; RetryPolicy has {fields}")
+        try:
+            return RetryPolicy(**value)
+        except TypeError as exc:  # a value of the wrong type: '<' not supported ...
+            raise TypeError(f"retry {dict(value)!r}: {exc}") from None
+    raise TypeError(
+        f"retry must be a unbroken.RetryPolicy (or a mapping of its fields {fields}), "
+        f"got {type(value).__name__} {value!r}"
+    )
+
 
 _JITTER = random.Random()
 """One jitter source per process; seeding a generator per call costs more than the call."""
@@ -80,7 +105,7 @@ def call_with_retry(
             if not retry:
                 if stats is not None:
                     stats.failures += 1
-                raise final_error(op, url, exc, attempts=attempt) from exc
+                raise final_error(op, url, exc, attempts=attempt, seconds=elapsed) from exc
             if stats is not None:
                 stats.retries += 1
             time.sleep(delay)
