@@ -381,6 +381,13 @@ def test_plan_prints_a_huge_figure_by_its_exponent(capsys):
     assert code == 0 and "2.19e+151 minutes" in out and max(map(len, out.splitlines())) < 60
 
 
+def test_plan_prints_an_interval_under_a_minute_in_seconds(capsys):
+    """4584 interruptions a day at 6 ms blocked per save printed "0.0 minutes"."""
+    argv = ["--interruptions-per-day", "4584", "--save-seconds", "0.006"]
+    code, out, _ = run(capsys, "plan", *argv)
+    assert code == 0 and "0.0 minutes" not in out and "0.476 seconds" in out, out
+
+
 @pytest.mark.parametrize(
     "argv",
     [

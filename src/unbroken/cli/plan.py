@@ -86,5 +86,8 @@ def run(args: argparse.Namespace) -> int:
         label, fmt = labels[key]
         if value >= 1e6:  # a figure of 150 digits says no more than its exponent
             fmt = fmt.replace(":.1f", ":.3g").replace(":.2f", ":.3g")
-        print(f"{label:<30} {fmt.format(value)}")
+        text = fmt.format(value)
+        if key == "optimal_interval_minutes" and value < 1:  # not "0.0 minutes"
+            text = f"{value * 60:.3g} seconds"
+        print(f"{label:<30} {text}")
     return 0
