@@ -132,7 +132,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self.volume = dataset
         self.metrics = LoaderMetrics()
         self.epoch = 0
-        """The epoch being served, or the next one before the first iteration."""
+        """The epoch being served, from its first batch on (``iter(loader)`` alone starts
+        nothing); before the first iteration, the next one."""
         self._next_start = (0, 0)
         self._active: Partition | None = None
         self._consumed = 0
