@@ -108,7 +108,7 @@ def test_a_retry_option_is_a_policy_or_refused_as_a_bad_argument(capsys):
             "--storage-option", "key=k", "--storage-option", 'secret="s"']  # fmt: skip
     code, _out, err = run(capsys, "ls", "s3://bucket/run", *dead,
                           "--storage-option", 'retry={"max_attempts": 1}')  # fmt: skip
-    assert code == 1 and "still failing after 1 attempt" in err, err
+    assert code == 3 and "still failing after 1 attempt" in err, err  # nothing read
     code, _out, err = run(capsys, "ls", "s3://bucket/run", *dead,
                           "--storage-option", 'retry={"max_atempts": 1}')  # fmt: skip
     assert code == 2 and "unknown field(s) ['max_atempts']" in err, err
@@ -152,7 +152,7 @@ def test_ls_of_an_unreachable_http_store_is_a_failure_to_reach_it(capsys):
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}/run"
     code, _out, err = run(capsys, "ls", url)
-    assert code == 1
+    assert code == 3  # the store could not be read: not 1, which says damaged or absent
     assert "no checkpoints" not in err and "Cannot connect" in err
 
 

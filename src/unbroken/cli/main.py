@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from unbroken._version import __version__
 from unbroken.cli import demo, goodput, ls, plan, verify
-from unbroken.cli.errors import CliError
-from unbroken.storage.errors import redact
+from unbroken.cli.errors import STORE_UNREADABLE, CliError
+from unbroken.storage.errors import ObjectNotFoundError, StoreError, redact
 
 VERBS = (ls, verify, goodput, plan, demo)
 
@@ -30,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 ok, 1 a failure (corruption, nothing found), 2 bad arguments."""
+    """Exit status: 0 ok, 1 a failure (corruption, nothing found), 2 bad arguments, 3 the
+    store could not be read (unreachable, timed out, refused): nothing was checked."""
     p = parser()
     args = p.parse_args(argv)
     if not hasattr(args, "run"):
@@ -55,7 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("UNBROKEN_DEBUG"):
             raise
         print(f"{prog}: error: {type(exc).__name__}: {redact(str(exc))}", file=sys.stderr)
-        return 1
+        unread = isinstance(exc, StoreError) and not isinstance(exc, ObjectNotFoundError)
+        return STORE_UNREADABLE if unread else 1
 
 
 def _one_line_warning(prog: str):

@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="re-checksum checkpoints against their manifests; exit 1 on any corruption",
         description="Check every file of the committed checkpoints under URL (or of --step "
         "N) against its manifest: present, the right size, the right crc32c. Exits 1 on "
-        "any problem, naming the file.",
+        "any problem, naming the file; 3 if the store cannot be read (nothing checked).",
     )
     p.add_argument("url", help="the checkpoint root")
     p.add_argument("--step", type=int, default=None, help="only this step")
