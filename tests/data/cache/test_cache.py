@@ -787,6 +787,25 @@ def test_a_fill_record_removed_from_outside_mid_fill_leaves_the_cache_within_its
     assert cache.used_bytes == disk_bytes(cache_dir)
 
 
+@pytest.mark.parametrize("limit", [None, "4000"])
+def test_the_caches_contents_removed_from_outside_while_it_runs_are_made_again(tmp_path, limit):
+    """rm -rf CACHE/* mid-job took the folders of fill records and plans too: a record
+    made again in a folder that was gone failed every later fill of the process."""
+    store = open_store(str(tmp_path / "store"))
+    entries = put_files(store, 8, size=1000)
+    cache = LocalCache(store, str(tmp_path / "cache"), limit=limit)
+    cache.plan(entries)
+    for e in entries[:3]:
+        cache.read(e)
+    for name in os.listdir(cache.cache_dir):
+        path = os.path.join(cache.cache_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+    cache.plan(entries)  # the next epoch's read order
+    for e in entries:
+        assert cache.read(e) == store.read_bytes(e.key)
+    assert cache.used_bytes == disk_bytes(cache.cache_dir) <= (4000 if limit else 8000)
+
+
 def test_a_lower_limit_evicts_down_to_it_when_the_cache_opens(store, tmp_path):
     """It evicted nothing until the next fill: a job that only hits kept the old size."""
     entries = put_files(store, 6, size=1000)

@@ -40,6 +40,7 @@ class PlanWriter:
         for i, name in enumerate(names):
             positions.setdefault(name, []).append(i)
         tmp = os.path.join(self.directory, temp_name(os.path.basename(self.plan_path)))
+        os.makedirs(self.directory, exist_ok=True)  # removed from outside: made again
         try:
             with open(tmp, "w") as f:
                 f.write("\n".join(names))

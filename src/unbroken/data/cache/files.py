@@ -324,8 +324,17 @@ class CacheLayout:
         with self._ledger_mutex:
             fd = self._ledger_file()
             fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_nlink == 0:  # removed from outside (rm of the cache's files)
+                fcntl.flock(fd, fcntl.LOCK_UN)  # the node's processes meet at the new one
+                os.close(fd)
+                self._ledger_fd = None
+                fd = self._ledger_file()
+                fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 ledger = Ledger(fd)
+                if ledger.new:  # made just now: what the disk holds (as a cache opened)
+                    ledger.used = sum(c.size for c in self.scan_objects())
+                    ledger.used += self.fillers.live_reserved()
                 try:
                     yield ledger
                 finally:  # callers count each disk change once it is done, so keep them
@@ -392,8 +401,10 @@ class Ledger:
     def __init__(self, fd: int) -> None:
         self._fd = fd
         raw = os.pread(fd, _LEDGER.size, 0)
-        self.used = _LEDGER.unpack(raw)[0] if len(raw) == _LEDGER.size else 0
-        self._original = self.used
+        self.new = len(raw) < _LEDGER.size
+        """The file was empty: no process has counted into it yet."""
+        self.used = 0 if self.new else _LEDGER.unpack(raw)[0]
+        self._original = None if self.new else self.used
 
     def flush(self) -> None:
         if self.used != self._original:

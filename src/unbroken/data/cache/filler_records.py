@@ -43,6 +43,7 @@ class FillerRecords:
         self.reserved = value
 
     def _create(self) -> None:
+        os.makedirs(self.directory, exist_ok=True)  # removed from outside: made again
         path = os.path.join(self.directory, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
