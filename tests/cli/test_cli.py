@@ -134,6 +134,32 @@ def test_verify_names_the_file_with_a_flipped_byte(capsys, checkpoints, tmp_path
     assert code == 1 and "__0_0.distcp" in json.loads(out)["4"][0]
 
 
+@pytest.mark.skipif(
+    os.geteuid() == 0 and shutil.which("setpriv") is None, reason="root needs setpriv to be refused"
+)
+@pytest.mark.parametrize("flipped", [False, True], ids=["sound", "step-2-flipped"])
+def test_verify_tells_a_step_it_could_not_read_from_a_damaged_one(checkpoints, tmp_path, flipped):
+    """A shard the store refused (permission denied) made verify exit 3, "nothing was
+    checked", though it had found step 2 damaged: a monitor took damage for an outage."""
+    ck = copy_tree(checkpoints, tmp_path / "ck")
+    if flipped:
+        shard = ck / step_dir(2) / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    (ck / step_dir(4) / "__0_0.distcp").chmod(0)
+    drop = "-dac_override,-dac_read_search"  # root reads a file chmod 000 without them
+    as_user = ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}"]
+    run = subprocess.run(
+        [*(as_user if os.geteuid() == 0 else []), sys.executable, "-m", "unbroken.cli",
+         "verify", str(ck), "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert f"UNREAD  {ck / step_dir(4)}: not checked: StorePermissionError" in run.stdout
+    assert run.returncode == (1 if flipped else 3), run.stdout + run.stderr
+    assert (f"CORRUPT {ck / step_dir(2)}" in run.stdout) == flipped, run.stdout
+
+
 @pytest.mark.parametrize("damage", ["edited", "cut short"])
 def test_verify_names_a_damaged_manifest(capsys, checkpoints, tmp_path, damage):
     """Restore would skip that step without a word: verify must say so and exit 1."""

@@ -15,9 +15,9 @@ import time
 from unbroken._version import __version__
 from unbroken.checkpoint.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
 from unbroken.checkpoint.format.manifest import MANIFEST_NAME, step_dir
-from unbroken.cli.errors import CliError
+from unbroken.cli.errors import STORE_UNREADABLE, CliError
 from unbroken.cli.stores import add_storage_arguments, open_existing, storage_options
-from unbroken.storage.errors import ObjectNotFoundError, redact
+from unbroken.storage.errors import ObjectNotFoundError, StoreError, redact
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     report: dict[int, list[str]] = {}
     partial: set[int] = set()  # no commit record: a problem of the step, not of a file
     gone: set[int] = set()  # removed while this ran (a running job's retention)
+    unread: dict[int, str] = {}  # the store refused or did not answer: not checked
     try:
         for info in chosen:
             bar.set_description(f"step {info.step}")
@@ -75,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
                 problems = verify_checkpoint(store, info.step, deep=True, on_bytes=bar.update)
             except ObjectNotFoundError as exc:
                 problems = [f"missing: {exc}"]
+            except StoreError as exc:  # no verdict on this step; the others still count
+                unread[info.step] = f"{type(exc).__name__}: {exc}"
+                continue
             if problems and _removed_meanwhile(store, info.step):
                 gone.add(info.step)  # a running job's retention: not damage
             report[info.step] = problems
@@ -84,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         del report[step]
     bad = {s: p for s, p in report.items() if p}
     if args.json:
-        print(json.dumps({str(s): p for s, p in report.items()}, indent=1))
+        unchecked = {s: [f"not checked: {why}"] for s, why in unread.items()}
+        print(json.dumps({str(s): p for s, p in {**report, **unchecked}.items()}, indent=1))
     else:
         for step, problems in report.items():
             where = redact(store.url_for(step_dir(step)))
@@ -97,12 +102,21 @@ def run(args: argparse.Namespace) -> int:
                 print(f"ok      {where}")
         for info in newer:
             print(f"newer   {redact(info.url)}: not checked: {info.problem}")
+        for step, why in sorted(unread.items()):
+            print(f"UNREAD  {redact(store.url_for(step_dir(step)))}: not checked: {redact(why)}")
         for step in sorted(gone):
             print(f"gone    {redact(store.url_for(step_dir(step)))}: removed while verifying "
                   "(a running job's retention), not checked")  # fmt: skip
     if bad:
         n = sum(len(p) for p in bad.values())
-        raise CliError(f"{n} problem(s) in {len(bad)} checkpoint(s) under {store.url}")
+        more = f"; {len(unread)} could not be read" if unread else ""
+        raise CliError(f"{n} problem(s) in {len(bad)} checkpoint(s) under {store.url}{more}")
+    if unread:  # nothing found wrong in what was read, but not everything was
+        raise CliError(
+            f"{len(unread)} checkpoint(s) under {store.url} could not be read (not checked): "
+            f"{next(iter(unread.values()))}",
+            code=STORE_UNREADABLE,
+        )
     if gone and not report:  # nothing was checked: not a pass
         raise CliError(
             f"every checkpoint under {store.url} was removed while verifying (a running "
