@@ -356,6 +356,14 @@ def test_a_second_unbroken_callback_is_refused_when_the_trainer_is_made(tmp_path
             model=gpt2(), args=training_args(str(tmp_path), 4, ddp_backend=None),
             train_dataset=_Tokens(), callbacks=twice,
         )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=gpt2(), args=training_args(str(tmp_path), 4, ddp_backend=None),
+        train_dataset=_Tokens(), callbacks=twice[:1],
+    )  # fmt: skip
+    trainer.add_callback(twice[1])  # after the Trainer was made: refused at train()
+    with pytest.raises(ValueError, match="given 2 UnbrokenCallbacks"):
+        trainer.train()
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("step-*"))
 
 
 def test_an_accumulation_that_a_resume_would_cut_short_is_refused(tmp_path):

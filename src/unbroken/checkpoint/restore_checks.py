@@ -281,6 +281,11 @@ def check_generators(flat: FlatState, rng: RngState | None, strict: bool, where:
             )
 
 
+def _names(names: list[str]) -> str:
+    more = f" and {len(names) - _SHOW} more" if len(names) > _SHOW else ""
+    return f"{names[:_SHOW]}{more}"
+
+
 def saved_values(manifest: Manifest, durable: Store, rank: int) -> dict[str, Any]:
     """This rank's plain values, decoded: rank 0's, with those this rank saved as its own
     where they differed. Not a mapping: the manifest is at fault (read as names, a string
@@ -310,7 +315,7 @@ def saved_values(manifest: Manifest, durable: Store, rank: int) -> dict[str, Any
         why = (
             f"on {manifest.world_size} ranks, whose values of {differed} differed"
             if differed  # saved on one rank, nothing tells a per-rank value from a shared one
-            else f"on one rank, so nothing tells whether its values of {sorted(values)[:_SHOW]} "
+            else f"on one rank, so nothing tells whether its values of {_names(sorted(values))} "
             "are per rank (a count of this rank's samples) or the job's"
         )
         if differed or values:

@@ -119,16 +119,7 @@ class UnbrokenCallback(TrainerCallback):
         and a second UnbrokenCallback (two managers on one staging dir: the second closes
         the first, whose next save then fails as "closed")."""
         self._check_arguments(args)
-        trainer = self.trainer or calling_trainer()
-        ours = [c for c in getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
-                if isinstance(c, UnbrokenCallback)]  # fmt: skip
-        if len(ours) > 1 and ours[0] is self:
-            raise ValueError(
-                f"transformers.Trainer was given {len(ours)} UnbrokenCallbacks "
-                f"(for {', '.join(repr(c._url or c.manager.store.url) for c in ours)}): each "
-                "would save every step through a manager of its own on one staging dir. Give "
-                "it one"
-            )
+        self._refuse_a_second(self.trainer or calling_trainer())
 
     def on_train_begin(
         self,
@@ -139,6 +130,7 @@ class UnbrokenCallback(TrainerCallback):
     ) -> None:
         """Restore the newest committed checkpoint into the Trainer's objects."""
         self._check_arguments(args)
+        self._refuse_a_second(self.trainer or calling_trainer())  # add_callback() since
         self._load_best = bool(args.load_best_model_at_end)
         if state.global_step > 0:  # the Trainer loaded a checkpoint-N of its own
             raise RuntimeError(
@@ -291,6 +283,19 @@ class UnbrokenCallback(TrainerCallback):
             self.manager.wait()
 
     # -- helpers -----------------------------------------------------------------------
+
+    def _refuse_a_second(self, trainer: Any) -> None:
+        """Two UnbrokenCallbacks in one Trainer: two managers on one staging dir, the
+        second closing the first, whose next save then failed as "closed"."""
+        handler = getattr(trainer, "callback_handler", None)
+        ours = [c for c in getattr(handler, "callbacks", []) if isinstance(c, UnbrokenCallback)]
+        if len(ours) > 1 and ours[0] is self:
+            raise ValueError(
+                f"transformers.Trainer was given {len(ours)} UnbrokenCallbacks "
+                f"(for {', '.join(repr(c._url or c.manager.store.url) for c in ours)}): each "
+                "would save every step through a manager of its own on one staging dir. Give "
+                "it one"
+            )
 
     @property
     def _own_cadence(self) -> bool:

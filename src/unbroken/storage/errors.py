@@ -176,8 +176,10 @@ def final_error(
             )
         return RetriesExhaustedError(
             f"{where}: still failing after {attempts} attempts over {seconds:.1f} s ({cause}); "
-            "for longer outages, pass retry=ub.RetryPolicy(max_attempts=20, max_delay=30) "
-            "where this store is opened (the dataset, the CheckpointManager, open_store)",
+            "to ride out longer outages, give the store a longer retry policy: "
+            "retry=ub.RetryPolicy(max_attempts=20, max_delay=30) where it is opened (the "
+            "dataset, the CheckpointManager), or on the command line --storage-option "
+            """'retry={"max_attempts": 20, "max_delay": 30}'""",
             op=op,
             url=safe_url,
         )
