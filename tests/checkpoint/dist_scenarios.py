@@ -406,6 +406,37 @@ def scenario_values_from_one_rank(a: argparse.Namespace) -> None:
     log("values from one rank ok")
 
 
+def scenario_tier_off_keeps_no_replicas(a: argparse.Namespace) -> None:
+    """Two nodes; node 1's memory tier on a tmpfs too small for its snapshots goes off at
+    the first save. Its peer server had started with the job and took node 0's replicas
+    into that tmpfs all the same: the node a job was told keeps nothing there."""
+    import warnings
+
+    from unbroken.checkpoint.memory_tier import MEMORY_DIR_ENV
+
+    rank = dist.get_rank()
+    if rank == 1:
+        os.environ[MEMORY_DIR_ENV] = a.expected  # the small tmpfs
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=None)
+    state = {f"w{r}": torch.full((5_000_000,), float(r)) for r in range(2)}  # 20 MB each
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in (1, 2):
+            mgr.save(step, state)
+            mgr.wait()
+    deadline = time.monotonic() + 30
+    while rank == 0 and mgr.stats.replicas_sent + mgr.stats.replicas_failed < 2:
+        assert time.monotonic() < deadline, mgr.stats
+        time.sleep(0.1)
+    dist.barrier()
+    if rank == 1:
+        assert any("the memory tier is off" in str(w.message) for w in caught), caught
+        held = [str(p) for p in Path(a.expected).rglob("*") if p.is_file()]
+        assert not [p for p in held if "/replicas/" in p], held
+    mgr.close()
+    log("tier off ok")
+
+
 def scenario_peer_dies_mid_save(a: argparse.Namespace) -> None:
     """Rank 1 dies while both ranks' save is in flight: rank 0's save fails, reported
     once as a failed save (no worker traceback), and nothing is committed."""
@@ -796,6 +827,7 @@ SCENARIOS = {
     "generators_load": scenario_generators_load,
     "unlike_values": scenario_unlike_values,
     "values_from_one_rank": scenario_values_from_one_rank,
+    "tier_off_keeps_no_replicas": scenario_tier_off_keeps_no_replicas,
     "train": scenario_train,
     "tight_tier": scenario_tight_tier,
     "node_room": scenario_node_room,

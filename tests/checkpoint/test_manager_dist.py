@@ -133,6 +133,18 @@ def test_ranks_of_a_node_with_replicated_state_keep_every_save_in_a_tight_tier(
     assert out.count("tight tier ok") == 2
 
 
+def test_a_node_whose_memory_tier_goes_off_keeps_no_peers_replicas(
+    tmp_path, small_tmpfs, monkeypatch
+):
+    """Node 1's 64 MiB tmpfs cannot hold its snapshots: its tier goes off, and node 0's
+    replicas must not fill that tmpfs either (its peer server started with the job)."""
+    monkeypatch.delenv("UNBROKEN_MEMORY_DIR")  # node 0: the default tmpfs; node 1 sets it
+    out = check(torchrun(2, "tier_off_keeps_no_replicas", "--url", str(tmp_path / "d"),
+                         "--staging", str(tmp_path / "node-{rank}"),
+                         "--expected", str(small_tmpfs)))  # fmt: skip
+    assert out.count("tier off ok") == 2
+
+
 def test_the_ranks_of_a_node_never_fill_its_tier_past_the_reserve_together(tmp_path, small_tmpfs):
     out = check(
         torchrun(2, "node_room", "--url", str(tmp_path / "d"), "--staging", str(tmp_path / "s"))

@@ -185,8 +185,11 @@ class CheckpointManager:
         open_managers.track(self)  # a script that never calls close() keeps its last saves
 
     def _size_memory_tier(self, flat: FlatState) -> None:
-        if self.memory_tier is not None and self.memory_tier.active:
-            self.memory_tier.check_fits(state_bytes(flat), required=bool(self.config.memory_tier))
+        tier = self.memory_tier
+        if tier is not None and tier.active:
+            fits = tier.check_fits(state_bytes(flat), required=bool(self.config.memory_tier))
+            if not fits and self._peers is not None:
+                self._peers.stop_serving(tier)  # (its server started before the state's size)
 
     # -- saving ----------------------------------------------------------------------
 

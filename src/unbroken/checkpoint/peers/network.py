@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import selectors
+import shutil
 import socket
 import subprocess
 import warnings
@@ -125,6 +126,16 @@ class PeerNetwork:
             self.server.kill()
             self.server.wait()
             self.server = None
+
+    def stop_serving(self, memory: MemoryTier) -> None:
+        """This node's memory tier went off (its tmpfs too small): its server stops and
+        the replicas it took are removed, so that no peer fills the tmpfs the job was
+        told it does not use. Peers then count their replicas to it as failed."""
+        if self.server is None:
+            return
+        self.close()
+        shutil.rmtree(replica_files.replicas_root(memory.path), ignore_errors=True)
+        log.warning("node %d: the memory tier is off, so it keeps no peer's replicas", self.node)
 
 
 def replica_stores(memory: MemoryTier | None) -> list[LocalStore]:
