@@ -9,7 +9,8 @@
 README). Runs unchanged on CPUs (gloo) and on GPUs (NCCL, one GPU per rank). On every
 (re)start it resumes from the newest committed checkpoint: weights, optimizer, LR
 schedule, data position and every RNG, so a run that crashed ends bit-identical to one
-that did not. File names carry the label: ``<label>-<anything>.jpg``.
+that did not (on 2 ranks; DDP on more sums its first iteration in another order:
+docs/concepts.md, "Exact resume"). File names carry the label: ``<label>-<anything>.jpg``.
 """
 
 from __future__ import annotations
