@@ -263,6 +263,43 @@ def test_a_preemption_save_that_fails_is_said_as_such_as_the_process_ends(tmp_pa
     assert "before a save took it up" not in proc.stderr
 
 
+_SAVE_THAT_CANNOT_LAND = """
+import os, signal, sys, threading, time, uuid, torch, unbroken as ub
+import unbroken.checkpoint.preemption as preemption
+preemption.STILL_WAITING_SECONDS = 1.0
+d = sys.argv[1]
+state = {"w": torch.zeros(1_000_000)}  # 4 MB at 100 KB/s: 40 s, past any grace period
+mgr = ub.CheckpointManager(f"emulated::{d}/ck", staging_dir=f"{d}/st", every_steps=None,
+                           storage_options={"bandwidth": 1e5, "latency": 0,
+                                            "link": uuid.uuid4().hex})
+def signal_twice():
+    os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice
+    time.sleep(preemption.REPEAT_SECONDS + 1)  # (sooner: the same one, forwarded)
+    os.kill(os.getpid(), signal.SIGTERM)  # the end of its grace period
+threading.Thread(target=signal_twice, daemon=True).start()
+time.sleep(0.5)
+mgr.maybe_save(5, state)
+print("STILL ALIVE")
+"""
+
+
+def test_a_preemption_save_that_cannot_land_says_so_until_a_second_signal_ends_it(tmp_path):
+    """The store not answering: the log's last word was 'saving step 5 and waiting for its
+    commit', and an operator took step 5 for saved."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _SAVE_THAT_CANNOT_LAND, str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    assert "preempted: step 5 not committed after 1 s" in proc.stderr, proc.stderr
+    assert (
+        "SIGTERM again while the preemption save of step 5 is not committed: the process "
+        "ends without it" in proc.stderr
+    ), proc.stderr
+    assert "STILL ALIVE" not in proc.stdout
+
+
 @pytest.mark.parametrize(
     "case", ["leaked_manager_then_a_handled_save", "closed_beneath_then_a_handled_save"]
 )

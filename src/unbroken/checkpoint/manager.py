@@ -224,7 +224,8 @@ class CheckpointManager:
         assert self._preemption is not None
         self._preemption.tried = step
         saved = self._save(step, state, skip_if_busy=False)
-        self.wait()  # raises if the save failed: the process must not end quietly then
+        with self._preemption.still_waiting(step):
+            self.wait()  # raises if the save failed: the process must not end quietly then
         self.preempted = True  # (wait gave the step's replica REPLICA_WAIT_SECONDS at most)
         self._preemption.handled = True  # one save; a later signal goes on as usual
         if self.config.preemption == "exit":

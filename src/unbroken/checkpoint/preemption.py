@@ -22,6 +22,7 @@ signal must not cut short. A restore has none: its time counts.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -29,7 +30,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -130,6 +131,12 @@ class PreemptionWatch:
             return
         if self._closed or self._forward or self.handled or self.received is not None:
             # closed, timed out (the watchdog's copy of the first), saved, or a 2nd signal
+            if self.tried is not None and not (self.handled or self._closed or self._forward):
+                log.warning(  # else the log's last word says a save that never landed
+                    "%s again while the preemption save of step %d is not committed: the "
+                    "process ends without it (a restart loads the newest committed step)",
+                    signal.Signals(signum).name, self.tried,
+                )  # fmt: skip
             self._pass_on(signum, frame, chained=self._forward and signum == self.received)
             return
         self.received = signum
@@ -144,6 +151,12 @@ class PreemptionWatch:
             target=self._watchdog, args=(signum,), name="unbroken-preempt", daemon=True
         ).start()
         self._chain(signum, frame)
+
+    def still_waiting(self, step: int) -> contextlib.AbstractContextManager[None]:
+        """Warn every STILL_WAITING_SECONDS while the preemption save of ``step`` waits
+        for its commit: a launcher's grace period (Slurm's KillWait) may end it, and the
+        log should say why."""
+        return _still_waiting_reports(step)
 
     def _is_repeat(self, signum: int) -> bool:
         """The first signal again, soon, while the save it asked for is still to come."""
@@ -366,3 +379,28 @@ def _seconds_inside_managers() -> float:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+
+STILL_WAITING_SECONDS = 10.0
+"""How often a preemption save that has not committed says so: a launcher's grace
+period (Slurm's KillWait) may end it, and the log should tell why."""
+
+
+@contextlib.contextmanager
+def _still_waiting_reports(step: int) -> Iterator[None]:
+    """While the body waits for ``step``'s commit, warn every STILL_WAITING_SECONDS."""
+    done = threading.Event()
+
+    def report() -> None:
+        began = time.monotonic()
+        while not done.wait(STILL_WAITING_SECONDS):
+            waited = time.monotonic() - began
+            log.warning("preempted: step %d not committed after %.0f s (the durable tier "
+                        "slow or not answering?); still waiting", step, waited)  # fmt: skip
+
+    threading.Thread(target=report, name="unbroken-preempt-wait", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
