@@ -137,8 +137,11 @@ def test_verify_names_the_file_with_a_flipped_byte(capsys, checkpoints, tmp_path
 @pytest.mark.skipif(
     os.geteuid() == 0 and shutil.which("setpriv") is None, reason="root needs setpriv to be refused"
 )
+@pytest.mark.parametrize("refused", ["__0_0.distcp", "manifest.json"])
 @pytest.mark.parametrize("flipped", [False, True], ids=["sound", "step-2-flipped"])
-def test_verify_tells_a_step_it_could_not_read_from_a_damaged_one(checkpoints, tmp_path, flipped):
+def test_verify_tells_a_step_it_could_not_read_from_a_damaged_one(
+    checkpoints, tmp_path, flipped, refused
+):
     """A shard the store refused (permission denied) made verify exit 3, "nothing was
     checked", though it had found step 2 damaged: a monitor took damage for an outage."""
     ck = copy_tree(checkpoints, tmp_path / "ck")
@@ -147,7 +150,7 @@ def test_verify_tells_a_step_it_could_not_read_from_a_damaged_one(checkpoints, t
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0x01
         shard.write_bytes(bytes(data))
-    (ck / step_dir(4) / "__0_0.distcp").chmod(0)
+    (ck / step_dir(4) / refused).chmod(0)  # (a manifest: read as the steps are listed)
     drop = "-dac_override,-dac_read_search"  # root reads a file chmod 000 without them
     as_user = ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}"]
     run = subprocess.run(
@@ -186,8 +189,8 @@ def test_verify_of_a_live_job_is_not_fooled_by_its_retention(
     listed = verify.list_checkpoints
 
     def verify_while_retention_removes(*steps: int) -> tuple[int, str, str]:
-        def list_then_prune(store):  # the job's retention runs right after our listing
-            infos = listed(store)
+        def list_then_prune(store, **kwargs):  # the job's retention runs after our listing
+            infos = listed(store, **kwargs)
             for step in steps:
                 store.delete(step_dir(step))
             return infos
@@ -213,8 +216,8 @@ def test_verify_calls_a_commit_record_deleted_by_hand_meanwhile_damage(
     ck = copy_tree(checkpoints, tmp_path / "ck")
     listed = verify.list_checkpoints
 
-    def list_then_break(store):
-        infos = listed(store)
+    def list_then_break(store, **kwargs):
+        infos = listed(store, **kwargs)
         store.delete(f"{step_dir(2)}/manifest.json")
         return infos
 

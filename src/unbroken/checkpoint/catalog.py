@@ -25,7 +25,7 @@ from unbroken.checkpoint.format.manifest import (
     step_dir,
 )
 from unbroken.storage import Store
-from unbroken.storage.errors import StorePermissionError
+from unbroken.storage.errors import ObjectNotFoundError, StoreError, StorePermissionError
 from unbroken.storage.local import UNREADABLE
 
 VERIFY_CHUNK = 64 << 20
@@ -56,15 +56,28 @@ class CheckpointInfo:
 
 
 def list_checkpoints(
-    store: Store, by_step: dict[int, dict[str, int]] | None = None
+    store: Store,
+    by_step: dict[int, dict[str, int]] | None = None,
+    *,
+    unreadable: dict[int, str] | None = None,
 ) -> list[CheckpointInfo]:
     """Every ``step-*`` directory under the store root, sorted by step (``by_step``: the
-    listing, if the caller has made it)."""
+    listing, if the caller has made it). A step whose manifest the store refuses or does
+    not answer for raises, or, given ``unreadable``, is left out and recorded there
+    (``verify``: the other steps are still checked)."""
     # Temp files too: a step whose writer was killed mid-upload may hold nothing else,
     # and retention must still see (and remove) it.
     if by_step is None:
         by_step = step_files(store, include_temp=True)
-    return [_describe(store, step, sizes) for step, sizes in sorted(by_step.items())]
+    infos = []
+    for step, sizes in sorted(by_step.items()):
+        try:
+            infos.append(_describe(store, step, sizes))
+        except StoreError as exc:
+            if unreadable is None or isinstance(exc, ObjectNotFoundError):
+                raise
+            unreadable[step] = f"{type(exc).__name__}: {exc}"
+    return infos
 
 
 def step_files(store: Store, *, include_temp: bool) -> dict[int, dict[str, int]]:

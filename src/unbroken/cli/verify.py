@@ -38,7 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     store = open_existing(args.url, storage_options(args))
-    infos = list_checkpoints(store)
+    unread: dict[int, str] = {}  # the store refused or did not answer: not checked
+    infos = list_checkpoints(store, unreadable=unread)
     # Steps a newer unbroken wrote: this version cannot read their records to check them.
     newer = [i for i in infos if i.newer_format and args.step in (None, i.step)]
     infos = [i for i in infos if not i.newer_format]
@@ -47,13 +48,16 @@ def run(args: argparse.Namespace) -> int:
         if newer:
             raise CliError(f"step {args.step} cannot be checked by unbroken {__version__}: "
                            f"{newer[0].problem}")  # fmt: skip
+        if args.step in unread:
+            raise CliError(f"step {args.step} under {store.url} could not be read: "
+                           f"{unread[args.step]}", code=STORE_UNREADABLE)  # fmt: skip
         if not chosen:
             raise CliError(f"no checkpoint of step {args.step} under {store.url}")
     else:
         # Committed steps, and steps whose commit record is there but fails its checks (a
         # manifest edited or cut short: restore skips it, and that is corruption to report).
         chosen = [i for i in infos if i.committed or _damaged_record(store, i)]
-        if not chosen:
+        if not chosen and not unread:
             why = "only partial ones" if infos else "none at all"
             if newer:
                 why = f"{len(newer)} written by a newer unbroken, which {__version__} cannot check"
@@ -63,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
     report: dict[int, list[str]] = {}
     partial: set[int] = set()  # no commit record: a problem of the step, not of a file
     gone: set[int] = set()  # removed while this ran (a running job's retention)
-    unread: dict[int, str] = {}  # the store refused or did not answer: not checked
     try:
         for info in chosen:
             bar.set_description(f"step {info.step}")
