@@ -184,12 +184,12 @@ class CheckpointManager:
         )
         open_managers.track(self)  # a script that never calls close() keeps its last saves
 
-    def _size_memory_tier(self, flat: FlatState) -> None:
+    def _size_memory_tier(self, flat: FlatState, *, saving: bool = True) -> None:
         tier = self.memory_tier
         if tier is not None and tier.active:
-            fits = tier.check_fits(state_bytes(flat), required=bool(self.config.memory_tier))
-            if not fits and self._peers is not None:
-                self._peers.stop_serving(tier)  # (its server started before the state's size)
+            tier.check_fits(state_bytes(flat), required=bool(self.config.memory_tier))
+        if saving and tier is not None and not tier.active and self._peers is not None:
+            self._peers.stop_serving(tier)  # not at a restore: peers may be reading it
 
     # -- saving ----------------------------------------------------------------------
 
@@ -223,8 +223,8 @@ class CheckpointManager:
         log.warning("preempted: saving step %d and waiting for its commit", step)
         assert self._preemption is not None
         self._preemption.tried = step
-        saved = self._save(step, state, skip_if_busy=False)
-        with self._preemption.still_waiting(step):
+        with self._preemption.still_waiting(step):  # (async_save=False: commits in _save)
+            saved = self._save(step, state, skip_if_busy=False)
             self.wait()  # raises if the save failed: the process must not end quietly then
         self.preempted = True  # (wait gave the step's replica REPLICA_WAIT_SECONDS at most)
         self._preemption.handled = True  # one save; a later signal goes on as usual
@@ -454,7 +454,7 @@ class CheckpointManager:
         self._pipeline.drain()
         self._report_failures(raising=False)
         self._cadence.left_newer = None  # a restore of the newest step lifts it
-        self._size_memory_tier(collect(state))
+        self._size_memory_tier(collect(state), saving=False)
         self._goodput.restore_begin()
         memory = self._pipeline.node.memory_store()
         peers = self._peers.peer_stores(self.store) if self._peers is not None else []

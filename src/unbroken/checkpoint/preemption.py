@@ -131,7 +131,11 @@ class PreemptionWatch:
             return
         if self._closed or self._forward or self.handled or self.received is not None:
             # closed, timed out (the watchdog's copy of the first), saved, or a 2nd signal
-            if self.tried is not None and not (self.handled or self._closed or self._forward):
+            if (
+                self.tried is not None
+                and not (self.handled or self._closed or self._forward)
+                and self._ends_the_process(signum)
+            ):
                 log.warning(  # else the log's last word says a save that never landed
                     "%s again while the preemption save of step %d is not committed: the "
                     "process ends without it (a restart loads the newest committed step)",
@@ -175,6 +179,15 @@ class PreemptionWatch:
             inner._on_signal(signum, frame, chained=True)
         elif callable(previous):
             previous(signum, frame)
+
+    def _ends_the_process(self, signum: int) -> bool:
+        """Whether passing ``signum`` on ends the process: the default action at the
+        bottom of the chain, not a handler of the user's (which may only take note)."""
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        inner = getattr(previous, "__self__", None)
+        if isinstance(inner, PreemptionWatch):
+            return inner._ends_the_process(signum)
+        return previous in (signal.SIG_DFL, None)
 
     def _pass_on(self, signum: int, frame: FrameType | None, *, chained: bool = False) -> None:
         """What the signal would have done without any manager (main thread, in the
@@ -230,7 +243,9 @@ class PreemptionWatch:
         assert self.received is not None
         log.warning(
             "%s: the ranks cannot agree on a save (%s): a peer is gone, so no save could "
-            "commit; ending now", signal.Signals(self.received).name, _first_line(error)
+            "commit; ending now",
+            signal.Signals(self.received).name,
+            _first_line(error),
         )
         if self.on_give_up is not None:
             self.on_give_up()
@@ -379,7 +394,6 @@ def _seconds_inside_managers() -> float:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
-
 
 
 STILL_WAITING_SECONDS = 10.0
