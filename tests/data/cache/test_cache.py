@@ -804,6 +804,10 @@ def test_the_caches_contents_removed_from_outside_while_it_runs_are_made_again(t
     for e in entries:
         assert cache.read(e) == store.read_bytes(e.key)
     assert cache.used_bytes == disk_bytes(cache.cache_dir) <= (4000 if limit else 8000)
+    if limit:  # the plan's cursor too: kept in a file gone, evictors read 0 for ever
+        from unbroken.data.cache.access_plan import PlanReader
+
+        assert [c for _, c in PlanReader(cache.layout.plans).load()] == [len(entries)]
 
 
 def test_a_lower_limit_evicts_down_to_it_when_the_cache_opens(store, tmp_path):

@@ -41,6 +41,9 @@ class PlanWriter:
             positions.setdefault(name, []).append(i)
         tmp = os.path.join(self.directory, temp_name(os.path.basename(self.plan_path)))
         os.makedirs(self.directory, exist_ok=True)  # removed from outside: made again
+        if self._fd is not None and os.fstat(self._fd).st_nlink == 0:  # the cursor too
+            os.close(self._fd)
+            self._fd = None
         try:
             with open(tmp, "w") as f:
                 f.write("\n".join(names))
