@@ -149,15 +149,21 @@ class _CrashAt(L.pytorch.Callback):
             raise _Crash(self.step)
 
 
-def test_a_fit_in_epochs_resumed_from_a_save_at_an_epochs_end_serves_the_next_epoch(tmp_path):
+@pytest.mark.parametrize("length", ["max_epochs", "max_steps"])
+def test_a_fit_in_epochs_resumed_from_a_save_at_an_epochs_end_serves_the_next_epoch(
+    tmp_path, length
+):
     """A ModelCheckpoint's save at epoch 0's end, then a crash: Lightning counts that
     epoch finished and did not load the loader's state, so the resumed fit served
-    epoch 0's order again as epoch 1, and every epoch after was one behind."""
+    epoch 0's order again as epoch 1, and every epoch after was one behind. (Under
+    max_steps with no validation, it resumed one batch into epoch 1's data as epoch 0's
+    and served each epoch after one ahead.)"""
     volume = toy_volume(tmp_path, files=FILES)
+    steps, epochs = (-1, 3) if length == "max_epochs" else (3 * STEPS_PER_EPOCH, None)
 
     def fit(root: Path, *crash: L.pytorch.Callback) -> tuple[str, dict, int]:
         at_epoch_end = L.pytorch.callbacks.ModelCheckpoint(root / "theirs", every_n_epochs=1)
-        return _fit(root, volume, -1, every=1000, epochs=3, more=(at_epoch_end, *crash))
+        return _fit(root, volume, steps, every=1000, epochs=epochs, more=(at_epoch_end, *crash))
 
     reference, seen, epoch = fit(tmp_path / "reference")
     with pytest.raises(_Crash):
@@ -182,6 +188,21 @@ def test_a_fit_resumed_from_our_save_at_an_epochs_natural_end_serves_the_next_ep
         fit(tmp_path / "job", steps=every * 2 + 3, more=(_CrashAt(every + 2),))
     resumed, rest, resumed_epoch = fit(tmp_path / "job", steps=every * 2 + 3)
     assert min(rest) == every + 1 and rest == {s: seen[s] for s in rest}
+    assert resumed == reference and resumed_epoch == epoch
+
+
+def test_a_longer_fit_after_a_fit_resumed_at_an_epochs_start_goes_on_as_it_did(tmp_path):
+    """fit(max_epochs=2) crashed in epoch 1 and resumed from our save at its start: its
+    later saves held the epoch begun one count behind (Lightning's restart), so a fit
+    trained on to max_epochs=4 took epoch 1 for unfinished and skipped epoch 2."""
+    volume = toy_volume(tmp_path, files=FILES)
+    fit = functools.partial(_fit, volume=volume, steps=-1, every=STEPS_PER_EPOCH)
+    reference, seen, epoch = fit(tmp_path / "reference", epochs=4)
+    with pytest.raises(_Crash):
+        fit(tmp_path / "job", epochs=2, more=(_CrashAt(STEPS_PER_EPOCH + 1),))
+    fit(tmp_path / "job", epochs=2)
+    resumed, rest, resumed_epoch = fit(tmp_path / "job", epochs=4)
+    assert min(rest) == 2 * STEPS_PER_EPOCH + 1 and rest == {s: seen[s] for s in rest}
     assert resumed == reference and resumed_epoch == epoch
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -61,9 +60,11 @@ from unbroken.integrations import checkpoint_dict, checkpoint_paths
 from unbroken.integrations.lightning_epochs import (
     at_epoch_start,
     end_epoch_of,
+    epochs_begun_as_started,
     load_positions_lightning_left,
     pulls_batches,
 )
+from unbroken.integrations.lightning_strategy import save_on_every_rank, trainer_save
 from unbroken.integrations.live_state import LiveState
 from unbroken.state.rng import capture_rng_state, restore_rng_state
 from unbroken.storage import LocalStore, Store, open_store
@@ -139,7 +140,15 @@ class UnbrokenCheckpointIO(CheckpointIO):
                 "Lightning calls a plugin on rank 0 alone unless told otherwise: give the "
                 "Trainer callbacks=[io.callback], or call io.attach(fabric) for Fabric"
             )
+        epochs_begun_as_started(checkpoint)
         manager, step = self.manager, _step_of(checkpoint, path)
+        trainer = self.callback.trainer
+        if self.callback._at_epoch_end and trainer is not None and step == trainer.global_step:
+            # an epoch's end: resume the callback's save as the next epoch starts instead
+            self.callback._at_epoch_end = "asked"
+            if path is not None and _rank() == 0:
+                checkpoint_paths.record_alias(manager.store, os.fspath(path), step)
+            return
         skipped = manager.stats.skipped_committed
         manager.save(step, self._state(checkpoint, path, filter))
         if manager.stats.skipped_committed > skipped and path is not None and _rank() == 0:
@@ -165,7 +174,7 @@ class UnbrokenCheckpointIO(CheckpointIO):
         def save_checkpoint(strategy, path, state, storage_options=None, filter=None):
             self._save(state, path, storage_options, filter)
 
-        _save_on_every_rank(fabric.strategy, FabricStrategy, save_checkpoint)
+        save_on_every_rank(fabric.strategy, FabricStrategy, save_checkpoint)
         self._fabric, self._every_rank = fabric, True
 
     def maybe_save(self, step: int, build: Callable[[], dict[str, Any]]) -> bool:
@@ -341,7 +350,8 @@ class UnbrokenCallback(OnExceptionCheckpoint):
         self.trainer: Any = None
         self.dirpath, self.filename = io.url, "last"
         self._last_step: int | None = None  # global_step at the last batch end
-        self._at_epoch_end = False  # the epoch's last step, saved as the next one starts
+        self._at_epoch_end: bool | str = False  # the epoch's last step, saved as the next
+        # one starts ("asked": a save was asked for there, made then whatever the cadence)
 
     @property
     def ckpt_path(self) -> str:  # type: ignore[override]
@@ -359,7 +369,7 @@ class UnbrokenCallback(OnExceptionCheckpoint):
                 "UnbrokenCheckpointIO; pass plugins=[io] and callbacks=[io.callback]"
             )
         self.trainer = trainer
-        _save_on_every_rank(trainer.strategy, Strategy, _trainer_save)
+        save_on_every_rank(trainer.strategy, Strategy, trainer_save)
         self.io._every_rank = True
         self.io.manager  # noqa: B018 - made here: every rank, the process group up
 
@@ -404,8 +414,12 @@ class UnbrokenCallback(OnExceptionCheckpoint):
         one is skipped), before the new epoch fetches a batch: a save before them held
         the callbacks' state of before, and a resume from it never validated the epoch.
         The fit's last epoch has its save at on_train_end."""
-        if self._at_epoch_end:
-            self._at_epoch_end = False
+        ended, self._at_epoch_end = self._at_epoch_end, False
+        if ended == "asked":  # a ModelCheckpoint's save of the epoch's end, made here
+            self.io.manager.save(
+                trainer.global_step, self.io._state(at_epoch_start(_dump(trainer)), None)
+            )
+        elif ended:
             self.io.maybe_save(trainer.global_step, lambda: at_epoch_start(_dump(trainer)))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -423,24 +437,8 @@ class UnbrokenCallback(OnExceptionCheckpoint):
 
 def _dump(trainer: Any) -> dict[str, Any]:
     """Lightning's checkpoint dict as ``trainer.save_checkpoint`` would write it."""
-    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-
-
-def _save_on_every_rank(strategy: Any, base: type, save_checkpoint: Callable) -> None:
-    """Lightning's and Fabric's base ``Strategy.save_checkpoint`` call the plugin on rank
-    0 only (its file is rank 0's to write); unbroken's save is every rank's. Strategies
-    that save in a way of their own (FSDP, DeepSpeed) are refused: they bypass the plugin."""
-    if type(strategy).save_checkpoint is not base.save_checkpoint:
-        raise RuntimeError(
-            f"UnbrokenCheckpointIO: {type(strategy).__name__} writes its checkpoints its "
-            "own way; the plugin supports strategies that save through CheckpointIO "
-            "(single device, DDP)"
-        )
-    strategy.save_checkpoint = types.MethodType(save_checkpoint, strategy)
-
-
-def _trainer_save(self: Strategy, checkpoint: Any, filepath: Any, storage_options=None) -> None:
-    self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+    connector = trainer._checkpoint_connector
+    return epochs_begun_as_started(connector.dump_checkpoint(weights_only=False))
 
 
 def _world_size() -> int:

@@ -72,6 +72,23 @@ def at_epoch_start(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return checkpoint
 
 
+def epochs_begun_as_started(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """An epoch started is an epoch begun (``ready >= started``), as in a fit never resumed.
+
+    Resumed from a save at an epoch's start, Lightning sets the epoch's ``ready`` back to
+    its ``completed`` count and does not count it again, so every later save of that fit
+    held ``ready`` one behind ``started``: a fit resumed from one of them (its last, to
+    train on with a larger max_epochs) took the ended epoch for unfinished, served one
+    batch of it and skipped the next epoch."""
+    loops = checkpoint.get("loops", {}).get("fit_loop", {})
+    epochs = loops.get("epoch_progress") if isinstance(loops, Mapping) else None
+    for part in ("total", "current"):
+        counts = epochs.get(part) if isinstance(epochs, dict) else None
+        if isinstance(counts, dict) and isinstance(counts.get("started"), int):
+            counts["ready"] = max(counts.get("ready", 0), counts["started"])
+    return checkpoint
+
+
 def _zero_current(progress: dict[str, Any]) -> None:
     for key, value in progress.items():
         if key == "current" and isinstance(value, dict):
