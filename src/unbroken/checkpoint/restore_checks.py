@@ -65,10 +65,9 @@ def check_compatible(
         elif isinstance(value, torch.Tensor) and md.properties.dtype != value.dtype:
             cast.append(f"{key} ({_dtype(md.properties.dtype)} -> {_dtype(value.dtype)})")
     if cast:  # a precision changed on purpose loads so too; by mistake, it rounds unseen
-        more = f" and {len(cast) - _SHOW} more" if len(cast) > _SHOW else ""
         warnings.warn(
             f"checkpoint {where}: tensors saved in another dtype are cast to the state's: "
-            f"{', '.join(cast[:_SHOW])}{more}. Give them the saved dtype before restoring "
+            f"{_listed(cast)}. Give them the saved dtype before restoring "
             "(model.to(dtype)) unless the change of precision is meant",
             RuntimeWarning,
             stacklevel=6,  # the caller of restore() or load()
@@ -117,8 +116,7 @@ def check_compatible(
         ("mismatched", shapes),
     ):
         if names:
-            more = f" and {len(names) - _SHOW} more" if len(names) > _SHOW else ""
-            parts.append(f"{label}: {', '.join(names[:_SHOW])}{more}")
+            parts.append(f"{label}: {_listed(names)}")
     if missing and not strict:
         parts = [p for p in parts if not p.startswith("missing")]
     grew = (
@@ -136,11 +134,9 @@ def check_compatible(
     # (settings a scheduler wrote into the optimizer's groups: this run's stay, as documented)
     left = [k for k in not_in_state if not _is_group_setting(k, optimizers)]
     if not strict and left and not parts:
-        more = f" and {len(left) - _SHOW} more" if len(left) > _SHOW else ""
         warnings.warn(
             f"checkpoint {where}: restored with strict=False without "
-            f"{', '.join(left[:_SHOW])}{more}, which the state has no place for"
-            + (f": {grew}" if regrown else ""),
+            f"{_listed(left)}, which the state has no place for" + (f": {grew}" if regrown else ""),
             RuntimeWarning,
             stacklevel=6,  # the caller of restore() or load()
         )
@@ -281,9 +277,10 @@ def check_generators(flat: FlatState, rng: RngState | None, strict: bool, where:
             )
 
 
-def _names(names: list[str]) -> str:
+def _listed(names: list[str], *, quoted: bool = False) -> str:
+    """The first _SHOW names, and how many more."""
     more = f" and {len(names) - _SHOW} more" if len(names) > _SHOW else ""
-    return f"{names[:_SHOW]}{more}"
+    return ", ".join(map(repr, names[:_SHOW]) if quoted else names[:_SHOW]) + more
 
 
 def saved_values(manifest: Manifest, durable: Store, rank: int) -> dict[str, Any]:
@@ -312,11 +309,12 @@ def saved_values(manifest: Manifest, durable: Store, rank: int) -> dict[str, Any
         )
     differed = sorted({k for v in per_rank.values() if isinstance(v, dict) for k in v})
     if rank >= manifest.world_size and (differed or manifest.world_size == 1):
+        names = _listed(differed or sorted(values), quoted=True)
         why = (
-            f"on {manifest.world_size} ranks, whose values of {differed} differed"
+            f"on {manifest.world_size} ranks, whose values of {names} differed"
             if differed  # saved on one rank, nothing tells a per-rank value from a shared one
-            else f"on one rank, so nothing tells whether its values of {_names(sorted(values))} "
-            "are per rank (a count of this rank's samples) or the job's"
+            else f"on one rank, so nothing tells whether its values of {names} are per rank "
+            "(a count of this rank's samples) or the job's"
         )
         if differed or values:
             warnings.warn(
