@@ -30,6 +30,7 @@ from unbroken.checkpoint.memory_tier import (
     MEMORY_DIR_ENV,
     SWEEP_GRACE_SECONDS,
     MemoryTierError,
+    Space,
     default_root,
     space,
     tier_key,
@@ -329,6 +330,16 @@ def test_a_tmpfs_too_small_is_an_error_with_memory_tier_true(tmp_path, small_tmp
         assert not (tmp_path / "d" / step_dir(2)).exists()
     finally:
         mgr.close()
+
+
+def test_the_reserve_is_a_tenth_of_the_tmpfs_within_bounds_that_others_need():
+    gib = 1 << 30
+    assert Space(free=0, total=24 * gib).reserve == int(2.4 * gib)
+    assert Space(free=0, total=64 << 20).reserve == 32 << 20  # half of a small tmpfs
+    assert Space(free=0, total=1 * gib).reserve == 256 << 20
+    assert Space(free=0, total=1024 * gib).reserve == 4 * gib  # not 102 GiB
+    # a shared 270 GB tmpfs with 25 GB free holds a 16.8 MB tier (the reserve was 27 GB)
+    assert Space(free=24_900_000_000, total=270_600_000_000).room_for(16_800_000)
 
 
 def test_a_tmpfs_filled_by_others_sends_saves_to_disk_never_past_the_cap(tmp_path, small_tmpfs):

@@ -65,9 +65,9 @@ class CheckpointConfig:
     tmpfs: ``$UNBROKEN_MEMORY_DIR`` or ``/dev/shm``), in place of the disk staging tier,
     so a process restarted on the node restores at about the speed of a memory copy.
     It holds two snapshots per rank (the committed one and the one being written) and
-    leaves a tenth of the tmpfs free. None: on where the tmpfs can hold that (off, with
-    one warning, where it cannot: Docker's default /dev/shm is 64 MB); True: that
-    failing is an error; False: the disk staging tier only."""
+    leaves a tenth of the tmpfs free (at most 4 GiB). None: on where the tmpfs can hold
+    that (off, with one warning, where it cannot: Docker's default /dev/shm is 64 MB);
+    True: that failing is an error; False: the disk staging tier only."""
     replicas: int = 1
     """On a job of several nodes, each node's committed snapshot is copied in the
     background from its memory tier into the memory tier of this many other nodes (the

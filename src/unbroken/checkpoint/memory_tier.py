@@ -57,7 +57,11 @@ it writes its owner record."""
 
 RESERVE_FRACTION = 0.1
 RESERVE_MIN_BYTES = 256 << 20
-"""What the tier leaves free on its tmpfs: a tenth of it, and at least 256 MiB."""
+RESERVE_MAX_BYTES = 4 << 30
+"""What the tier leaves free on its tmpfs: a tenth of it, at least 256 MiB (at most half
+of it) and at most 4 GiB. The others' needs (NCCL's buffers, DataLoader workers' batches)
+do not grow with the tmpfs: a tenth of a node's 1 TB /dev/shm would refuse a tier that
+fits many times over in what is free."""
 
 
 class MemoryTierError(CheckpointError):
@@ -126,7 +130,8 @@ class Space:
 
     @property
     def reserve(self) -> int:
-        return max(int(self.total * RESERVE_FRACTION), min(RESERVE_MIN_BYTES, self.total // 2))
+        tenth = min(int(self.total * RESERVE_FRACTION), RESERVE_MAX_BYTES)
+        return max(tenth, min(RESERVE_MIN_BYTES, self.total // 2))
 
     def room_for(self, nbytes: int, *, held: int = 0) -> bool:
         """Whether ``nbytes`` more fit with the reserve kept (``held``: bytes of ours
