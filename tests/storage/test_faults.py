@@ -121,6 +121,32 @@ def test_deadline_bounds_total_time(tmp_path):
     assert store.stats.retries < 1000
 
 
+def test_an_outage_past_a_few_seconds_is_reported_at_each_retry(tmp_path, monkeypatch, caplog):
+    """A hung or down endpoint costs up to the deadline: past SLOW_SECONDS each retry is
+    logged (what, where, how long so far, how long more), quick retries are not."""
+    monkeypatch.setattr("unbroken.storage.retry.SLOW_SECONDS", 0.2)
+    policy = RetryPolicy(max_attempts=100, base_delay=0.05, max_delay=0.05, deadline=1.0)
+    store = open_store(f"emulated::{tmp_path}", retry=policy, latency=0, outage_at=0.0)
+    with (
+        caplog.at_level("WARNING", logger="unbroken.storage.retry"),
+        pytest.raises(RetriesExhaustedError),
+    ):
+        store.read_bytes("ckpt/manifest.json")
+    said = [r.getMessage() for r in caplog.records]
+    assert said and len(said) < store.stats.retries, (said, store.stats.retries)
+    assert all("read_bytes" in m and "ckpt/manifest.json" in m for m in said), said
+    assert all("outage" in m and "of 100 failed" in m and "s more" in m for m in said), said
+    caplog.clear()
+    short = RetryPolicy(max_attempts=100, base_delay=0.01, max_delay=0.01, deadline=0.15)
+    quick = open_store(f"emulated::{tmp_path}/q", retry=short, latency=0, outage_at=0.0)
+    with (
+        caplog.at_level("WARNING", logger="unbroken.storage.retry"),
+        pytest.raises(RetriesExhaustedError),
+    ):
+        quick.exists("k")  # retried, but never past the threshold: quiet
+    assert quick.stats.retries > 1 and caplog.records == []
+
+
 @pytest.mark.parametrize("op", ["write_bytes", "upload"])
 def test_cut_writes_and_uploads_leave_nothing_behind(tmp_path, op):
     store = open_store(

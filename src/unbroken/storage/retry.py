@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from unbroken.storage.errors import final_error, is_transient
+from unbroken.storage.errors import final_error, is_transient, redact
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+SLOW_SECONDS = 5.0
+"""An operation still failing after this long says so at each further retry: a hung
+endpoint costs up to the deadline (five minutes by default), which a job's log or an
+operator at the CLI should not spend in silence. Quick retries (a throttled request)
+stay quiet."""
 
 
 @dataclass(frozen=True)
@@ -108,4 +117,22 @@ def call_with_retry(
                 raise final_error(op, url, exc, attempts=attempt, seconds=elapsed) from exc
             if stats is not None:
                 stats.retries += 1
+            if elapsed >= SLOW_SECONDS:
+                _report_slow(op, url, exc, attempt, elapsed, policy)
             time.sleep(delay)
+
+
+def _report_slow(
+    op: str, url: str, exc: BaseException, attempt: int, elapsed: float, policy: RetryPolicy
+) -> None:
+    cause = " ".join(redact(f"{type(exc).__name__}: {exc}").split())[:200]
+    log.warning(
+        "%s %s: attempt %d of %d failed, %.0f s in (%s); retrying for up to %.0f s more",
+        op,
+        redact(url),
+        attempt,
+        policy.max_attempts,
+        elapsed,
+        cause,
+        policy.deadline - elapsed,
+    )
