@@ -100,3 +100,52 @@ def test_a_killed_ranks_workers_die_with_it(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(int(signal.SIGKILL))] * 2, out.stdout
+
+
+_FORKS = """
+import logging, multiprocessing as mp, os, signal, sys, tempfile, time
+import torch
+import unbroken as ub
+from unbroken.checkpoint import preemption
+
+logging.basicConfig(level=logging.INFO)
+preemption.HANDLE_WITHIN_SECONDS = 3600.0  # a child that took the watch's handler waits so
+case = sys.argv[1]
+if case == "users-handler":
+    signal.signal(signal.SIGTERM, lambda s, f: os._exit(7))
+root = tempfile.mkdtemp()
+mgr = ub.CheckpointManager(f"{root}/ck", staging_dir=f"{root}/st")
+if case == "at-start":  # a SIGTERM in the moment each forked child starts
+    os.register_at_fork(after_in_child=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    data = [torch.full((4,), float(i)) for i in range(16)]
+    loader = torch.utils.data.DataLoader(data, batch_size=2, num_workers=2)
+    print("BATCHES", sum(1 for _ in loader), flush=True)
+proc = mp.get_context("fork").Process(target=time.sleep, args=(600,))
+proc.start()
+if case != "at-start":
+    time.sleep(0.5)
+    proc.terminate()
+proc.join(60)
+print("CHILD", proc.exitcode, flush=True)
+mgr.close()
+"""
+
+
+@pytest.mark.parametrize("case", ["default", "users-handler", "at-start"])
+def test_a_forked_child_takes_sigterm_as_it_would_without_a_manager(case):
+    """A Process or Pool worker forked while a manager is open inherited its handler: its
+    terminate() waited 10 s for a maybe_save the child never makes, and logged "SIGTERM
+    received". A DataLoader worker signalled before its own handling is set up defers
+    the signal (it did not die, but logged so, and passed it on 10 s later)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKS, case], capture_output=True, text=True, timeout=120,
+        env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    expected = {"default": -signal.SIGTERM, "users-handler": 7, "at-start": -signal.SIGTERM}
+    lines = out.stdout.split("\n")
+    assert f"CHILD {int(expected[case])}" in lines, out
+    if case == "at-start":
+        assert "BATCHES 8" in lines, out
+    assert "SIGTERM received" not in out.stderr, out.stderr

@@ -13,6 +13,11 @@ which names the sender: from its parent (torch's ``terminate()`` of a stuck work
 multiprocessing's at exit) it ends at once, as torch's handler would; from anyone else
 it waits for its parent to end (the parent is saving), then ends.
 
+A SIGTERM at a worker's very start, before that is set up, would find the parent's
+handler: a multiprocessing child is forked with SIGTERM blocked (a signal then waits), and
+unblocked once it is known not to be a DataLoader worker. Any other forked child meets
+the preemption watch's handler, which passes the signal on as if no manager were there.
+
 A worker forked from the main thread also dies with its parent at once (Linux's
 parent-death signal): it holds copies of every socket its parent had, the gloo
 connections to the other ranks among them, so a rank SIGKILLed with live workers looks
@@ -28,6 +33,7 @@ import multiprocessing
 import multiprocessing.util
 import os
 import signal
+import sys
 import threading
 
 from unbroken._util.procs import die_with_parent
@@ -44,6 +50,9 @@ _hook_registered = False
 _lock = threading.Lock()
 _forked_from_main_thread = False
 """In a child: whether its parent forked it from the parent's main thread."""
+_mask_before_fork: set[signal.Signals] | None = None
+"""In the parent during a multiprocessing fork, and in its child until its after-fork
+hook: the signal mask SIGTERM was blocked over."""
 
 
 def defer_sigterm_in_this_worker() -> None:
@@ -96,16 +105,41 @@ def watch_stopped() -> None:
 
 def _after_fork_in_child(_owner: object) -> None:
     """multiprocessing's after-fork hook, in every child it forks (before its target)."""
-    if _watches <= 0:
-        return
+    global _mask_before_fork
     target = getattr(multiprocessing.current_process(), "_target", None)
-    if getattr(target, "__module__", None) == "torch.utils.data._utils.worker":
-        defer_sigterm_in_this_worker()
+    if _watches > 0 and getattr(target, "__module__", None) == "torch.utils.data._utils.worker":
+        defer_sigterm_in_this_worker()  # a SIGTERM that came since the fork waits for it
+    elif _mask_before_fork is not None:  # not a worker: a SIGTERM that came goes on now
+        signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)
+    _mask_before_fork = None
 
 
-def _note_forking_thread() -> None:
-    global _forked_from_main_thread
+def _before_fork() -> None:
+    global _forked_from_main_thread, _mask_before_fork
     _forked_from_main_thread = threading.current_thread() is threading.main_thread()
+    if _watches > 0 and _forked_by_multiprocessing():
+        _mask_before_fork = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+def _after_fork_in_parent() -> None:
+    global _mask_before_fork
+    if _mask_before_fork is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)
+        _mask_before_fork = None
+
+
+def _forked_by_multiprocessing() -> bool:
+    """Whether this fork starts a multiprocessing child, whose after-fork hook will run
+    (a plain os.fork's child or a subprocess's would keep SIGTERM blocked)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_POPEN_FORK):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_POPEN_FORK = os.path.join("multiprocessing", "popen_fork.py")
 
 
 class _HookOwner:
@@ -114,4 +148,4 @@ class _HookOwner:
 
 _HOOK_OWNER = _HookOwner()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_note_forking_thread)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)

@@ -101,6 +101,7 @@ class PreemptionWatch:
         self._every = 1  # calls between agreements, agreed by every rank; 1: synchronous
         self._agreed_at = (0, time.monotonic())
         self._deferring_workers = False
+        self._pid = os.getpid()
         if threading.current_thread() is not threading.main_thread():
             log.warning(
                 "CheckpointManager built outside the main thread: Python delivers signals "
@@ -115,6 +116,9 @@ class PreemptionWatch:
         _watches.add(self)
 
     def _on_signal(self, signum: int, frame: FrameType | None, *, chained: bool = False) -> None:
+        if os.getpid() != self._pid:  # a forked child (a Pool's worker, a Process): not
+            self._pass_on(signum, frame)  # the watched process; as if no manager were there
+            return
         if self._exit_main:  # end_main_thread: the process ends here, as preempted
             self._exit_main = False
             raise SystemExit(EXIT_CODE)
