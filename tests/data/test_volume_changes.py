@@ -10,6 +10,7 @@ import fcntl
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -187,6 +188,23 @@ def test_a_start_with_the_remote_down_uses_the_nodes_last_listing(make_volume, t
     assert served(ds) == list(range(6))  # from the local cache
     with pytest.raises(ub.StoreError, match="cannot list"):  # asked for a new listing
         vol.dataset(retry=retry, refresh_index=True)
+
+
+def test_a_volume_refused_at_a_later_start_is_not_served_from_the_last_listing(
+    make_volume, caplog
+):
+    """The last listing bridges an outage only: a volume that now holds a path no listing
+    may leave out (a link out of it) is refused naming it, as at a first start. It was
+    served from the old listing with a warning, its new files never trained on."""
+    vol = make_volume(4)
+    assert len(vol.dataset()) == 4
+    root = Path(vol.url)
+    for i in range(4, 8):
+        (root / f"late-{i}.bin").write_bytes(b"x" * 8)
+    (root / "outside").symlink_to("/etc")
+    with pytest.raises(ub.StoreError, match="outside"):
+        vol.dataset()
+    assert "instead" not in caplog.text
 
 
 def test_a_slow_listing_says_how_to_reuse_it(make_volume, monkeypatch, caplog):

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from unbroken.storage import Entry, Store, StoreError
 from unbroken.storage.base import temp_name
-from unbroken.storage.errors import redact
+from unbroken.storage.errors import RetriesExhaustedError, redact
 
 INDEX_FORMAT = 1
 SLOW_LISTING = 30.0
@@ -185,6 +185,14 @@ def _selectable(key: str, include: Sequence[str] | None, exclude: Sequence[str] 
     return not starts or any(s.startswith(key) or key.startswith(s) for s in starts)
 
 
+def _utf8(key: str) -> bool:
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _key(entry: Entry) -> str:
     return entry.key
 
@@ -258,6 +266,13 @@ def build_index(
             f"name, which no store key may hold: {', '.join(map(repr, unreadable[:5]))}; "
             "rename them, or leave them out with exclude=['*\\\\*']"
         )
+    undecodable = [e.key for e in entries if not _utf8(e.key)]
+    if undecodable:  # a file system's bytes in no encoding: no store key may hold them
+        raise ValueError(
+            f"VolumeDataset: {len(undecodable)} file(s) at {url} have a name that is not "
+            f"UTF-8: {', '.join(map(repr, undecodable[:5]))}; rename them (convmv -f "
+            "latin1 -t utf8), or leave them out with exclude=[...]"
+        )
     if not entries:
         raise EmptyVolumeError(
             f"VolumeDataset: no files at {url} ({len(listed)} listed; include={include!r}, "
@@ -314,8 +329,8 @@ def load_or_build_index(
         try:
             index = build_index(store, include, exclude)
         except StoreError as exc:  # the remote is down: the node's last listing still serves
-            if refresh or (cached := _read(path, store.url)) is None:
-                raise
+            if refresh or not _unreachable(exc) or (cached := _read(path, store.url)) is None:
+                raise  # not an outage (a path refused, a key no client lists): say it
             log.warning(
                 "%s; using this node's listing of %s from %s (%d files) instead",
                 exc, cached.url, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now[1] / 1e9)),
@@ -334,6 +349,17 @@ def load_or_build_index(
         except OSError as exc:
             log.warning("file index not cached at %s: %s", path, exc)
         return index
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether a listing failed because the store did not answer through its retries (an
+    outage the node's last listing may bridge), not because of what the volume holds."""
+    node: BaseException | None = exc
+    while node is not None:
+        if isinstance(node, RetriesExhaustedError):
+            return True
+        node = node.__cause__
+    return False
 
 
 def check_max_age(max_age: object) -> float | None:
