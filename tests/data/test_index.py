@@ -104,6 +104,19 @@ def test_a_link_out_of_the_volume_is_refused_unless_the_filters_leave_it_out(tmp
         assert [e.key for e in build_index(open_store(vol), **kw).entries] == ["train/a.bin"]
 
 
+def test_a_name_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    """A Latin-1 name on a path crashed the start with a bare UnicodeEncodeError naming
+    neither the file nor the volume."""
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    (vol / "a.bin").write_bytes(b"a")
+    with open(os.path.join(os.fsencode(vol), b"caf\xe9.bin"), "wb") as f:
+        f.write(b"b")
+    with pytest.raises(ValueError, match=r"not UTF-8: 'caf\\udce9.bin'.*exclude"):
+        build_index(open_store(vol))
+    assert [e.key for e in build_index(open_store(vol), exclude=["caf*"]).entries] == ["a.bin"]
+
+
 @pytest.mark.s3
 def test_unreachable_volume_names_the_url(s3_server, tmp_path):
     url = "s3://no-such-bucket-here/data"
