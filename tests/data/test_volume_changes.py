@@ -190,9 +190,7 @@ def test_a_start_with_the_remote_down_uses_the_nodes_last_listing(make_volume, t
         vol.dataset(retry=retry, refresh_index=True)
 
 
-def test_a_volume_refused_at_a_later_start_is_not_served_from_the_last_listing(
-    make_volume, caplog
-):
+def test_a_volume_refused_at_a_later_start_is_not_served_from_the_last_listing(make_volume, caplog):
     """The last listing bridges an outage only: a volume that now holds a path no listing
     may leave out (a link out of it) is refused naming it, as at a first start. It was
     served from the old listing with a warning, its new files never trained on."""
