@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -127,6 +128,42 @@ def test_a_loop_that_stops_early_stops_the_fill(make_volume):
     it.close()
     assert loader._filler is None
     _assert_fill_ended()
+
+
+def _filler_fds() -> list[str]:
+    fds = (os.path.join("/proc/self/fd", fd) for fd in os.listdir("/proc/self/fd"))
+    return [t for t in map(_target, fds) if "/fillers/" in t]
+
+
+def _target(link: str) -> str:
+    try:
+        return os.readlink(link)
+    except OSError:
+        return ""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists fds in /proc")
+def test_a_loader_over_a_bounded_cache_leaves_no_record_open_after_its_epoch(make_volume):
+    """Each loader that filled a bounded cache kept its filler record open in the
+    training process (one fd and one locked file per loader, for good): a job making
+    an eval loader per epoch grew without bound."""
+    vol = make_volume(64)
+    filled = 0
+    for i in range(3):
+        ds = vol.dataset(cache_limit=1 << 20, cache_dir=str(vol.tmp / f"cache{i}"))
+        loader = DataLoader(ds, batch_size=2, num_workers=2, fill_ahead=True, timeout=60)
+        assert sum(len(flatten(b)) for b in loader) == 64
+        filled += ds._per_process().cache.stats.misses > 0  # (the workers may beat it)
+        _assert_fill_ended()
+        assert _filler_fds() == []
+        mine = [
+            n
+            for n in os.listdir(vol.tmp / f"cache{i}" / "fillers")
+            if n.startswith(f"{os.getpid()}-")
+        ]
+        assert mine == []  # (a worker's, left at its end, goes at the next sweep)
+    assert filled, "no loader's fill fetched a file: nothing was tried"
 
 
 @pytest.mark.multiprocess

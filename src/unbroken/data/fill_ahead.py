@@ -128,6 +128,8 @@ class FillAhead:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
+        if not any(t.is_alive() for t in self._threads):
+            self.cache.layout.end_fills()
 
     def _take(self) -> Entry | None:
         """The next file to fetch once the loop is near enough; None when done."""

@@ -349,6 +349,15 @@ class CacheLayout:
             self._ledger_pid = os.getpid()
         return self._ledger_fd
 
+    def end_fills(self) -> None:
+        """This process's fills are over for now (a fill ahead closed with its epoch or
+        its loader): its record goes, so a loader dropped keeps no descriptor nor file
+        open; the next fill makes one again."""
+        if self.fillers.held:
+            with self.ledger():
+                self.fillers.release()
+            self.close()
+
     def close(self) -> None:
         """Close this process's ledger descriptor (reopened on next use)."""
         with self._ledger_mutex:

@@ -65,6 +65,11 @@ class FillerRecords:
         os.pwrite(self._fd, _RESERVED.pack(held), 0)
         self.reserved = held
 
+    @property
+    def held(self) -> bool:
+        """Whether this process has a record open."""
+        return self._fd is not None and self._pid == os.getpid()
+
     def release(self) -> None:
         """Remove this process's record if no fill holds bytes. Call under the ledger lock."""
         if self._fd is not None and self._pid == os.getpid() and self.reserved == 0:
