@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -279,6 +280,22 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path):
     with manager(tmp_path) as mgr, pytest.warns(RuntimeWarning, match="falling back"):
         assert mgr.restore(fresh) == 2
     assert_same(snapshot(fresh), expected)
+    # Retrained up to the damaged step, the run may not save over it: every restart would
+    # end here, so the refusal says what happened and what to do (not "two jobs?").
+    mgr = manager(tmp_path)
+    with pytest.warns(RuntimeWarning, match="falling back"):
+        assert mgr.restore(make_state(5)) == 2
+    assert mgr.save(3, fresh)
+    try:
+        with pytest.raises(SaveFailedError) as err:
+            mgr.save(4, fresh)
+            mgr.wait()
+    finally:
+        with contextlib.suppress(SaveFailedError):
+            mgr.close()
+    message = str(err.value)
+    assert "this run's restore found it unusable" in message and "--step 4" in message
+    assert "two jobs" not in message
 
 
 def test_corrupt_local_copy_reads_durable_same_step(tmp_path):

@@ -37,7 +37,7 @@ from unbroken.checkpoint.errors import (
     StepBehindError,
     refusal_from_fields,
 )
-from unbroken.checkpoint.format.manifest import FileRecord, Manifest, committed_by, step_dir
+from unbroken.checkpoint.format.manifest import FileRecord, Manifest, committed_refusal, step_dir
 from unbroken.checkpoint.format.planners import PinnedSavePlanner, unlike_copies_in
 from unbroken.checkpoint.format.shard_layout import TensorLayout
 from unbroken.checkpoint.format.writer import TierWriter
@@ -291,11 +291,7 @@ class SavePipeline:
                 )
                 problem = str(exc)
             elif g.is_coordinator and step in self.index.committed_steps():  # an unusable one
-                problem = (
-                    f"step {step} is already committed at {self.durable.url_for(name)}"
-                    f"{committed_by(self.durable, step)}; a committed checkpoint is never "
-                    "overwritten"
-                )
+                problem = committed_refusal(self.durable, step, passed_over=step in self.unusable)
             elif g.is_coordinator and (damaged := self.index.damaged(step)) is not None:
                 problem = (
                     f"step {step} at {self.durable.url_for(name)} holds a damaged checkpoint "

@@ -29,6 +29,7 @@ from unbroken.checkpoint.errors import (
 )
 from unbroken.checkpoint.format.writers import describe_writer, writer_identity
 from unbroken.storage import ObjectExistsError, ObjectNotFoundError, Store
+from unbroken.storage.errors import redact
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +317,23 @@ def committed_by(store: Store, step: int) -> str:
     return (
         f" by {describe_writer(writer)} (two jobs saving to one URL, or an earlier run "
         "whose newer steps this run's restore passed over as unusable?)"
+    )
+
+
+def committed_refusal(store: Store, step: int, *, passed_over: bool) -> str:
+    """Why a save of ``step``, committed already, is refused. ``passed_over``: this run's
+    restore found it unusable and loaded an older one, then trained up to it again."""
+    where = store.url_for(step_dir(step))
+    if passed_over:  # every restart would retrain to it and fail here: say what to do
+        return (
+            f"step {step} is committed at {where}, but this run's restore found it unusable "
+            "and loaded an older step (its warning says why); a committed checkpoint is "
+            f"never overwritten, so step {step} is not saved. Check it with `unbroken verify "
+            f"{redact(store.url)} --step {step}`, then delete {where} to save it again"
+        )
+    return (
+        f"step {step} is already committed at {where}{committed_by(store, step)}; a "
+        "committed checkpoint is never overwritten"
     )
 
 
