@@ -661,3 +661,37 @@ def test_a_model_and_its_ema_in_two_managers_both_save_the_preempted_step(tmp_pa
     for url in ("model", "ema"):
         listed = list_checkpoints(ub.open_store(str(tmp_path / url)))
         assert [c.step for c in listed] == [20], (url, proc.stderr)
+
+
+_MADE_IN_THE_LOOP = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+import unbroken as ub
+
+dist.init_process_group("gloo", rank=0, world_size=1)
+state, mgr = {"w": torch.zeros(3)}, None
+for step in range(1, 60):
+    time.sleep(0.25)  # a step
+    if mgr is None:  # made at the first call, as Fabric's plugin does
+        mgr = ub.CheckpointManager(sys.argv[1], staging_dir=sys.argv[2], every_steps=1000)
+    if step == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    mgr.maybe_save(step, state)
+print("NOT PREEMPTED", flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_manager_made_in_the_loops_first_call_takes_a_sigterm_up_at_once(tmp_path):
+    """Fabric's plugin makes its manager inside the first maybe_save: the first agreement
+    timed that call at 0 s and settled on agreeing every 16 calls, so a SIGTERM waited up
+    to 32 steps, and with steps over 0.45 s the 10 s watchdog ended the job unsaved."""
+    env = dict(rank_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    url = str(tmp_path / "ck")
+    out = subprocess.run(
+        [sys.executable, "-c", _MADE_IN_THE_LOOP, url, str(tmp_path / "st")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == EXIT_CODE, out.stdout + out.stderr
+    committed = [c.step for c in list_checkpoints(ub.open_store(url)) if c.committed]
+    assert committed and committed[0] <= 4, (committed, out.stderr)

@@ -263,8 +263,11 @@ class PreemptionWatch:
         calls, since = self._agreed_at
         if self._calls - calls < self._every:
             return False
-        per_call = (time.monotonic() - since) / max(self._calls - calls, 1)
-        proposal = max(1, min(MAX_CALLS_BETWEEN, int(AGREE_EVERY_SECONDS / max(per_call, 1e-6))))
+        if self._calls == 1:  # no step timed yet: the manager may have been made just now,
+            proposal = 1  # in this very call (Fabric's plugin), and 0 s a call means 16
+        else:
+            per_call = max((time.monotonic() - since) / max(self._calls - calls, 1), 1e-6)
+            proposal = max(1, min(MAX_CALLS_BETWEEN, int(AGREE_EVERY_SECONDS / per_call)))
         self._agreed_at = (self._calls, time.monotonic())
         mine = torch.tensor([0 if self.received is None else 1, proposal], dtype=torch.int64)
         if self._every == 1:  # long steps: agree now
