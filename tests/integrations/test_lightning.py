@@ -427,6 +427,14 @@ def test_fabric_save_and_load_on_one_device_go_through_the_plugin(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
     assert optim.optimizer.state[next(model.parameters())]["step"] == 1
     assert not (tmp_path / "fabric.ckpt").exists()  # the name Fabric gave it, not a file
+    # another run's step folder names that run's step 3, not this one's: it loaded this
+    # run's step 3 without a word
+    other = tmp_path / "other-run" / "step-000000000003" / "manifest.json"
+    with pytest.raises(NoCheckpointError, match="other-run"):
+        fabric.load(other, state)
+    inside = tmp_path / "ckpt" / "step-000000000003" / "manifest.json"
+    fabric.load(os.path.relpath(inside), state)  # this run's, as last_checkpoint() names it
+    assert state["step"] == 3
     io.teardown()
 
 

@@ -14,13 +14,24 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 
-from unbroken.storage import ObjectNotFoundError, Store
+from unbroken.storage import LocalStore, ObjectNotFoundError, Store
 
 log = logging.getLogger(__name__)
 
 FOLDER = "lightning-paths"
 """The folder of the aliases, in the checkpoint root beside the step directories."""
+
+
+def inside(store: Store, path: str) -> bool:
+    """Whether ``path`` lies under the checkpoint root: only there does a ``step-N``
+    folder in it name this run's step N (another run's would load this one's)."""
+    if isinstance(store, LocalStore):
+        if "://" in path:
+            return path.startswith("file://") and inside(store, path[len("file://") :])
+        return os.path.abspath(path).startswith(os.path.abspath(store.root) + os.sep)
+    return path.startswith(store.url.rstrip("/") + "/")
 
 
 def alias_key(path: str) -> str:

@@ -256,7 +256,7 @@ class UnbrokenCheckpointIO(CheckpointIO):
     def _step_for(self, path: str) -> int:
         store = self.manager.store
         for part in (os.path.basename(os.path.dirname(path)), os.path.basename(path)):
-            step = parse_step_dir(part)
+            step = parse_step_dir(part) if checkpoint_paths.inside(store, path) else None
             if step is not None:
                 return step
         committed = sorted((c.step for c in list_checkpoints(store) if c.committed), reverse=True)
