@@ -92,3 +92,28 @@ def test_an_attempt_no_rank_of_which_kept_its_start_is_told_by_its_own_events(ca
     b = job_breakdown({"a1": {0: whole}, "a2": {0: headless}}, 0)
     assert [a.stand_in_rank for a in b.attempts] == [None, None]
     assert "attempt a2: no rank's log has its start" in caplog.text
+
+
+def test_the_jobs_view_takes_each_attempt_from_the_rank_that_got_furthest():
+    """A SIGKILLed rank loses its last second of events: told by rank 0 alone (killed at
+    step 6, after a save of step 2), the crash wasted nothing. The job's view tells the
+    attempt by the rank whose events reach step 6 (the one torchrun stopped)."""
+
+    def ran(start: float, steps: range, restored: int | None = None) -> AttemptWriter:
+        a = AttemptWriter(start)
+        if restored is not None:
+            a.restore(0.5, restored)
+        for s in steps:
+            a.step(s, 1.0)
+        return a
+
+    killed = ran(0, range(1, 3))  # its steps 3-6 never reached the store
+    stopped = ran(0, range(1, 7))
+    log = {
+        "a1": {0: killed.events, 1: stopped.events},
+        "a2": {r: ran(8, range(3, 9), restored=2).end().events for r in (0, 1)},
+    }
+    assert job_breakdown(log, 0).wasted_steps == 0
+    job = job_breakdown(log)
+    assert job.rank is None and job.wasted_steps == 4 and job.seconds["wasted"] == 4.0
+    assert [a.last_step for a in job.attempts] == [6, 8]

@@ -27,7 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("url", help="the checkpoint root")
     p.add_argument("--json", action="store_true", help="print the breakdown as JSON")
-    p.add_argument("--rank", type=int, default=0, help="whose timeline (default 0: the job's)")
+    p.add_argument(
+        "--rank",
+        type=int,
+        help="one rank's timeline (default: the job's, each attempt as told by the rank "
+        "whose events reach furthest: a rank SIGKILLed loses its last second of them)",
+    )
     p.add_argument(
         "--job",
         help="whose attempts, where several jobs wrote under URL (the names it lists)",
@@ -42,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.rank < 0:
+    if args.rank is not None and args.rank < 0:
         raise CliError(f"--rank must be >= 0, got {args.rank}", code=2)
     store = open_existing(args.url, storage_options(args))
     log = read_log(store)
@@ -126,7 +131,8 @@ def render(b: Breakdown, job: str | None = None) -> str:
     runs = f"{b.runs} runs, " if b.runs > 1 else ""
     named = f", job {job}" if job else ""
     head = (
-        f"goodput {b.goodput:.1%} of {text.duration(b.wall_seconds)} wall (rank {b.rank}"
+        f"goodput {b.goodput:.1%} of {text.duration(b.wall_seconds)} wall "
+        f"({'the job' if b.rank is None else f'rank {b.rank}'}"
         f"{named}), {runs}{restarts}, {b.steps} steps ({b.wasted_steps} wasted)"
     )
     wall = b.wall_seconds or 1.0

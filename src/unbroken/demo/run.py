@@ -226,8 +226,8 @@ def report(args: argparse.Namespace, reference: Run, crashed: Run) -> bool:
     from unbroken.goodput.breakdown import job_breakdown
     from unbroken.goodput.events import read_log
 
-    b = job_breakdown(read_log(ub.open_store(crashed.checkpoints)), 0)
-    ref_b = job_breakdown(read_log(ub.open_store(reference.checkpoints)), 0)
+    b = job_breakdown(read_log(ub.open_store(crashed.checkpoints)))
+    ref_b = job_breakdown(read_log(ub.open_store(reference.checkpoints)))
     print("\n== where the time of the crashed run went (`unbroken goodput` on its checkpoints)")
     print(render(b))
     print(f"\nthe same job without failures (the reference run): goodput {ref_b.goodput:.1%} "

@@ -111,9 +111,9 @@ class AttemptSummary:
 
 @dataclass
 class Breakdown:
-    """One rank's timeline over every attempt (rank 0's is the job's figure)."""
+    """One rank's timeline over every attempt, or the job's (``rank`` None)."""
 
-    rank: int
+    rank: int | None
     wall_seconds: float
     seconds: dict[str, float]
     attempts: list[AttemptSummary]
@@ -155,13 +155,20 @@ class Breakdown:
         }
 
 
-def job_breakdown(log: Mapping[str, Mapping[int, Sequence[ev.Event]]], rank: int = 0) -> Breakdown:
-    """The breakdown of ``rank``'s timeline (``log`` as ``events.read_log`` returns it).
+def job_breakdown(
+    log: Mapping[str, Mapping[int, Sequence[ev.Event]]], rank: int | None = None
+) -> Breakdown:
+    """The breakdown of ``rank``'s timeline (``log`` as ``events.read_log`` returns it);
+    None: the job's, each attempt as told by the rank whose log reaches its furthest
+    step. A rank SIGKILLed loses its last second of events, and with them the steps a
+    restart redoes: told by that rank alone, a crash wasted nothing.
 
     An attempt in which ``rank`` left no event (it died before its first write, on a node
     never used again), or lost its START (its first object emptied or deleted), still
     happened: the lowest rank with a START stands in for it (in data-parallel training
     every rank runs the same steps)."""
+    if rank is None:
+        return breakdown({a: _job_told(ranks) for a, ranks in log.items() if ranks}, rank=None)
     if not any(rank in ranks for ranks in log.values()):
         return breakdown({}, rank=rank)
     chosen: dict[str, Sequence[ev.Event]] = {}
@@ -185,6 +192,23 @@ def job_breakdown(log: Mapping[str, Mapping[int, Sequence[ev.Event]]], rank: int
     return breakdown(chosen, rank=rank, stand_in=stand_in)
 
 
+def _job_told(ranks: Mapping[int, Sequence[ev.Event]]) -> Sequence[ev.Event]:
+    """One attempt as the job saw it: the events of the rank (one with its START, where
+    any has it) that reach the highest step, then the latest moment; without its END
+    where a rank that started has none (that rank died: the attempt did not end clean)."""
+    started = {r: e for r, e in ranks.items() if _has_start(e)} or ranks
+
+    def reach(r: int) -> tuple[int, float, int]:
+        events = started[r]
+        steps = [e.step for e in events if e.kind == ev.STEP and e.step is not None]
+        return (max(steps, default=-1), max((e.t for e in events), default=0.0), -r)
+
+    told = started[max(started, key=reach)]
+    if all(any(e.kind == ev.END for e in events) for events in started.values()):
+        return told
+    return [e for e in told if e.kind != ev.END]
+
+
 def _has_start(events: Sequence[ev.Event] | None) -> bool:
     return bool(events) and any(e.kind == ev.START for e in events)  # type: ignore[union-attr]
 
@@ -197,7 +221,7 @@ def per_rank(log: Mapping[str, Mapping[int, Sequence[ev.Event]]]) -> dict[int, B
 def breakdown(
     attempts: Mapping[str, Sequence[ev.Event]],
     *,
-    rank: int = 0,
+    rank: int | None = 0,
     stand_in: Mapping[str, int] | None = None,
 ) -> Breakdown:
     """One rank's attempts (``{attempt id: its events}``), ordered by their start;
