@@ -168,7 +168,7 @@ def job_breakdown(
     happened: the lowest rank with a START stands in for it (in data-parallel training
     every rank runs the same steps)."""
     if rank is None:
-        return breakdown({a: _job_told(ranks) for a, ranks in log.items() if ranks}, rank=None)
+        return breakdown({a: job_events(ranks) for a, ranks in log.items() if ranks}, rank=None)
     if not any(rank in ranks for ranks in log.values()):
         return breakdown({}, rank=rank)
     chosen: dict[str, Sequence[ev.Event]] = {}
@@ -192,7 +192,7 @@ def job_breakdown(
     return breakdown(chosen, rank=rank, stand_in=stand_in)
 
 
-def _job_told(ranks: Mapping[int, Sequence[ev.Event]]) -> Sequence[ev.Event]:
+def job_events(ranks: Mapping[int, Sequence[ev.Event]]) -> Sequence[ev.Event]:
     """One attempt as the job saw it: the events of the rank (one with its START, where
     any has it) that reach the highest step, then the latest moment; without its END
     where a rank that started has none (that rank died: the attempt did not end clean)."""

@@ -33,6 +33,7 @@ from typing import Any
 from unbroken._util.job import job_id
 from unbroken.goodput import events as ev
 from unbroken.goodput import jobs
+from unbroken.goodput.breakdown import job_events
 from unbroken.goodput.running import RunningGoodput
 from unbroken.storage import ObjectNotFoundError, Store
 
@@ -176,8 +177,8 @@ class MlflowSink:
         """Earlier attempts' events, read once: the running goodput spans the whole job
         (this job's: another job writing the same root is not ours)."""
         log_so_far = jobs.of_attempt(ev.read_log(self.store), self.attempt)
-        earlier = {
-            a: ranks[0] for a, ranks in log_so_far.items() if a != self.attempt and 0 in ranks
+        earlier = {  # as the CLI's job figure tells them (a killed rank 0 lost steps)
+            a: job_events(ranks) for a, ranks in log_so_far.items() if a != self.attempt and ranks
         }
         running = RunningGoodput(self.attempt, earlier)
         self.recorder.log.merge_history_steps_above(running.earlier_newest_step)
