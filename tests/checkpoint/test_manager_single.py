@@ -461,6 +461,26 @@ def test_planted_pickle_is_never_executed(tmp_path):
     assert not marker.exists()
 
 
+class Refusing(EvilStateful):
+    def load_state_dict(self, sd):
+        raise ValueError("this loader's files are not the checkpoint's")
+
+
+def test_an_entry_that_refuses_its_state_is_named_and_nothing_is_loaded(tmp_path):
+    """A LoaderStateError said what was wrong with the files, not which entry of the state
+    raised it: the advice (leave that entry out) needs its name."""
+    model = nn.Linear(2, 2)
+    with manager(tmp_path) as mgr:
+        mgr.save(2, {"model": model, "feed": EvilStateful(1)})
+        mgr.wait()
+    fresh = nn.Linear(2, 2)
+    before = fresh.weight.detach().clone()
+    with manager(tmp_path) as mgr, pytest.raises(ValueError, match="not the checkpoint") as err:
+        mgr.restore({"model": fresh, "feed": Refusing(0)})
+    assert any("'feed'" in note for note in getattr(err.value, "__notes__", [])), err.value
+    assert torch.equal(fresh.weight, before)  # refused before any weight was loaded
+
+
 def test_another_model_is_a_mismatch_naming_keys(tmp_path):
     with manager(tmp_path) as mgr:
         mgr.save(2, {"model": nn.Linear(4, 3), "epoch": 1})

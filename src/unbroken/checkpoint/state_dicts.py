@@ -3,8 +3,7 @@
 A checkpoint holds one flat ``{key: tensor | DTensor | plain value}`` dict whose keys are
 ``<entry>.<path>`` joined with dots, exactly as DCP's own flattening would name them, so a
 vanilla ``dcp.load({"model": get_model_state_dict(model)}, ...)`` finds the same keys.
-JSON-able entries (``"epoch": 3``) do not go through DCP at all: they travel as JSON in
-the manifest and are restored by replacing the entry in the mapping.
+JSON-able entries (``"epoch": 3``) travel as JSON in the manifest, not through DCP.
 
 Entry kinds, in the order they are recognised:
 - ``nn.Module`` (plain, DDP, FSDP2): ``get_model_state_dict`` / ``set_model_state_dict``.
@@ -21,7 +20,7 @@ A restore rebuilds each entry's state dict over the structure it was collected w
 (empty mappings, ``Counter`` milestones and all), except an optimizer's per-parameter state,
 which depends on the training so far (none before the first step, none for a parameter
 that never had a gradient, LBFGS's growing history): that part is laid out from the
-checkpoint (:func:`fit_to_saved`). Nothing here runs an optimizer step.
+checkpoint (:func:`fit_to_saved`).
 """
 
 from __future__ import annotations
@@ -69,8 +68,7 @@ class FlatState:
     paths: dict[str, Path] = field(default_factory=dict)
     """Flat key -> path inside the nested state dict (``(entry, k1, k2, ...)``)."""
     first: set[str] = field(default_factory=set)
-    """Flat keys of module buffers (forward may change them, so they are staged first):
-    saved from the lowest rank that holds them."""
+    """Flat keys of module buffers (staged first): saved from the lowest rank holding them."""
     generators: dict[str, torch.Generator] = field(default_factory=dict)
     """Generator entries: per-rank state, saved in the rank's RNG record."""
     nested: dict[str, Any] = field(default_factory=dict)
@@ -495,4 +493,8 @@ def _apply_entry(state: MutableMapping[str, Any], flat: FlatState, name: str, lo
     elif kind == KIND_GENERATOR:
         value.set_state(loaded)
     else:
-        value.load_state_dict(loaded)
+        try:
+            value.load_state_dict(loaded)
+        except Exception as e:  # its own words may not say which entry refused (a loader's)
+            e.add_note(f"(raised by the state's entry {name!r} loading its state)")
+            raise
