@@ -396,3 +396,18 @@ def test_killed_and_preempted_accelerate_recipe_ends_bitwise_equal_to_an_uninter
     launch = functools.partial(_launch, script=ACCELERATE_JOB)
     reference, job = launch_reference_and_faulted(launch, tmp_path, volume)
     check_killed_then_preempted(reference, job, STEPS, STEPS_PER_EPOCH)
+
+
+def test_a_loader_accelerate_prepares_says_to_iterate_it_as_it_is(tmp_path):
+    """accelerate's prepare(loader) rebuilds a DataLoader from ours: it raised a TypeError
+    about a Delivery (one process), served internal records as batches, or on 2 ranks
+    served nothing, and the recipe's `while step < 8` spun for ever."""
+    accelerate = pytest.importorskip("accelerate")
+    volume = toy_volume(tmp_path, files=8)
+    loader = ub.DataLoader(
+        ub.VolumeDataset(str(volume), decode=lambda d, k: torch.tensor(list(d))), batch_size=2
+    )
+    prepared = accelerate.Accelerator(cpu=True).prepare(loader)
+    with pytest.raises(TypeError, match=r"accelerate's prepare\(loader\).*itself"):
+        next(iter(prepared))
+    assert sum(len(b) for b in loader) == 8  # ours, iterated as it is

@@ -249,13 +249,18 @@ class DataLoader(torch.utils.data.DataLoader):
         self._restart_requested = False
         # forks the workers, if new (a fill thread still finishing a fetch is harmless: a
         # child resets the cache's locks and closes what it inherited, cache.py)
-        it = super().__iter__()
-        self._start_filling(epoch, start)  # now, not once they are born: they start at once
+        stream = self.dataset
+        stream.starting = True  # what iterates it, or forks workers that do, is ours
         try:
-            return self._replace_stuck_workers(it, epoch, start)
-        except BaseException:
-            self._stop_filling()
-            raise
+            it = super().__iter__()
+            self._start_filling(epoch, start)  # now, not once they are born: they start at once
+            try:
+                return self._replace_stuck_workers(it, epoch, start)
+            except BaseException:
+                self._stop_filling()
+                raise
+        finally:
+            stream.starting = False
 
     def _start_filling(self, epoch: int, start: int) -> None:
         if self.fill_ahead and self.num_workers > 0:
@@ -424,8 +429,18 @@ class _PlannedStream(IterableDataset):
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.collate_fn = collate_fn
+        self.starting = False
+        """Set while its DataLoader starts an epoch (its workers inherit it as forked)."""
 
     def __iter__(self) -> Iterator[Delivery]:
+        if not self.starting:  # a loader rebuilt from this one: internal records, no order
+            raise TypeError(
+                "an unbroken.DataLoader's dataset is iterated by another DataLoader made "
+                "from it (accelerate's prepare(loader), a wrapper that rebuilds it): it "
+                "yields internal records, not batches. Iterate the unbroken.DataLoader "
+                "itself; it already gives each rank its part (prepare the model and "
+                "optimizer only)"
+            )
         generation, epoch, start = (int(v) for v in self.plan.tolist())
         info = get_worker_info()
         if info is not None:  # outlive a SIGTERM meant for the rank (see worker_sigterm)
