@@ -14,6 +14,7 @@ import pickle
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -453,6 +454,18 @@ def test_killed_and_preempted_fabric_loop_ends_bitwise_equal_to_an_uninterrupted
     check_killed_then_preempted(reference, job, STEPS, STEPS_PER_EPOCH)
     for run in ("reference", "job"):
         assert not (tmp_path / run / "fabric-checkpoints").exists()
+
+
+def test_a_step_that_is_not_an_int_is_named_with_its_type(tmp_path):
+    io = UnbrokenCheckpointIO(tmp_path / "ckpt", staging_dir=tmp_path / "stage")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model = fabric.setup(torch.nn.Linear(4, 2))
+    for step, name in ((np.int64(3), "int64"), (torch.tensor(3), "Tensor")):
+        with pytest.raises(ValueError, match=rf"'step' is .* \({name}\); pass int\(step\)"):
+            fabric.save(tmp_path / "x.ckpt", {"model": model, "step": step})
+    with pytest.raises(ValueError, match=r"has no 'global_step' or 'step'"):
+        fabric.save(tmp_path / "x.ckpt", {"model": model})
+    io.teardown()
 
 
 def test_fabric_attached_maybe_save_takes_fabric_state_and_save_keeps_its_filter(tmp_path):

@@ -323,9 +323,12 @@ def _step_of(checkpoint: Mapping[str, Any], path: Any) -> int:
         step = checkpoint.get(key)
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
             return step
+    found = [f"{k!r} is {checkpoint[k]!r} ({type(checkpoint[k]).__name__})" for k in
+             ("global_step", "step") if k in checkpoint]  # fmt: skip
     raise ValueError(
         f"UnbrokenCheckpointIO: the checkpoint saved to {path} has no 'global_step' or "
-        "'step' (a non-negative int): unbroken names each checkpoint by its step"
+        "'step' that is a non-negative int (unbroken names each checkpoint by its step)"
+        + (f": {'; '.join(found)}; pass int(step)" if found else "")
     )
 
 
