@@ -611,6 +611,20 @@ def test_staging_disk_full_is_a_clear_failure(tmp_path):
     assert "committed: [1]" in out, out
 
 
+def test_a_clean_end_leaves_nothing_in_the_default_staging_place(tmp_path, monkeypatch):
+    """Every URL a clean run saved to left two empty folders in /tmp for good (a
+    notebook's or a test suite's runs piled up a thousand)."""
+    base = tmp_path / "stage-base"
+    monkeypatch.setenv("UNBROKEN_STAGING_DIR", str(base))
+    for run in range(2):  # the second run finds nothing of the first, and saves as well
+        with ub.CheckpointManager(str(tmp_path / "durable" / str(run))) as mgr:
+            assert mgr.save(1, make_state())
+        assert list(base.iterdir()) == [], sorted(p.name for p in base.iterdir())
+    with ub.CheckpointManager(str(tmp_path / "durable" / "0")) as mgr:  # a resume
+        assert mgr.restore(make_state()) == 1
+        assert mgr.save(2, make_state())
+
+
 def test_reused_staging_dir_with_a_stale_local_copy(tmp_path):
     state = {"w": torch.ones(10)}
     with manager(tmp_path, url=str(tmp_path / "run1")) as mgr:

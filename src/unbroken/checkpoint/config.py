@@ -9,11 +9,11 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from unbroken._util.staging_base import default_staging_base
 from unbroken.storage import RetryPolicy
 
 
@@ -249,9 +249,7 @@ def check_option_names(names: Iterable[str], who: str = "CheckpointManager") -> 
 
 def default_staging_dir(url: str) -> str:
     """A per-job local directory, stable across restarts of the same job."""
-    base = os.environ.get("UNBROKEN_STAGING_DIR") or os.path.join(
-        tempfile.gettempdir(), f"unbroken-staging-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    )
+    base = default_staging_base()
     key = url if "://" in url or "::" in url else os.path.abspath(url)
     return os.path.join(base, hashlib.sha1(key.encode()).hexdigest()[:16])
 

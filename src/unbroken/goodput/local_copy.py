@@ -16,6 +16,8 @@ import logging
 import os
 from typing import BinaryIO
 
+from unbroken._util.staging_base import is_default_staging_dir
+
 log = logging.getLogger(__name__)
 
 
@@ -69,7 +71,8 @@ class LocalCopy:
             self._file = None
 
     def remove(self) -> None:
-        """Delete the file, and the folder once no other rank's file is left in it."""
+        """Delete the file, and the folder once no other rank's file is left in it (and
+        a default staging dir holding nothing else)."""
         self.close()
         try:
             os.unlink(self.path)
@@ -77,5 +80,7 @@ class LocalCopy:
             return
         try:
             os.rmdir(self.dir)  # only if empty: other ranks' logs stay
+            if is_default_staging_dir(staging := os.path.dirname(self.dir)):
+                os.rmdir(staging)  # one unbroken chose, if nothing else is there
         except OSError:
             pass

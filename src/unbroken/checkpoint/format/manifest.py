@@ -297,7 +297,7 @@ def manifest_key(step: int) -> str:
     return f"{step_dir(step)}/{MANIFEST_NAME}"
 
 
-def committed_by(store: Store, step: int) -> str:
+def committed_by(store: Store, step: int, *, guess: bool = True) -> str:
     """' by <the job that wrote it> (...)' for a step another process committed, '' when
     this process did (or the record cannot be read: the caller's words stand). An earlier
     attempt of this job (or run) committed it where this run restored an older step: the
@@ -314,6 +314,8 @@ def committed_by(store: Store, step: int) -> str:
             f" by an earlier attempt of this job ({describe_writer(writer)}), after the "
             "step this run restored"
         )
+    if not guess:  # the caller knows why
+        return f" by {describe_writer(writer)}"
     return (
         f" by {describe_writer(writer)} (two jobs saving to one URL, or an earlier run "
         "whose newer steps this run's restore passed over as unusable?)"
@@ -326,7 +328,8 @@ def committed_refusal(store: Store, step: int, *, passed_over: bool) -> str:
     where = store.url_for(step_dir(step))
     if passed_over:  # every restart would retrain to it and fail here: say what to do
         return (
-            f"step {step} is committed at {where}, but this run's restore found it unusable "
+            f"step {step} is committed at {where}{committed_by(store, step, guess=False)}, "
+            "but this run's restore found it unusable "
             "and loaded an older step (its warning says why); a committed checkpoint is "
             f"never overwritten, so step {step} is not saved. Check it with `unbroken verify "
             f"{redact(store.url)} --step {step}`, then delete {where} to save it again"

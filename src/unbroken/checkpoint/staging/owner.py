@@ -11,11 +11,13 @@ too (``open_managers`` closes an older manager on the dir before a new one claim
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
 
 from unbroken._util.procs import process_alive, process_start_ticks
+from unbroken._util.staging_base import is_default_staging_dir
 from unbroken.checkpoint.errors import CheckpointError
 
 
@@ -71,12 +73,18 @@ def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[],
     Raises StagingDirInUseError naming the other process if it is alive."""
     parent, base = os.path.split(os.path.abspath(staging_dir))
     folder = os.path.join(parent, f".{base}.owners")  # beside it: its listing stays the steps
-    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank-{rank:05d}")
     mine = {"pid": os.getpid(), "started": process_start_ticks(os.getpid()), "purpose": purpose}
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(mine, f)
+    for tries_left in (2, 1, 0):
+        os.makedirs(folder, exist_ok=True)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(mine, f)
+            break
+        except FileNotFoundError:  # the last owner's release removed the folder just now
+            if not tries_left:
+                raise
     try:
         for _ in range(3):
             try:
@@ -108,5 +116,9 @@ def claim_staging_dir(staging_dir: str, rank: int, purpose: str) -> Callable[[],
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        with contextlib.suppress(OSError):  # the last owner: no empty folder left behind
+            os.rmdir(folder)
+            if is_default_staging_dir(staging_dir):  # one of ours, empty (goodput's log
+                os.rmdir(staging_dir)  # removes it at its end): gone too
 
     return release
