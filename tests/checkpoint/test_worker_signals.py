@@ -149,3 +149,96 @@ def test_a_forked_child_takes_sigterm_as_it_would_without_a_manager(case):
     if case == "at-start":
         assert "BATCHES 8" in lines, out
     assert "SIGTERM received" not in out.stderr, out.stderr
+
+
+_FORK_SHAPES = """
+import multiprocessing as mp, os, signal, subprocess, sys, tempfile, threading, time
+import torch
+import unbroken as ub
+
+BIT = 1 << (signal.SIGTERM - 1)
+
+
+def blocked():
+    with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
+        return any(l.startswith("SigBlk") and int(l.split()[1], 16) & BIT for l in f)
+
+
+def report(q):
+    q.put(blocked())
+
+
+def grandchild(q):  # a Pool worker's own subprocess, with a preexec_fn (Python's fork hooks)
+    p = subprocess.Popen(["sleep", "30"], preexec_fn=os.setpgrp)
+    time.sleep(0.2)
+    p.terminate()
+    try:
+        q.put(p.wait(timeout=10))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        q.put("ignored terminate()")
+
+
+def train(root):  # a child that trains with a manager of its own, preempted at step 5
+    with ub.CheckpointManager(f"{root}/child", staging_dir=f"{root}/cst", every_steps=1000) as m:
+        for step in range(1, 60):
+            time.sleep(0.05)
+            if step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            m.maybe_save(step, {"w": torch.zeros(3)})
+
+
+root = tempfile.mkdtemp()
+mgr = ub.CheckpointManager(f"{root}/parent", staging_dir=f"{root}/pst")
+ctx = mp.get_context("fork")
+bad = []
+
+
+def forks(n):  # two threads fork at once: each restores its own mask
+    for _ in range(n):
+        q = ctx.SimpleQueue()
+        p = ctx.Process(target=report, args=(q,))
+        p.start()
+        bad.extend([1] if q.get() else [])
+        p.join()
+
+
+sys.setswitchinterval(1e-6)
+t = threading.Thread(target=forks, args=(40,))
+t.start()
+forks(40)
+t.join()
+sys.setswitchinterval(0.005)
+print("RACE", len(bad), blocked(), flush=True)
+q = ctx.SimpleQueue()
+p = ctx.Process(target=grandchild, args=(q,))
+p.start()
+print("GRANDCHILD", q.get(), flush=True)
+p.join()
+p = ctx.Process(target=train, args=(root,))
+p.start()
+p.join(120)
+print("TRAINER", p.exitcode, sorted(os.listdir(f"{root}/child")), flush=True)
+mgr.close()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads SigBlk in /proc")
+def test_forks_under_an_open_manager_leave_no_sigterm_blocked_and_a_childs_manager_saves():
+    """multiprocessing forks block SIGTERM until the child knows it is no DataLoader
+    worker. Review: two threads forking at once left it blocked in children and in the
+    main thread (one mask for two threads); a Pool worker's own subprocess kept it blocked
+    (it ignored terminate()); a child training with a manager of its own died of the
+    signal instead of saving (the inherited handler ended it)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_SHAPES], capture_output=True, text=True, timeout=300,
+        env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert "RACE 0 False" in lines, out
+    assert f"GRANDCHILD {-signal.SIGTERM}" in lines, out
+    assert any(line.startswith("TRAINER 143 ") and "step-000000000005" in line for line in lines), (
+        out
+    )

@@ -50,9 +50,13 @@ _hook_registered = False
 _lock = threading.Lock()
 _forked_from_main_thread = False
 """In a child: whether its parent forked it from the parent's main thread."""
-_mask_before_fork: set[signal.Signals] | None = None
-"""In the parent during a multiprocessing fork, and in its child until its after-fork
-hook: the signal mask SIGTERM was blocked over."""
+_watch_pid = 0
+"""The process whose preemption watch started: only its forks block SIGTERM (a child's
+own forks, whose grandchildren run no multiprocessing hook, must not)."""
+_fork = threading.local()
+"""``mask``: in the thread forking a multiprocessing child (and in that child until its
+after-fork hook), the signal mask SIGTERM was blocked over. Per thread: a mask is a
+thread's, and two threads may fork at once."""
 
 
 def defer_sigterm_in_this_worker() -> None:
@@ -89,9 +93,10 @@ def _take_sigterm(parent: int) -> None:
 def watch_started() -> None:
     """A preemption watch is in place in this process: from now on every DataLoader
     worker it forks (torch's own DataLoader too, not only ours) defers SIGTERM."""
-    global _watches, _hook_registered
+    global _watches, _hook_registered, _watch_pid
     with _lock:
         _watches += 1
+        _watch_pid = os.getpid()
         if not _hook_registered:
             multiprocessing.util.register_after_fork(_HOOK_OWNER, _after_fork_in_child)
             _hook_registered = True
@@ -105,38 +110,34 @@ def watch_stopped() -> None:
 
 def _after_fork_in_child(_owner: object) -> None:
     """multiprocessing's after-fork hook, in every child it forks (before its target)."""
-    global _mask_before_fork
+    mask, _fork.mask = getattr(_fork, "mask", None), None
     target = getattr(multiprocessing.current_process(), "_target", None)
     if _watches > 0 and getattr(target, "__module__", None) == "torch.utils.data._utils.worker":
         defer_sigterm_in_this_worker()  # a SIGTERM that came since the fork waits for it
-    elif _mask_before_fork is not None:  # not a worker: a SIGTERM that came goes on now
-        signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)
-    _mask_before_fork = None
+    elif mask is not None:  # not a worker: a SIGTERM that came goes on now
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _before_fork() -> None:
-    global _forked_from_main_thread, _mask_before_fork
+    global _forked_from_main_thread
     _forked_from_main_thread = threading.current_thread() is threading.main_thread()
-    if _watches > 0 and _forked_by_multiprocessing():
-        _mask_before_fork = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    _fork.mask = None
+    if _watches > 0 and os.getpid() == _watch_pid and _forked_by_multiprocessing():
+        _fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
 def _after_fork_in_parent() -> None:
-    global _mask_before_fork
-    if _mask_before_fork is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)
-        _mask_before_fork = None
+    mask, _fork.mask = getattr(_fork, "mask", None), None
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _forked_by_multiprocessing() -> bool:
-    """Whether this fork starts a multiprocessing child, whose after-fork hook will run
-    (a plain os.fork's child or a subprocess's would keep SIGTERM blocked)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_POPEN_FORK):
-            return True
-        frame = frame.f_back
-    return False
+    """Whether multiprocessing itself calls this fork (its child runs the after-fork
+    hook that unblocks; a plain os.fork's child or a subprocess's would stay blocked)."""
+    caller = sys._getframe(2)  # 0: here, 1: _before_fork, 2: os.fork's caller (os.fork,
+    # in C, has no frame)
+    return caller.f_code.co_filename.endswith(_POPEN_FORK)
 
 
 _POPEN_FORK = os.path.join("multiprocessing", "popen_fork.py")

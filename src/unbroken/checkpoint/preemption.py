@@ -117,7 +117,10 @@ class PreemptionWatch:
 
     def _on_signal(self, signum: int, frame: FrameType | None, *, chained: bool = False) -> None:
         if os.getpid() != self._pid:  # a forked child (a Pool's worker, a Process): not
-            self._pass_on(signum, frame)  # the watched process; as if no manager were there
+            if chained:  # the watched process: as if no manager were there, or, under a
+                self._chain(signum, frame)  # manager of the child's own, taking note only
+            else:
+                self._pass_on(signum, frame)
             return
         if self._exit_main:  # end_main_thread: the process ends here, as preempted
             self._exit_main = False
