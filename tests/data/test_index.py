@@ -104,6 +104,31 @@ def test_a_link_out_of_the_volume_is_refused_unless_the_filters_leave_it_out(tmp
         assert [e.key for e in build_index(open_store(vol), **kw).entries] == ["train/a.bin"]
 
 
+def test_the_last_listing_bridges_a_store_that_does_not_answer_not_a_refused_volume():
+    import errno
+
+    from unbroken.data.index import _unreachable
+    from unbroken.storage import RetriesExhaustedError
+    from unbroken.storage.errors import StorePermissionError
+
+    def listing_failed(cause: BaseException) -> StoreError:
+        try:
+            raise StoreError("VolumeDataset: cannot list the volume v", op="list") from cause
+        except StoreError as e:
+            return e
+
+    for cause in (
+        RetriesExhaustedError("list v: still failing after 10 attempts", op="list"),
+        StorePermissionError("list v: permission denied (403)", op="list"),
+        OSError(errno.ENOTCONN, "Transport endpoint is not connected"),
+        OSError(errno.ESTALE, "Stale file handle"),
+    ):
+        assert _unreachable(listing_failed(cause)), cause
+    refused = StoreError("VolumeDataset: 1 path(s) at v cannot be listed", op="list")
+    assert not _unreachable(refused)
+    assert not _unreachable(listing_failed(ValueError("control character in a key")))
+
+
 def test_a_name_that_is_not_utf8_is_refused_naming_it(tmp_path):
     """A Latin-1 name on a path crashed the start with a bare UnicodeEncodeError naming
     neither the file nor the volume."""

@@ -15,6 +15,7 @@ file that changed is fetched again once the index has seen the change.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import fnmatch
 import functools
@@ -352,14 +353,30 @@ def load_or_build_index(
 
 
 def _unreachable(exc: BaseException) -> bool:
-    """Whether a listing failed because the store did not answer through its retries (an
-    outage the node's last listing may bridge), not because of what the volume holds."""
+    """Whether a listing failed because the store did not answer (its retries spent, a
+    dead mount) or refused access (a key rotated): what the node's last listing, and the
+    files cached, may bridge; not because of what the volume holds (a refused path, a
+    key no client lists), which every start must say."""
     node: BaseException | None = exc
     while node is not None:
-        if isinstance(node, RetriesExhaustedError):
+        if isinstance(node, (RetriesExhaustedError, PermissionError)):
+            return True
+        if isinstance(node, OSError) and node.errno in _UNANSWERED:
             return True
         node = node.__cause__
     return False
+
+
+_UNANSWERED = {
+    errno.ENOTCONN,  # a FUSE mount whose daemon died
+    errno.ESTALE,  # an NFS handle gone stale
+    errno.EIO,
+    errno.EHOSTDOWN,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ETIMEDOUT,
+    errno.ECONNREFUSED,
+}
 
 
 def check_max_age(max_age: object) -> float | None:
