@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 SLOW_SECONDS = 5.0
-"""An operation still failing after this long says so at each further retry: a hung
+"""An operation still failing after this long says so as it retries (one line per this
+long in a process): a hung
 endpoint costs up to the deadline (five minutes by default), which a job's log or an
 operator at the CLI should not spend in silence. Quick retries (a throttled request)
 stay quiet."""
@@ -125,14 +127,30 @@ def call_with_retry(
 def _report_slow(
     op: str, url: str, exc: BaseException, attempt: int, elapsed: float, policy: RetryPolicy
 ) -> None:
+    """At most one line per SLOW_SECONDS in a process: a save's hundred uploads to a
+    hung endpoint would each say it."""
+    global _said_at, _unsaid
+    with _said_lock:
+        now = time.monotonic()
+        if now - _said_at < SLOW_SECONDS:
+            _unsaid += 1
+            return
+        _said_at, unsaid, _unsaid = now, _unsaid, 0
     cause = " ".join(redact(f"{type(exc).__name__}: {exc}").split())[:200]
     log.warning(
-        "%s %s: attempt %d of %d failed, %.0f s in (%s); retrying for up to %.0f s more",
+        "%s %s: attempt %d failed, %.0f s in (%s); retrying, up to %d attempts and %.0f s in "
+        + "all%s",
         op,
         redact(url),
         attempt,
-        policy.max_attempts,
         elapsed,
         cause,
-        policy.deadline - elapsed,
+        policy.max_attempts,
+        policy.deadline,
+        f" ({unsaid} more retries of slow operations since the last such line)" if unsaid else "",
     )
+
+
+_said_at = -float("inf")
+_unsaid = 0
+_said_lock = threading.Lock()
