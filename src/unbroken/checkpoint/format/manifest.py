@@ -332,7 +332,8 @@ def committed_refusal(store: Store, step: int, *, passed_over: bool) -> str:
             "but this run's restore found it unusable "
             "and loaded an older step (its warning says why); a committed checkpoint is "
             f"never overwritten, so step {step} is not saved. Check it with `unbroken verify "
-            f"{redact(store.url)} --step {step}`, then delete {where} to save it again"
+            f"{redact(store.url)} --step {step}`: if it is damaged, delete {where} to save it "
+            "again; if not (the restore could not read it then), restart: the restore loads it"
         )
     return (
         f"step {step} is already committed at {where}{committed_by(store, step)}; a "
