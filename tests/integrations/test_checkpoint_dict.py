@@ -73,6 +73,7 @@ def test_a_lightning_shaped_dict_comes_back_with_its_types_and_bytes():
         (np.int64(5), r"\['hyper_parameters'\]\['args'\] is a numpy.int64"),
         ({(1, 2): 3}, r"\['hyper_parameters'\]\['args'\] has the key \(1, 2\)"),
         (torch.float32, r"is a torch.dtype"),
+        (torch.utils.data.DataLoader([1, 2]), r"is a torch DataLoader.*unbroken.DataLoader"),
     ],
 )
 def test_what_only_pickle_could_store_is_refused_by_path(value, where):

@@ -131,6 +131,11 @@ def _encode(
             }
     finally:
         open_containers.discard(id(value))
+    if isinstance(value, torch.utils.data.DataLoader):  # its position is what is wanted
+        raise CheckpointDictError(
+            f"{where} is a torch DataLoader, which has no position to save: an "
+            "unbroken.DataLoader (over a VolumeDataset) saves and restores its own"
+        )
     raise CheckpointDictError(
         f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which only pickle "
         "could store, and unbroken never unpickles what it reads. Keep tensors, numbers, "

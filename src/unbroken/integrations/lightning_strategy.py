@@ -18,7 +18,9 @@ def save_on_every_rank(strategy: Any, base: type, save_checkpoint: Callable) -> 
         raise RuntimeError(
             f"UnbrokenCheckpointIO: {type(strategy).__name__} writes its checkpoints its "
             "own way; the plugin supports strategies that save through CheckpointIO "
-            "(single device, DDP)"
+            "(single device, DDP). With it, save the state with a CheckpointManager of "
+            "your own on fabric_state(state) (unbroken.integrations.lightning; "
+            "docs/integrations.md)"
         )
     strategy.save_checkpoint = types.MethodType(save_checkpoint, strategy)
 
