@@ -267,10 +267,12 @@ class UnbrokenCheckpointIO(CheckpointIO):
             tree = read_manifest(store, step).extra.get("values", {}).get(TREE, {})
             if step in aliased or (isinstance(tree, dict) and tree.get("path") in names):
                 return step
+        gone = sorted(s for s in aliased if s is not None)  # named a step no longer there
+        why = f"named step {gone[-1]}, which retention has removed since" if gone else (
+            "no committed checkpoint was saved under this path")  # fmt: skip
         raise NoCheckpointError(
-            f"{path}: no committed checkpoint at {store.url} was saved under this path "
-            f"(committed steps: {sorted(committed) or 'none'}); pass ckpt_path='last' for "
-            "the newest"
+            f"{path}: {why} (committed steps at {store.url}: {sorted(committed) or 'none'}); "
+            "for the newest pass ckpt_path='last' (Trainer) or io.last_checkpoint() (Fabric)"
         )
 
     # -- the state a checkpoint dict becomes -----------------------------------------------
