@@ -91,6 +91,7 @@ def test_ranks_that_listed_the_volume_apart_split_one_listing(make_volume, tmp_p
     for r in ranks:
         assert any("rank 0: 24; rank 1: 25" in w for w in r["warnings"]), r["warnings"]
     assert any("1 only in this rank's (d0/s9999.txt)" in w for w in ranks[1]["warnings"])
+    assert all("index_max_age" in w for r in ranks for w in r["warnings"])  # the other cause
 
 
 @pytest.mark.multiprocess

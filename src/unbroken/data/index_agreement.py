@@ -63,8 +63,9 @@ def agree_on_index(index: FileIndex) -> FileIndex:
         f"the ranks listed {index.url} at different moments and found different files "
         f"(files found by rank 0: {seen[0][1]}; {', '.join(others[:NAMED_RANKS])}"
         f"{f' and {more} more ranks' if more > 0 else ''}{here}): the volume changed while "
-        "the job started. Every rank uses rank 0's listing, so that the ranks split one set "
-        "of files; what changed after it is seen at the next start",
+        "the job started, or a node reused a listing it made before a change (index_max_age;"
+        " refresh_index=True lists anew). Every rank uses rank 0's listing, so that the "
+        "ranks split one set of files; what changed after it is seen at the next start",
         RuntimeWarning,
         stacklevel=3,
     )
