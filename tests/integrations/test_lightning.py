@@ -355,7 +355,9 @@ def test_a_path_model_checkpoint_removes_no_longer_loads_and_no_checkpoint_is_de
         _load_step(tmp_path / "ckpt", removed)
     assert len(list((tmp_path / "ckpt" / checkpoint_paths.FOLDER).iterdir())) == 1  # 12's
     checkpoint_paths.record_alias(LocalStore(str(tmp_path / "ckpt")), removed, 5)
-    with pytest.raises(NoCheckpointError, match="named step 5, which retention has removed"):
+    with pytest.raises(
+        NoCheckpointError, match=r"named step 5, no longer committed \(retention removed it"
+    ):
         _load_step(tmp_path / "ckpt", removed)
 
 

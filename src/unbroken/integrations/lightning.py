@@ -268,8 +268,10 @@ class UnbrokenCheckpointIO(CheckpointIO):
             if step in aliased or (isinstance(tree, dict) and tree.get("path") in names):
                 return step
         gone = sorted(s for s in aliased if s is not None)  # named a step no longer there
-        why = f"named step {gone[-1]}, which retention has removed since" if gone else (
-            "no committed checkpoint was saved under this path")  # fmt: skip
+        why = (
+            f"named step {gone[-1]}, no longer committed (retention removed it, or its "
+            "save failed)" if gone else "no committed checkpoint was saved under this path"
+        )  # fmt: skip
         raise NoCheckpointError(
             f"{path}: {why} (committed steps at {store.url}: {sorted(committed) or 'none'}); "
             "for the newest pass ckpt_path='last' (Trainer) or io.last_checkpoint() (Fabric)"
