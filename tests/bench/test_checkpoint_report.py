@@ -255,7 +255,9 @@ def test_memory_sampler_sees_a_short_lived_allocation():
     block.close()
     peak = sampler.stop()
     assert peak - base >= 200 << 20
-    assert sampler.sample() - base < 100 << 20  # freed again
+    # freed again: measured from the peak, as other threads of this process (earlier
+    # tests' background work) may grow meanwhile (CI: 120 MB above base after the free)
+    assert peak - sampler.sample() >= 200 << 20
 
 
 def test_memory_sampler_counts_the_rank_share_of_memory_tier_files():
