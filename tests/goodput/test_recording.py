@@ -196,3 +196,35 @@ def test_two_managers_in_one_process_each_count_the_loops_data_wait(tmp_path):
             ema_mgr.maybe_save(step, {"ema": torch.ones(2)})
     waits = [job_breakdown(ev.read_log(ub.open_store(u))).seconds["data_wait"] for u in urls]
     assert waits[0] > 0.1 and waits[0] == pytest.approx(waits[1], rel=0.2), waits
+
+
+def test_a_close_that_raises_is_a_crash_and_its_rerun_a_restart(tmp_path):
+    """close() raising SaveFailedError (the last save failed, none committed after it)
+    ends the process with a traceback: it was counted a clean end, so the rerun was a new
+    run and the time between them was not counted at all."""
+    switch = tmp_path / "outage"
+    url = "emulated::" + str(tmp_path / "durable")
+    kw = {
+        "staging_dir": tmp_path / "st",
+        "memory_tier": False,
+        "storage_options": {"latency": 0, "bandwidth": None, "outage_file": str(switch)},
+        "retry": ub.RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.01),
+    }
+    state = {"w": torch.ones(4)}
+    mgr = ub.CheckpointManager(url, **kw)
+    mgr.save(2, state)
+    mgr.wait()
+    switch.write_text("down")
+    mgr.save(4, state)
+    mgr._pipeline.wait()  # step 4 failed; the store is back before close() reports it
+    switch.unlink()
+    with pytest.raises(ub.SaveFailedError, match="step 4"):
+        mgr.close()
+    time.sleep(0.5)  # the rerun comes later: down time
+    with ub.CheckpointManager(url, **kw) as again:
+        assert again.restore(state) == 2
+        again.save(4, state)
+    b = job_breakdown(ev.read_log(ub.open_store(url)))
+    assert b.restarts == 1 and b.runs == 1, b
+    assert not b.attempts[0].clean and b.attempts[1].clean
+    assert b.seconds["down"] >= 0.5

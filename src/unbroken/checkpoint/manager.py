@@ -393,6 +393,7 @@ class CheckpointManager:
         node's server lets its peers' last replicas land first (PEER_DRAIN_SECONDS)."""
         if self._closed:
             return
+        ended = False  # END only once close() returns: one that raises is a crash
         try:
             self._goodput.save_begin(None, wait=True)
             self._pipeline.wait()
@@ -403,10 +404,6 @@ class CheckpointManager:
             if self._peers is not None:
                 self._peers.close(drain_seconds=0.0 if clean else PEER_DRAIN_SECONDS)
             self._stager.close()
-            if failed:  # no END: the job is not done, and its rerun is a restart
-                self._goodput.abandon()
-            else:
-                self._goodput.close(preempted=self.preempted)
         try:
             # After the worker stopped: a failure recorded while close() waited is reported
             # too; raised unless a later save committed (the run ends with its progress kept).
@@ -418,7 +415,12 @@ class CheckpointManager:
                 raise SaveFailedError(
                     last.step, message=f"{last} (warned before; no save committed after it)"
                 ) from last
+            ended = not failed  # (a failed run has no END either: its rerun is a restart)
         finally:
+            if ended:  # before the preemption watch lets a pending signal end the process
+                self._goodput.close(preempted=self.preempted)
+            else:
+                self._goodput.abandon()
             if self._preemption is not None:  # last: a signal no save took up goes on here
                 failure, signum = sys.exc_info()[1], self._preemption.unhandled
                 if failure is not None and signum is not None:  # it ends the process now
@@ -476,10 +478,8 @@ class CheckpointManager:
         self.last_restore = restored
         if restored is None:
             self._goodput.restore_end(None)
-        else:
-            self._goodput.restore_end(restored.step, tier=restored.tier)
-        if restored is None:
             return None
+        self._goodput.restore_end(restored.step, tier=restored.tier)
         self._pipeline.current_step = restored.step  # its local copy is the one to keep
         # newer steps restore went past (unusable) do not hold back this run's saves
         self._pipeline.unusable = set(restored.newer) if step is None else set()
