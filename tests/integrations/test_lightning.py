@@ -438,6 +438,11 @@ def test_fabric_save_and_load_on_one_device_go_through_the_plugin(tmp_path):
     inside = tmp_path / "ckpt" / "step-000000000003" / "manifest.json"
     fabric.load(os.path.relpath(inside), state)  # this run's, as last_checkpoint() names it
     assert state["step"] == 3
+    link = tmp_path / "scratch"  # /scratch -> /lustre/...: the same folder, spelled apart
+    link.symlink_to(tmp_path / "ckpt")
+    state["step"] = 0
+    fabric.load(link / "step-000000000003" / "manifest.json", state)
+    assert state["step"] == 3
     io.teardown()
 
 
@@ -525,3 +530,16 @@ def test_fabric_save_at_a_step_maybe_save_saved_loads_by_its_path(tmp_path):
     fabric.load(tmp_path / "final.ckpt", {"model": fabric.setup(torch.nn.Linear(4, 2))})
     assert again.restored_step == 2
     again.teardown()
+
+
+def test_a_step_folder_is_inside_the_checkpoint_root_however_the_path_is_spelled(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "lustre" / "ck").mkdir(parents=True)
+    (tmp_path / "scratch").symlink_to(tmp_path / "lustre")
+    for url in ("~/scratch/ck", str(tmp_path / "lustre" / "ck")):
+        store = LocalStore(url)
+        for path in ("~/scratch/ck/step-000000000004", f"{tmp_path}/lustre/ck/step-000000000004"):
+            assert checkpoint_paths.inside(store, path), (url, path)
+        assert not checkpoint_paths.inside(store, f"{tmp_path}/lustre/other/step-000000000004")

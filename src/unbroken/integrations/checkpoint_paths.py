@@ -30,8 +30,18 @@ def inside(store: Store, path: str) -> bool:
     if isinstance(store, LocalStore):
         if "://" in path:
             return path.startswith("file://") and inside(store, path[len("file://") :])
-        return os.path.abspath(path).startswith(os.path.abspath(store.root) + os.sep)
+        return _real(path).startswith(_real(store.root) + os.sep)
     return path.startswith(store.url.rstrip("/") + "/")
+
+
+def spellings(path: str) -> set[str]:
+    """The ways a path given to ``load`` may have been written when it was saved under:
+    as given, absolute, and with ``~`` and links resolved (``/scratch -> /lustre/...``)."""
+    return {path} if "://" in path else {path, os.path.abspath(path), _real(path)}
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.expanduser(path))
 
 
 def alias_key(path: str) -> str:

@@ -260,8 +260,8 @@ class UnbrokenCheckpointIO(CheckpointIO):
             if step is not None:
                 return step
         committed = sorted((c.step for c in list_checkpoints(store) if c.committed), reverse=True)
-        # a relative path names what a ModelCheckpoint saved under its absolute one
-        names = {path} if "://" in path else {path, os.path.abspath(path)}
+        names = checkpoint_paths.spellings(path)  # a relative path names what a
+        # ModelCheckpoint saved under its absolute one
         aliased = {checkpoint_paths.aliased_step(store, name) for name in names}
         for step in committed:  # a path Lightning saved under: the newest step it names
             tree = read_manifest(store, step).extra.get("values", {}).get(TREE, {})
