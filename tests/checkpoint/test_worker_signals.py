@@ -242,3 +242,71 @@ def test_forks_under_an_open_manager_leave_no_sigterm_blocked_and_a_childs_manag
     assert any(line.startswith("TRAINER 143 ") and "step-000000000005" in line for line in lines), (
         out
     )
+
+
+_TWO_THREADS_FORK = """
+import ctypes, os, sys, tempfile, threading, time
+import torch, torch.utils.data
+import unbroken._util.spawn, unbroken.storage.fork_relay  # at-fork hooks that take locks
+
+builder_in_fork, main_forked = threading.Event(), threading.Event()
+
+
+def hold_the_builders_fork():  # runs after unbroken's before-fork hook (registered first)
+    if threading.current_thread().name == "builder":
+        builder_in_fork.set()
+        main_forked.wait(10)  # the main thread forks meanwhile
+
+
+os.register_at_fork(before=hold_the_builders_fork)
+import unbroken as ub
+
+
+class PdeathSig(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        sig = ctypes.c_int()
+        ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG
+        return sig.value
+
+
+root = tempfile.mkdtemp()
+mgr = ub.CheckpointManager(f"{root}/ck", staging_dir=f"{root}/st", memory_tier=False)
+box = {}
+
+
+def build():
+    box["it"] = iter(torch.utils.data.DataLoader(PdeathSig(), batch_size=1, num_workers=1))
+    box["first"] = int(next(box["it"]))
+
+
+builder = threading.Thread(target=build, name="builder")
+builder.start()
+assert builder_in_fork.wait(30)
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+main_forked.set()
+builder.join()  # the thread that forked the worker ends
+time.sleep(0.5)
+print("PDEATHSIG", box["first"], flush=True)
+print("BATCHES", sum(1 for _ in range(5) if next(box["it"]) is not None), flush=True)
+mgr.close()
+"""
+
+
+def test_a_worker_forked_from_another_thread_outlives_that_thread_whoever_forks_beside_it():
+    """The parent-death signal follows the thread that forked. The flag saying whether a
+    fork came from the main thread was one for the process: the main thread forking at
+    the same moment made a worker forked by a short-lived thread take the signal, and
+    the worker was killed when that thread ended ("DataLoader worker exited unexpectedly")."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    out = subprocess.run(
+        [sys.executable, "-c", _TWO_THREADS_FORK], capture_output=True, text=True, timeout=120,
+        env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "PDEATHSIG 0" in out.stdout.split("\n") and "BATCHES 5" in out.stdout, out

@@ -48,15 +48,14 @@ _guarded_pid: int | None = None
 _watches = 0
 _hook_registered = False
 _lock = threading.Lock()
-_forked_from_main_thread = False
-"""In a child: whether its parent forked it from the parent's main thread."""
 _watch_pid = 0
 """The process whose preemption watch started: only its forks block SIGTERM (a child's
 own forks, whose grandchildren run no multiprocessing hook, must not)."""
 _fork = threading.local()
-"""``mask``: in the thread forking a multiprocessing child (and in that child until its
-after-fork hook), the signal mask SIGTERM was blocked over. Per thread: a mask is a
-thread's, and two threads may fork at once."""
+"""In the thread forking a multiprocessing child, and so in that child: ``mask``, the
+signal mask SIGTERM was blocked over (until the child's after-fork hook); ``from_main``,
+whether the fork came from the main thread. Per thread: a mask and a parent-death signal
+are a thread's, and two threads may fork at once."""
 
 
 def defer_sigterm_in_this_worker() -> None:
@@ -67,7 +66,7 @@ def defer_sigterm_in_this_worker() -> None:
         return
     _guarded_pid = os.getpid()
     parent = os.getppid()
-    if _forked_from_main_thread:
+    if getattr(_fork, "from_main", False):
         die_with_parent(parent)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     threading.Thread(
@@ -119,8 +118,7 @@ def _after_fork_in_child(_owner: object) -> None:
 
 
 def _before_fork() -> None:
-    global _forked_from_main_thread
-    _forked_from_main_thread = threading.current_thread() is threading.main_thread()
+    _fork.from_main = threading.current_thread() is threading.main_thread()
     _fork.mask = None
     if _watches > 0 and os.getpid() == _watch_pid and _forked_by_multiprocessing():
         _fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
