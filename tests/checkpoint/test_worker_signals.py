@@ -18,15 +18,29 @@ import pytest
 from .distributed import ROOT, toy_volume
 
 SCRIPT = Path(__file__).with_name("_loader_children.py")
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+
+
+def _run(*args: str, timeout: float = 120) -> str:
+    """``python *args`` as a user's process, which must end well: its stdout's lines."""
+    out = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=_env()
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 pytestmark = pytest.mark.multiprocess
 
 
 def _start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, list[int]]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(toy_volume(tmp_path, 32, 4)), mode],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env,
+        env=_env(),
     )  # fmt: skip
     line = proc.stdout.readline()
     assert line.startswith("WORKERS"), line + proc.stderr.read()
@@ -93,13 +107,8 @@ def test_a_killed_ranks_workers_die_with_it(tmp_path):
     """Issue 29.3: a SIGKILLed rank's workers, orphaned, kept its gloo sockets open for
     up to 5 s (until torch's watchdog ended them): its peers' collectives blocked instead
     of failing, and every crash cost that much more. They now die with their parent."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-    out = subprocess.run(
-        [sys.executable, "-c", _REAPER, str(SCRIPT), str(toy_volume(tmp_path, 32, 4)), "ub"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(int(signal.SIGKILL))] * 2, out.stdout
+    out = _run("-c", _REAPER, str(SCRIPT), str(toy_volume(tmp_path, 32, 4)), "ub")
+    assert out.split() == [str(int(signal.SIGKILL))] * 2, out
 
 
 _FORKS = """
@@ -137,10 +146,9 @@ def test_a_forked_child_takes_sigterm_as_it_would_without_a_manager(case):
     terminate() waited 10 s for a maybe_save the child never makes, and logged "SIGTERM
     received". A DataLoader worker signalled before its own handling is set up defers
     the signal (it did not die, but logged so, and passed it on 10 s later)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     out = subprocess.run(
         [sys.executable, "-c", _FORKS, case], capture_output=True, text=True, timeout=120,
-        env=env,
+        env=_env(),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     expected = {"default": -signal.SIGTERM, "users-handler": 7, "at-start": -signal.SIGTERM}
@@ -230,17 +238,11 @@ def test_forks_under_an_open_manager_leave_no_sigterm_blocked_and_a_childs_manag
     main thread (one mask for two threads); a Pool worker's own subprocess kept it blocked
     (it ignored terminate()); a child training with a manager of its own died of the
     signal instead of saving (the inherited handler ended it)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-    out = subprocess.run(
-        [sys.executable, "-c", _FORK_SHAPES], capture_output=True, text=True, timeout=300,
-        env=env,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.split("\n")
-    assert "RACE 0 False" in lines, out
-    assert f"GRANDCHILD {-signal.SIGTERM}" in lines, out
+    lines = _run("-c", _FORK_SHAPES, timeout=300).split("\n")
+    assert "RACE 0 False" in lines, lines
+    assert f"GRANDCHILD {-signal.SIGTERM}" in lines, lines
     assert any(line.startswith("TRAINER 143 ") and "step-000000000005" in line for line in lines), (
-        out
+        lines
     )
 
 
@@ -303,10 +305,5 @@ def test_a_worker_forked_from_another_thread_outlives_that_thread_whoever_forks_
     fork came from the main thread was one for the process: the main thread forking at
     the same moment made a worker forked by a short-lived thread take the signal, and
     the worker was killed when that thread ended ("DataLoader worker exited unexpectedly")."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-    out = subprocess.run(
-        [sys.executable, "-c", _TWO_THREADS_FORK], capture_output=True, text=True, timeout=120,
-        env=env,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert "PDEATHSIG 0" in out.stdout.split("\n") and "BATCHES 5" in out.stdout, out
+    lines = _run("-c", _TWO_THREADS_FORK).split("\n")
+    assert "PDEATHSIG 0" in lines and "BATCHES 5" in lines, lines
