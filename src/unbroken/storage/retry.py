@@ -36,7 +36,8 @@ class RetryPolicy:
     max_delay: float = 5.0
     """Cap on one backoff sleep, in seconds."""
     deadline: float = 300.0
-    """Cap on the seconds spent on one operation, retries and sleeps included."""
+    """Seconds after an operation's start past which no retry begins, sleeps included
+    (an attempt under way is not cut short: the store's own timeouts bound it)."""
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -138,8 +139,8 @@ def _report_slow(
         _said_at, unsaid, _unsaid = now, _unsaid, 0
     cause = " ".join(redact(f"{type(exc).__name__}: {exc}").split())[:200]
     log.warning(
-        "%s %s: attempt %d failed, %.0f s in (%s); retrying, up to %d attempts and %.0f s in "
-        + "all%s",
+        "%s %s: attempt %d failed, %.0f s in (%s); retrying, up to %d attempts, none begun "
+        + "after %.0f s%s",
         op,
         redact(url),
         attempt,
