@@ -227,7 +227,7 @@ class CheckpointManager:
             saved = self._save(step, state, skip_if_busy=False)
             self.wait()  # raises if the save failed: the process must not end quietly then
         self.preempted = True  # (wait gave the step's replica REPLICA_WAIT_SECONDS at most)
-        self._preemption.handled = True  # one save; a later signal goes on as usual
+        self._preemption.saved(ending=self.config.preemption == "exit")  # one save
         if self.config.preemption == "exit":
             self._close(clean=False, replica_seconds=0.0)  # the memory tier stays
             if open_managers.yet_to_save_for_preemption(self, step):  # an EMA's manager

@@ -58,10 +58,10 @@ HANDLE_WITHIN_SECONDS = 10.0
 managers' waiting calls) is passed on (see the module doc)."""
 
 REPEAT_SECONDS = 5.0
-"""A repeat of the first signal within this long, before its save is done, is the same
-preemption, not a second one: Slurm signals every process of the step and torchrun
-forwards its own copy milliseconds later. A repeat after this long or after the save,
-or another signal, goes on as usual."""
+"""A repeat of the first signal within this long, before its save is done or while the
+process ends after it, is the same preemption, not a second one: Slurm signals every
+process of the step and torchrun forwards its own copy milliseconds later. A repeat
+after this long, or another signal, goes on as usual."""
 
 EXIT_CODE = 128 + signal.SIGTERM
 """What a preempted process exits with after its save committed (the shell's code for a
@@ -87,6 +87,8 @@ class PreemptionWatch:
         self._received_at = 0.0
         self.handled = False
         """The preemption save was made: later signals go on to the earlier handler."""
+        self.ending = False
+        """The process ends after that save: the handler stays (``saved``)."""
         self.tried: int | None = None
         """The step whose preemption save was started (and did not commit, unless handled)."""
         self.acting = False
@@ -169,11 +171,20 @@ class PreemptionWatch:
         log should say why."""
         return _still_waiting_reports(step)
 
+    def saved(self, *, ending: bool) -> None:
+        """The preemption save committed: later signals go on to the earlier handler. But
+        for a repeat of the first while the process ends (``ending``): the handler stays to
+        the exit, so a launcher's copy of the signal during the teardown does not turn the
+        exit code into a death by the signal."""
+        self.handled, self.ending = True, ending
+
     def _is_repeat(self, signum: int) -> bool:
-        """The first signal again, soon, while the save it asked for is still to come."""
+        """The first signal again, soon, while the save it asked for is still to come or
+        the process ends after it."""
         return (
             signum == self.received
-            and not (self._forward or self.handled)
+            and not self._forward
+            and (self.ending or not self.handled)
             and time.monotonic() - self._received_at < REPEAT_SECONDS
         )
 
@@ -320,7 +331,7 @@ class PreemptionWatch:
             worker_sigterm.watch_stopped()
             self._deferring_workers = False
         unhandled = self.unhandled
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and not self.ending:
             self._put_back_handlers()
             if unhandled is not None:
                 log.warning("closing with a %s no maybe_save acted on: passing it on",
