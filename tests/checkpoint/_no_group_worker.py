@@ -1,5 +1,5 @@
-"""Run by test_world.py under real torchrun: a script that never calls
-init_process_group. Prints what the manager and the dataset said."""
+"""Run by test_world.py under real torchrun, or as srun starts tasks: a script that
+never calls init_process_group. Prints what the manager and the dataset said."""
 
 import os
 import sys
@@ -14,12 +14,13 @@ def say(line: str) -> None:
 
 
 volume = sys.argv[1]
+rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
 for name, make in [
     ("manager", lambda: ub.CheckpointManager(sys.argv[2], staging_dir=sys.argv[3])),
     ("dataset", lambda: ub.VolumeDataset(volume)),
 ]:
     try:
         make()
-        say(f"{name} {os.environ['RANK']} ACCEPTED")
+        say(f"{name} {rank} ACCEPTED")
     except RuntimeError as exc:
-        say(f"{name} {os.environ['RANK']} REFUSED {exc}")
+        say(f"{name} {rank} REFUSED {exc}")

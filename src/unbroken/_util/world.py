@@ -1,7 +1,8 @@
 """A rank of several that never joined a process group, refused before it works alone.
 
 torchrun (and Slurm's or Kubernetes' launchers) tell each worker its place in the job
-through ``WORLD_SIZE`` and ``RANK``. A script that never calls
+through ``WORLD_SIZE`` and ``RANK``; ``srun`` through ``SLURM_STEP_NUM_TASKS`` and
+``SLURM_PROCID``. A script that never calls
 ``torch.distributed.init_process_group`` still sees torch.distributed uninitialized, and
 would act as a world of one: every rank writes rank 0's checkpoint files into one
 staging directory, and reads every sample of the volume instead of its own share.
@@ -22,6 +23,8 @@ def missing_group(who: str, environ: Mapping[str, str], initialized: bool) -> st
     arguments). ``initialized``: whether torch.distributed has a default group."""
     if initialized:
         return None
+    if "WORLD_SIZE" not in environ and "SLURM_PROCID" in environ:
+        return _slurm_task_alone(who, environ)
     try:
         world = int(environ.get("WORLD_SIZE", "1"))
     except ValueError:
@@ -34,6 +37,27 @@ def missing_group(who: str, environ: Mapping[str, str], initialized: bool) -> st
         "or your launcher) before torch.distributed.init_process_group(), so it would work "
         "as a world of one beside the other ranks. Call "
         f"{INIT} first, on every rank"
+    )
+
+
+def _slurm_task_alone(who: str, environ: Mapping[str, str]) -> str | None:
+    """``srun python train.py`` starts one process per task and sets no WORLD_SIZE: a
+    script that starts its group only under torchrun trains alone in every task."""
+    try:
+        tasks = int(environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    except ValueError:
+        return None
+    if tasks <= 1:
+        return None
+    task = environ["SLURM_PROCID"]
+    return (
+        f"{who} was created in task {task} of {tasks} of a Slurm step (srun started {tasks} "
+        "processes: SLURM_STEP_NUM_TASKS) with no torch.distributed process group, so it "
+        "would work as a world of one beside the other tasks. Set RANK=$SLURM_PROCID, "
+        "WORLD_SIZE=$SLURM_STEP_NUM_TASKS, LOCAL_RANK=$SLURM_LOCALID, MASTER_ADDR and "
+        f"MASTER_PORT, then call {INIT} first, on every task (docs/launch.md, 'Slurm "
+        "without torchrun'); or run torchrun under srun. A process alone in a step of "
+        "several tasks (a shell) says so with WORLD_SIZE=1"
     )
 
 
