@@ -543,3 +543,31 @@ def test_a_step_folder_is_inside_the_checkpoint_root_however_the_path_is_spelled
         for path in ("~/scratch/ck/step-000000000004", f"{tmp_path}/lustre/ck/step-000000000004"):
             assert checkpoint_paths.inside(store, path), (url, path)
         assert not checkpoint_paths.inside(store, f"{tmp_path}/lustre/other/step-000000000004")
+
+
+def test_a_fabric_checkpoint_loads_under_any_spelling_of_the_path_it_was_saved_under(
+    tmp_path, monkeypatch
+):
+    """Saved through a link (or relative) and loaded by the resolved (or absolute) path,
+    it was 'no committed checkpoint was saved under this path': only the load's side
+    was resolved."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lustre").mkdir()
+    (tmp_path / "scratch").symlink_to(tmp_path / "lustre")
+    io = UnbrokenCheckpointIO(tmp_path / "ckpt", staging_dir=tmp_path / "stage")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model = torch.nn.Linear(4, 2)
+    model, optim = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step, path in [(3, "scratch/a.ckpt"), (3, "scratch/b.ckpt"), (5, "rel.ckpt")]:
+        fabric.save(path, {"model": model, "optim": optim, "step": step})  # b: an alias
+        io.manager.wait()
+    for path, step in [
+        (tmp_path / "lustre" / "a.ckpt", 3),
+        (tmp_path / "lustre" / "b.ckpt", 3),
+        (tmp_path / "rel.ckpt", 5),
+        ("lustre/../scratch/a.ckpt", 3),
+    ]:
+        state = {"model": model, "optim": optim, "step": 0}
+        fabric.load(path, state)
+        assert state["step"] == step, path
+    io.teardown()

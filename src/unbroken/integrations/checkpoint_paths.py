@@ -34,9 +34,15 @@ def inside(store: Store, path: str) -> bool:
     return path.startswith(store.url.rstrip("/") + "/")
 
 
+def canonical(path: str) -> str:
+    """One spelling per file, the one aliases are recorded under: absolute, with ``~``
+    and links resolved (``/scratch -> /lustre/...``); a URL as given."""
+    return path if "://" in path else _real(path)
+
+
 def spellings(path: str) -> set[str]:
     """The ways a path given to ``load`` may have been written when it was saved under:
-    as given, absolute, and with ``~`` and links resolved (``/scratch -> /lustre/...``)."""
+    as given, absolute, and canonical."""
     return {path} if "://" in path else {path, os.path.abspath(path), _real(path)}
 
 
@@ -50,7 +56,9 @@ def alias_key(path: str) -> str:
 
 
 def record_alias(store: Store, path: str, step: int) -> None:
-    """Let ``path`` name ``step`` (replacing what it named before)."""
+    """Let ``path``, however it is spelled at load, name ``step`` (replacing what it
+    named before)."""
+    path = canonical(path)
     record = {"path": path, "step": step}
     store.write_bytes(alias_key(path), json.dumps(record).encode())
 
@@ -73,4 +81,5 @@ def aliased_step(store: Store, path: str) -> int | None:
 
 def remove_alias(store: Store, path: str) -> None:
     """Forget ``path``'s alias (if any); the checkpoint it named stays."""
-    store.delete(alias_key(path))
+    for spelling in {path, canonical(path)}:
+        store.delete(alias_key(spelling))

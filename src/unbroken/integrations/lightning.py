@@ -261,11 +261,14 @@ class UnbrokenCheckpointIO(CheckpointIO):
                 return step
         committed = sorted((c.step for c in list_checkpoints(store) if c.committed), reverse=True)
         names = checkpoint_paths.spellings(path)  # a relative path names what a
-        # ModelCheckpoint saved under its absolute one
+        # ModelCheckpoint saved under its absolute one, a link what was saved through it
         aliased = {checkpoint_paths.aliased_step(store, name) for name in names}
         for step in committed:  # a path Lightning saved under: the newest step it names
             tree = read_manifest(store, step).extra.get("values", {}).get(TREE, {})
-            if step in aliased or (isinstance(tree, dict) and tree.get("path") in names):
+            saved = tree.get("path") if isinstance(tree, dict) else None
+            if step in aliased or (
+                isinstance(saved, str) and checkpoint_paths.canonical(saved) in names
+            ):
                 return step
         gone = sorted(s for s in aliased if s is not None)  # named a step no longer there
         why = (
@@ -306,7 +309,8 @@ class UnbrokenCheckpointIO(CheckpointIO):
 def _entry(made: checkpoint_dict.SplitCheckpoint, name: str, path: Any) -> Any:
     if name == TENSORS:
         return _TensorBag(made.tensors)
-    return {"skeleton": made.skeleton, "path": None if path is None else os.fspath(path)}
+    saved = None if path is None else checkpoint_paths.canonical(os.fspath(path))
+    return {"skeleton": made.skeleton, "path": saved}
 
 
 class _TensorBag:
