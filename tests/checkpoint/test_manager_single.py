@@ -1289,3 +1289,37 @@ def test_a_killed_writers_temp_file_goes_when_its_step_is_committed_again(tmp_pa
     assert sorted(p.name for p in folder.iterdir() if p.is_file()) == [
         ".metadata", "__0_0.distcp", "manifest.json", "metadata.json", "writer.json"
     ]  # fmt: skip
+
+
+INTERRUPTED_CLOSE = """
+import os, signal, sys, torch, unbroken as ub
+previous = signal.getsignal(signal.SIGTERM)
+mgr = ub.CheckpointManager(sys.argv[1], staging_dir=sys.argv[2], memory_tier=False)
+mgr.save(1, {"w": torch.ones(4)})
+armed = [True]
+def ctrl_c_inside(frame, event, arg):  # a real SIGINT, landing as close() waits
+    if armed[0] and event == "call" and frame.f_code.co_qualname == "SavePipeline.wait":
+        armed[0] = False
+        os.kill(os.getpid(), signal.SIGINT)
+sys.setprofile(ctrl_c_inside)
+try:
+    mgr.close()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+sys.setprofile(None)
+print("handler back", signal.getsignal(signal.SIGTERM) == previous)
+print("attempt ended", mgr._goodput._closed)
+"""
+
+
+def test_a_close_interrupted_by_ctrl_c_and_caught_still_ends_the_manager(tmp_path):
+    """Ctrl-C as close() waited, caught by the user's script: the manager was marked
+    closed with its SIGTERM handler still installed (a later SIGTERM waited 10 s for a
+    maybe_save) and its goodput attempt never ended; a second close() did nothing."""
+    out = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_CLOSE, str(tmp_path / "d"), str(tmp_path / "s")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines == ["interrupted", "handler back True", "attempt ended True"], out.stdout

@@ -395,16 +395,16 @@ class CheckpointManager:
             return
         ended = False  # END only once close() returns: one that raises is a crash
         try:
-            self._goodput.save_begin(None, wait=True)
-            self._pipeline.wait()
-        finally:
-            self._goodput.save_end(None, wait=True)
-            self._closed = True
-            self._pipeline.close(replica_seconds=0.0 if clean else replica_seconds)
-            if self._peers is not None:
-                self._peers.close(drain_seconds=0.0 if clean else PEER_DRAIN_SECONDS)
-            self._stager.close()
-        try:
+            try:
+                self._goodput.save_begin(None, wait=True)
+                self._pipeline.wait()
+            finally:
+                self._goodput.save_end(None, wait=True)
+                self._closed = True
+                self._pipeline.close(replica_seconds=0.0 if clean else replica_seconds)
+                if self._peers is not None:
+                    self._peers.close(drain_seconds=0.0 if clean else PEER_DRAIN_SECONDS)
+                self._stager.close()
             # After the worker stopped: a failure recorded while close() waited is reported
             # too; raised unless a later save committed (the run ends with its progress kept).
             self._report_failures(raising=self._last_error is not None)
