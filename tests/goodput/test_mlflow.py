@@ -280,3 +280,27 @@ def test_a_run_created_by_an_attempt_killed_before_recording_it_is_found_again(
     assert saved_run(url) == orphan
     assert len(client.search_runs(["0"])) == 2
     assert client.get_run(orphan).info.status == "FINISHED"
+
+
+def test_a_preempted_attempts_run_stays_running_for_the_restart(tmp_path, monkeypatch):
+    """A preempted attempt is not the job's end: its run was marked FINISHED, then
+    RUNNING again by the restart, and FINISHED for good if the job was never resumed."""
+    import signal
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowClient(tracking_uri=uri).search_experiments()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    url, state = str(tmp_path / "ck"), {"w": torch.ones(4)}
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with ub.CheckpointManager(url, staging_dir=tmp_path / "st", preemption="flag") as mgr:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert mgr.maybe_save(1, state) and mgr.preempted
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(saved_run(url)).info.status == "RUNNING"
+    with ub.CheckpointManager(url, staging_dir=tmp_path / "st") as mgr:  # the restart
+        assert mgr.restore(state) == 1
+        mgr.save(2, state)
+    assert client.get_run(saved_run(url)).info.status == "FINISHED"

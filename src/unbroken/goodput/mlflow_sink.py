@@ -289,18 +289,19 @@ class MlflowSink:
         return self._goodput
 
     def close(self, *, clean: bool, preempted: bool = False) -> None:
-        """A last batch; at a clean end the run is marked finished (unless it is the user's).
-        Both on the sink's thread, waited for ``CLOSE_SECONDS`` (``ABANDON_SECONDS`` after a
-        preemption or a crash) at most: a server down or hung must not hold the job's end."""
-        self._clean = clean
+        """A last batch; at a clean end, not a preemption's (the job goes on), the run is
+        marked finished (unless it is the user's). Both on the sink's thread, waited for
+        ``CLOSE_SECONDS`` (``ABANDON_SECONDS`` after a preemption or a crash) at most: a
+        server down or hung must not hold the job's end."""
+        self._clean = clean and not preempted
         self._stop.set()
-        seconds = CLOSE_SECONDS if clean and not preempted else ABANDON_SECONDS
+        seconds = CLOSE_SECONDS if self._clean else ABANDON_SECONDS
         self._thread.join(timeout=seconds)
         if self._thread.is_alive():
             log.warning(
                 "goodput: MLflow at %s did not answer within %.0f s; the job ends without "
                 "its last metrics%s", self.tracking_uri, seconds,
-                " and its run is not marked finished" if clean else "",
+                " and its run is not marked finished" if self._clean else "",
             )  # fmt: skip
 
     def _finish(self) -> None:
