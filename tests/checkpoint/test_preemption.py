@@ -550,6 +550,22 @@ elif case == "repeat_while_ending":  # the copy comes during the exit's teardown
     atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2)))
     os.kill(os.getpid(), signal.SIGTERM)
     m.maybe_save(1, st)
+elif case == "repeat_in_finally":  # the user's cleanup on the way out runs to its end
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        m.maybe_save(1, st)
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        print("FINALLY DONE", flush=True)
+elif case == "exit_caught_then_repeat":  # a notebook or a trial runner goes on after it
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        m.maybe_save(1, st)
+    except SystemExit:
+        print("CAUGHT", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's copy: it ends the process still
+    time.sleep(1)
 elif case == "save_in_finally":  # "always save where we got to", after the exit's save
     try:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -585,6 +601,8 @@ print("STILL ALIVE")
     [
         ("repeat", EXIT_CODE),  # saved, committed, then ended as preempted
         ("repeat_while_ending", EXIT_CODE),  # it ended by the signal (-15)
+        ("repeat_in_finally", EXIT_CODE),
+        ("exit_caught_then_repeat", EXIT_CODE),  # not swallowed
         ("save_in_finally", EXIT_CODE),  # a RuntimeError (closed) made it exit 1
         ("repeat_long_after", -signal.SIGTERM),  # a second signal: it means it
         ("exception_after_the_signal", -signal.SIGTERM),  # as if no manager were there
@@ -604,9 +622,13 @@ def test_how_a_process_with_a_signal_ends(tmp_path, case, returncode):
     assert "STILL ALIVE" not in proc.stdout
     if case == "users_handler_then_exception":
         assert proc.stdout.count("USER HANDLER") == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr or case == "exception_after_the_signal", proc.stderr
+    if case == "repeat_in_finally":
+        assert "FINALLY DONE" in proc.stdout, proc.stdout + proc.stderr
     listed = list_checkpoints(ub.open_store(str(tmp_path / "ck")))
     committed = [c.step for c in listed if c.committed]
-    saved = ("repeat", "repeat_while_ending", "save_in_finally")
+    saved = ("repeat", "repeat_while_ending", "repeat_in_finally", "exit_caught_then_repeat")
+    saved += ("save_in_finally",)
     assert committed == ([1] if case in saved else []), committed
 
 

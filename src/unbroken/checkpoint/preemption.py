@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -137,6 +138,8 @@ class PreemptionWatch:
             log.info("%s again within %.0f s of the first: the same preemption (a launcher "
                      "forwarding it), not a second one", signal.Signals(signum).name,
                      REPEAT_SECONDS)  # fmt: skip
+            if self.ending and _went_on_after_system_exit():
+                raise SystemExit(EXIT_CODE)  # the process ends as preempted, once more
             return
         if self._closed or self._forward or self.handled or self.received is not None:
             # closed, timed out (the watchdog's copy of the first), saved, or a 2nd signal
@@ -175,7 +178,8 @@ class PreemptionWatch:
         """The preemption save committed: later signals go on to the earlier handler. But
         for a repeat of the first while the process ends (``ending``): the handler stays to
         the exit, so a launcher's copy of the signal during the teardown does not turn the
-        exit code into a death by the signal."""
+        exit code into a death by the signal (nor cuts a ``finally`` short); where the
+        SystemExit was caught and the process went on, it raises SystemExit again."""
         self.handled, self.ending = True, ending
 
     def _is_repeat(self, signum: int) -> bool:
@@ -350,6 +354,15 @@ class PreemptionWatch:
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._on_signal:
                 signal.signal(sig, previous)
+
+
+def _went_on_after_system_exit() -> bool:
+    """In the handler, after the preemption's SystemExit: whether it was caught and the
+    process went on (a notebook, a trial runner), not still on its way out through
+    ``finally`` blocks (where the exception is the one handled) or the interpreter's
+    teardown (where the main thread has stopped)."""
+    on_the_way_out = isinstance(sys.exc_info()[1], SystemExit)
+    return threading.main_thread().is_alive() and not on_the_way_out
 
 
 @atexit.register
