@@ -58,6 +58,7 @@ def test_srun_tasks_of_a_script_that_starts_its_group_only_under_torchrun_are_re
     said = sorted(re.findall(r"(manager|dataset) (\d) (ACCEPTED|REFUSED)", out))
     assert said == [(what, t, "REFUSED") for what in ("dataset", "manager") for t in "01"], out
     assert "task 1 of 2 of a Slurm step" in out and "RANK=$SLURM_PROCID" in out, out
+    assert "(a sweep, an evaluation a task starts, a shell), set WORLD_SIZE=1" in out, out
 
 
 @pytest.mark.multiprocess

@@ -53,11 +53,13 @@ def _slurm_task_alone(who: str, environ: Mapping[str, str]) -> str | None:
     return (
         f"{who} was created in task {task} of {tasks} of a Slurm step (srun started {tasks} "
         "processes: SLURM_STEP_NUM_TASKS) with no torch.distributed process group, so it "
-        "would work as a world of one beside the other tasks. Set RANK=$SLURM_PROCID, "
-        "WORLD_SIZE=$SLURM_STEP_NUM_TASKS, LOCAL_RANK=$SLURM_LOCALID, MASTER_ADDR and "
-        f"MASTER_PORT, then call {INIT} first, on every task (docs/launch.md, 'Slurm "
-        "without torchrun'); or run torchrun under srun. A process alone in a step of "
-        "several tasks (a shell) says so with WORLD_SIZE=1"
+        "would work as a world of one beside the other tasks. For one job across the "
+        "tasks, set RANK=$SLURM_PROCID, WORLD_SIZE=$SLURM_STEP_NUM_TASKS, "
+        "LOCAL_RANK=$SLURM_LOCALID, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, then "
+        f"call {INIT} first, on every task (docs/launch.md, 'Slurm without torchrun'; "
+        "with Lightning, make it once fit joined the group: in train_dataloader()). For a "
+        "run of its own in each task (a sweep, an evaluation a task starts, a shell), set "
+        "WORLD_SIZE=1"
     )
 
 
