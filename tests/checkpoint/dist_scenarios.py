@@ -455,6 +455,33 @@ def scenario_peer_dies_mid_save(a: argparse.Namespace) -> None:
     os._exit(0)
 
 
+def scenario_peer_dies_after_the_commit(a: argparse.Namespace) -> None:
+    """Rank 1 dies once rank 0 has every rank's files and writes the commit record: the
+    step is committed, and rank 0 (which wrote it) says so and keeps its node's copy."""
+    import unbroken.checkpoint.pipeline as pipeline
+
+    rank = dist.get_rank()
+    if rank == 1:
+        real = pipeline.together
+
+        def die_at_the_outcome(what, collective, obj):
+            if what.startswith("committing step"):
+                os._exit(3)  # after the gather: the coordinator commits without it
+            return real(what, collective, obj)
+
+        pipeline.together = die_at_the_outcome
+    mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=None, preemption="flag")
+    torch.manual_seed(0)  # one model: the same on both ranks
+    mgr.save(1, {"model": nn.Linear(2, 2)})
+    mgr.wait()  # raised "save of step 1 failed: ... a peer is gone" with step 1 committed
+    assert [c.step for c in mgr.checkpoints() if c.committed] == [1]
+    assert not mgr.failures, mgr.failures
+    roots = list(mgr._pipeline.node.stores)  # the restart restores from the node's copy
+    assert any((Path(r) / "step-000000000001" / "manifest.json").exists() for r in roots), roots
+    log("committed despite the peer ok")
+    os._exit(0)
+
+
 def scenario_collectives(a: argparse.Namespace) -> None:
     """Async saves to a slow remote while every step all_reduces on the default group.
 
@@ -824,6 +851,7 @@ SCENARIOS = {
     "group": scenario_group,
     "generators_save": scenario_generators_save,
     "peer_dies_mid_save": scenario_peer_dies_mid_save,
+    "peer_dies_after_the_commit": scenario_peer_dies_after_the_commit,
     "generators_load": scenario_generators_load,
     "unlike_values": scenario_unlike_values,
     "values_from_one_rank": scenario_values_from_one_rank,

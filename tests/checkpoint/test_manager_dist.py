@@ -102,6 +102,15 @@ def test_a_peer_dying_mid_save_fails_the_save_without_a_worker_traceback(tmp_pat
     assert "unexpected error" not in out, out
 
 
+def test_a_peer_dying_after_the_commit_record_leaves_the_step_committed_on_the_writer(tmp_path):
+    """The demo (seed 4): a rank killed as step 30's commit record was written. Rank 0
+    wrote it, yet reported "save of step 30 failed ... a peer is gone" and removed its
+    node's copy, so the restarts read the durable tier."""
+    out = torchrun(2, "peer_dies_after_the_commit", "--url", str(tmp_path / "d"), "--staging",
+                   str(tmp_path / "s{rank}")).stdout  # fmt: skip
+    assert "committed despite the peer ok" in out, out
+
+
 def test_user_collectives_during_async_saves_do_not_deadlock(tmp_path):
     out = check(
         torchrun(

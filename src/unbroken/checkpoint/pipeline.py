@@ -402,7 +402,11 @@ class SavePipeline:
             outcome = commit_step(
                 self.durable, self.index, step, g.world_size, job.values, gathered
             )
-        outcome = together(f"committing step {step}", g.broadcast, outcome)
+        try:
+            outcome = together(f"committing step {step}", g.broadcast, outcome)
+        except PhaseFailed:  # a peer gone since this rank wrote the record: the step stands
+            if outcome is None or outcome[0] != "ok":
+                raise
         job.seconds["commit"] = time.monotonic() - t3
         if outcome[0] == "conflict":
             raise PhaseFailed(outcome[1]["message"], outcome[1]) from exc
