@@ -7,6 +7,7 @@ scenario uses gloo on CPU and exits non-zero (with a message) if a check fails.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -455,21 +456,31 @@ def scenario_peer_dies_mid_save(a: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def scenario_peer_dies_after_the_commit(a: argparse.Namespace) -> None:
-    """Rank 1 dies once rank 0 has every rank's files and writes the commit record: the
-    step is committed, and rank 0 (which wrote it) says so and keeps its node's copy."""
+def scenario_peer_dies_after_the_commit(a: argparse.Namespace, dying: int = 1) -> None:
+    """A rank dies once the commit record is written (``dying`` 1: rank 0, the
+    coordinator, writes it without the dead rank; 0: the coordinator dies right after
+    writing it): the step is committed, and the survivor says so and keeps its node's
+    copy."""
     import unbroken.checkpoint.pipeline as pipeline
 
     rank = dist.get_rank()
-    if rank == 1:
-        real = pipeline.together
+    if rank == dying == 1:
+        real_together = pipeline.together
 
         def die_at_the_outcome(what, collective, obj):
             if what.startswith("committing step"):
                 os._exit(3)  # after the gather: the coordinator commits without it
-            return real(what, collective, obj)
+            return real_together(what, collective, obj)
 
         pipeline.together = die_at_the_outcome
+    if rank == dying == 0:
+        real_commit = pipeline.commit_step
+
+        def die_once_written(*args, **kwargs):
+            real_commit(*args, **kwargs)
+            os._exit(3)  # the record is written; the outcome never goes out
+
+        pipeline.commit_step = die_once_written
     mgr = ub.CheckpointManager(a.url, staging_dir=a.staging, every_steps=None, preemption="flag")
     torch.manual_seed(0)  # one model: the same on both ranks
     mgr.save(1, {"model": nn.Linear(2, 2)})
@@ -852,6 +863,9 @@ SCENARIOS = {
     "generators_save": scenario_generators_save,
     "peer_dies_mid_save": scenario_peer_dies_mid_save,
     "peer_dies_after_the_commit": scenario_peer_dies_after_the_commit,
+    "coordinator_dies_after_the_commit": functools.partial(
+        scenario_peer_dies_after_the_commit, dying=0
+    ),
     "generators_load": scenario_generators_load,
     "unlike_values": scenario_unlike_values,
     "values_from_one_rank": scenario_values_from_one_rank,

@@ -102,11 +102,15 @@ def test_a_peer_dying_mid_save_fails_the_save_without_a_worker_traceback(tmp_pat
     assert "unexpected error" not in out, out
 
 
-def test_a_peer_dying_after_the_commit_record_leaves_the_step_committed_on_the_writer(tmp_path):
-    """The demo (seed 4): a rank killed as step 30's commit record was written. Rank 0
-    wrote it, yet reported "save of step 30 failed ... a peer is gone" and removed its
-    node's copy, so the restarts read the durable tier."""
-    out = torchrun(2, "peer_dies_after_the_commit", "--url", str(tmp_path / "d"), "--staging",
+@pytest.mark.parametrize("scenario", ["peer_dies_after_the_commit",
+                                      "coordinator_dies_after_the_commit"])  # fmt: skip
+def test_a_rank_dying_after_the_commit_record_leaves_the_step_committed_on_the_survivor(
+    tmp_path, scenario
+):
+    """The demo: a rank killed as step 30's commit record was written. The survivor
+    reported "save of step 30 failed ... a peer is gone" for a committed step and removed
+    its node's copy, so the restarts read the durable tier."""
+    out = torchrun(2, scenario, "--url", str(tmp_path / "d"), "--staging",
                    str(tmp_path / "s{rank}")).stdout  # fmt: skip
     assert "committed despite the peer ok" in out, out
 

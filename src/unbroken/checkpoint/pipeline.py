@@ -53,7 +53,7 @@ from unbroken.checkpoint.save_job import (
     drop_frame_locals,
     lend_until_read,
 )
-from unbroken.checkpoint.save_phases import PhaseFailed, agree_to_stage, together
+from unbroken.checkpoint.save_phases import PhaseFailed, agree_to_stage, recorded_outcome, together
 from unbroken.checkpoint.staging.arena import Arena
 from unbroken.checkpoint.staging.owner import claim_staging_dir
 from unbroken.storage import Store
@@ -404,8 +404,8 @@ class SavePipeline:
             )
         try:
             outcome = together(f"committing step {step}", g.broadcast, outcome)
-        except PhaseFailed:  # a peer gone since this rank wrote the record: the step stands
-            if outcome is None or outcome[0] != "ok":
+        except PhaseFailed:  # a peer gone: the step stands if its record holds our files
+            if (outcome := recorded_outcome(self.durable, step, records, outcome)) is None:
                 raise
         job.seconds["commit"] = time.monotonic() - t3
         if outcome[0] == "conflict":

@@ -11,9 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from unbroken._util.collectives import Group
-from unbroken.checkpoint.commit import conflict_fields
+from unbroken.checkpoint.commit import Outcome, conflict_fields
 from unbroken.checkpoint.errors import StepsDisagreeError
+from unbroken.checkpoint.format.manifest import FileRecord, read_manifest
 from unbroken.checkpoint.save_job import describe
+from unbroken.storage import Store
 
 
 class PhaseFailed(Exception):
@@ -53,3 +55,21 @@ def agree_to_stage(
     bad = [f"rank {r}: {p}" for r, (_, p, _) in enumerate(gathered) if p]
     if bad:
         raise PhaseFailed(f"{what} failed: " + "; ".join(bad)) from exc
+
+
+def recorded_outcome(
+    durable: Store, step: int, records: list[FileRecord], outcome: Outcome | None
+) -> Outcome | None:
+    """After the outcome's broadcast failed (a peer died): the step stands if its commit
+    record is written and holds this rank's files as this rank uploaded them. The
+    coordinator knows its own outcome; another rank reads the record. None: the step is
+    not committed, or nothing says it is."""
+    if outcome is not None:
+        return outcome if outcome[0] == "ok" else None
+    try:
+        manifest = read_manifest(durable, step)
+    except Exception:  # absent, unreadable, the store down: nothing says it is
+        return None
+    if not records or any(manifest.files.get(rec.name) != rec for rec in records):
+        return None
+    return ("ok", manifest.to_json())
