@@ -10,7 +10,6 @@ every rank has reported its files durable.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import queue
@@ -63,7 +62,7 @@ from unbroken.storage.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
-_CLAIM_RETRY = RetryPolicy(max_attempts=2, base_delay=0.05, max_delay=0.05)
+_QUICK_RETRY = RetryPolicy(max_attempts=2, base_delay=0.05, max_delay=0.05)
 
 
 @dataclass
@@ -405,7 +404,8 @@ class SavePipeline:
         try:
             outcome = together(f"committing step {step}", g.broadcast, outcome)
         except PhaseFailed:  # a peer gone: the step stands if its record holds our files
-            if (outcome := recorded_outcome(self.durable, step, records, outcome)) is None:
+            quick = self.durable.with_retry(_QUICK_RETRY)  # (the job is going down)
+            if (outcome := recorded_outcome(quick, step, records, outcome)) is None:
                 raise
         job.seconds["commit"] = time.monotonic() - t3
         if outcome[0] == "conflict":
@@ -420,8 +420,7 @@ class SavePipeline:
         """Claim the step before any rank uploads (format/writers.py), in at most two
         attempts: a durable tier that is down must not hold up the local write (the
         staging buffers are needed by the next save). False: claim at the upload."""
-        quick = copy.copy(self.durable)
-        quick.retry = _CLAIM_RETRY
+        quick = self.durable.with_retry(_QUICK_RETRY)
         try:
             claim_step(quick, name, step, seen_before=self.index.claimed_before(step))
         except StoreError as e:

@@ -6,6 +6,7 @@ loop, so a backend only says how to move bytes and never how to retry or name er
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
 import shutil
@@ -86,6 +87,14 @@ class Store(ABC):
         self.url = url.rstrip("/")
         self.retry = as_retry_policy(retry)
         self.stats = RetryStats()
+
+    def with_retry(self, retry: RetryPolicy) -> Store:
+        """This store under another retry policy: for a caller that must not wait out the
+        store's whole patience (a claim before the local write, a look at a commit record
+        after a peer died)."""
+        other = copy.copy(self)
+        other.retry = retry
+        return other
 
     def __repr__(self) -> str:
         from unbroken.storage.errors import redact
